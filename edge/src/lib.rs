@@ -1,0 +1,1 @@
+//! dsec-edge

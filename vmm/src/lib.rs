@@ -1,0 +1,1 @@
+//! DSec VMM library.

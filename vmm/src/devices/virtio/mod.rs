@@ -1,0 +1,93 @@
+//! Virtio devices and their MMIO transport.
+
+pub mod mmio;
+pub mod vsock;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+/// VIRTIO_F_VERSION_1: we only speak modern virtio.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// Interrupt status bit: a used ring was updated.
+pub const INTERRUPT_USED_RING: u32 = 1;
+
+/// A device's interrupt line: the status register the guest reads, and the irqfd that raises it.
+pub struct Interrupt {
+    status: AtomicU32,
+    irqfd: EventFd,
+}
+
+impl Interrupt {
+    pub fn new(irqfd: EventFd) -> Self {
+        Interrupt {
+            status: AtomicU32::new(0),
+            irqfd,
+        }
+    }
+
+    /// Tells the guest a used ring changed.
+    pub fn signal_used_queue(&self) {
+        self.status.fetch_or(INTERRUPT_USED_RING, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!("cannot raise virtio interrupt: {e}");
+        }
+    }
+
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+}
+
+/// Why a device could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("device setup failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("guest set up invalid queues")]
+    BadQueues,
+}
+
+/// What the MMIO transport needs from a device.
+pub trait VirtioDevice: Send {
+    /// Virtio device id (19 = vsock).
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Features offered to the guest.
+    fn features(&self) -> u64;
+    /// Features the guest accepted (a subset of `features`).
+    fn ack_features(&mut self, features: u64);
+    /// Device config space, guest-chosen offset and width.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Starts processing: the guest set DRIVER_OK.
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        queue_events: Vec<EventFd>,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), ActivateError>;
+    /// Stops processing after a guest reset; returns false if the device cannot be reset.
+    fn reset(&mut self) -> bool;
+}
+
+/// Copies `src` into `data` at a guest-chosen `offset`, reading past the end as zeroes.
+pub fn read_config_bytes(src: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(offset) = usize::try_from(offset) else {
+        return;
+    };
+    if offset < src.len() {
+        let n = data.len().min(src.len() - offset);
+        data[..n].copy_from_slice(&src[offset..offset + n]);
+    }
+}

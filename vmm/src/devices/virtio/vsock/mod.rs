@@ -1,0 +1,143 @@
+//! virtio-vsock with a userspace backend: guest streams become Unix-socket streams on the
+//! host (`CONNECT <port>\n` handshake for host-initiated ones, `<uds>_<port>` for
+//! guest-initiated ones).
+
+mod muxer;
+pub mod packet;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+pub use muxer::MuxerLimits;
+
+pub const VIRTIO_ID_VSOCK: u32 = 19;
+const QUEUE_SIZE: u16 = 256;
+const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
+
+pub struct Vsock {
+    guest_cid: u64,
+    uds_path: PathBuf,
+    listener: Option<std::os::unix::net::UnixListener>,
+    acked_features: u64,
+    stop: Option<EventFd>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Vsock {
+    /// Binds the host socket now, so that a bad path fails VM creation, not the first connect.
+    pub fn new(guest_cid: u64, uds_path: PathBuf) -> std::io::Result<Self> {
+        // A stale socket from a crashed VMM would make bind fail.
+        if std::fs::symlink_metadata(&uds_path).is_ok_and(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_socket()
+        }) {
+            std::fs::remove_file(&uds_path)?;
+        }
+        let listener = std::os::unix::net::UnixListener::bind(&uds_path).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("bind vsock socket {}: {e}", uds_path.display()),
+            )
+        })?;
+        listener.set_nonblocking(true)?;
+        Ok(Vsock {
+            guest_cid,
+            uds_path,
+            listener: Some(listener),
+            acked_features: 0,
+            stop: None,
+            worker: None,
+        })
+    }
+
+    fn stop_worker(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.write(1);
+        }
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        self.stop_worker();
+        let _ = std::fs::remove_file(&self.uds_path);
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn ack_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
+        tracing::debug!("guest wrote read-only vsock config; ignored");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        queue_events: Vec<EventFd>,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), ActivateError> {
+        let [rx, tx, _event]: [Queue; 3] =
+            queues.try_into().map_err(|_| ActivateError::BadQueues)?;
+        let [rx_evt, tx_evt, _]: [EventFd; 3] = queue_events
+            .try_into()
+            .map_err(|_| ActivateError::BadQueues)?;
+        let listener = match &self.listener {
+            Some(l) => l.try_clone()?,
+            None => return Err(ActivateError::BadQueues),
+        };
+        let stop = EventFd::new(libc::EFD_NONBLOCK)?;
+        let mut muxer = muxer::Muxer::new(
+            self.guest_cid,
+            self.uds_path.clone(),
+            listener,
+            mem,
+            rx,
+            tx,
+            rx_evt,
+            tx_evt,
+            stop.try_clone()?,
+            interrupt,
+            MuxerLimits::default(),
+        )?;
+        let worker = std::thread::Builder::new()
+            .name("vsock".into())
+            .spawn(move || muxer.run())?;
+        self.stop = Some(stop);
+        self.worker = Some(worker);
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        self.stop_worker();
+        true
+    }
+}

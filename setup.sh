@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# DSec one-command setup: installs what a fresh Debian 12 host needs, builds the guest kernel
+# (cached by input hash), the binaries, the static guest agent and the default image, then runs
+# the main job: a single-node DSec on its embedded defaults running a command in a sandbox.
+#
+#   ./setup.sh            set up everything, then `dsec run -- uname -r`
+#   ./setup.sh --no-run   set up only (used by test.sh)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+export DSEC_HOME=${DSEC_HOME:-/var/lib/dsec}
+run_main_job=1
+[[ ${1:-} == --no-run ]] && run_main_job=0
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+die() { echo "setup: error: $*" >&2; exit 1; }
+
+[[ $(id -u) == 0 ]] || die "run as root: setup installs apt packages and writes $DSEC_HOME"
+
+step "apt packages"
+pkgs=(build-essential pkg-config protobuf-compiler busybox-static cpio qemu-system-x86
+      linux-source-6.1 bc flex bison libelf-dev libssl-dev dwarves rsync kmod xz-utils)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+command -v cargo >/dev/null || die "cargo not found: install the Rust toolchain (rustup) first"
+
+step "guest kernel (cached under ${DSEC_CACHE:-/var/cache/dsec}/kernel)"
+guest-kernel/install.sh >/dev/null
+
+step "binaries (cargo build --release)"
+cargo build --release --locked --workspace --bins
+
+step "static guest agent"
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --locked -p dsec-agent --target x86_64-unknown-linux-gnu
+mkdir -p "$DSEC_HOME/bin"
+install -m 0755 target/release/dsec-vmm "$DSEC_HOME/bin/dsec-vmm"
+install -m 0755 target/x86_64-unknown-linux-gnu/release/dsec-agent "$DSEC_HOME/bin/dsec-agent"
+
+step "default image (busybox + agent)"
+guest-agent/mkinitramfs.sh --install --agent target/x86_64-unknown-linux-gnu/release/dsec-agent >/dev/null
+
+target/release/dsec info
+if ((run_main_job)); then
+    step "main job: dsec run -- uname -r"
+    target/release/dsec run -- uname -r
+fi

@@ -1,1 +1,334 @@
-fn main() {}
+//! `dsec`: run commands in fresh sandboxes and inspect what this host can run.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use dsec_edge::{
+    find_binary, parse_env, Artifacts, BackendKind, EdgeConfig, EdgeError, ExecSpec, KvmStatus,
+    Sandbox, SandboxSpec,
+};
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "dsec",
+    version,
+    about = "DSec sandboxes: run commands in fresh microVMs or containers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a command in a fresh sandbox, stream its output, exit with its exit code.
+    Run(RunArgs),
+    /// Show KVM status, artifacts and versions on this host.
+    Info {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BackendChoice {
+    Microvm,
+    Container,
+    Auto,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Isolation: microvm, container, or auto (microVM where KVM can run the guest).
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendChoice,
+    /// Virtual CPUs (microVM).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u32,
+    /// Memory in MiB (microVM).
+    #[arg(long = "mem", value_name = "MiB", default_value_t = 256)]
+    mem_mib: u32,
+    /// Environment variable for the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    env: Vec<String>,
+    /// Working directory inside the sandbox.
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
+    /// Kill the command (and everything it started) after this many seconds.
+    #[arg(long, value_name = "S")]
+    timeout: Option<f64>,
+    /// Guest kernel (microVM). Default: $DSEC_HOME/kernel/vmlinux.
+    #[arg(long, value_name = "PATH")]
+    kernel: Option<PathBuf>,
+    /// Initramfs (microVM). Default: $DSEC_HOME/images/busybox/initramfs.cpio.
+    #[arg(long, value_name = "PATH")]
+    initrd: Option<PathBuf>,
+    /// Seconds to wait for the sandbox's agent to answer.
+    #[arg(long, value_name = "S", default_value_t = 60.0)]
+    boot_timeout: f64,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+/// Errors of the CLI itself; sandbox errors come from the edge.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Edge(#[from] EdgeError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Info { json } => info(json).map(|()| 0),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(err) => {
+            eprintln!("dsec: {err}");
+            ExitCode::from(125)
+        }
+    }
+}
+
+fn positive_seconds(what: &str, seconds: f64) -> Result<Duration, CliError> {
+    if seconds.is_finite() && seconds > 0.0 {
+        Ok(Duration::from_secs_f64(seconds))
+    } else {
+        Err(CliError::Usage(format!(
+            "{what} must be a positive number of seconds, got {seconds}"
+        )))
+    }
+}
+
+fn run(args: RunArgs) -> Result<i32, CliError> {
+    // Validate everything before any sandbox exists.
+    let env = parse_env(&args.env)?;
+    let timeout = args
+        .timeout
+        .map(|s| positive_seconds("--timeout", s))
+        .transpose()?;
+    let ready_timeout = positive_seconds("--boot-timeout", args.boot_timeout)?;
+    let kind = match args.backend {
+        BackendChoice::Microvm => BackendKind::MicroVm,
+        BackendChoice::Container => BackendKind::Container,
+        BackendChoice::Auto => {
+            let (kind, fallback_reason) = BackendKind::auto(&KvmStatus::detect());
+            if let Some(reason) = fallback_reason {
+                eprintln!("dsec: using the container backend: microVMs cannot run here: {reason}");
+            }
+            kind
+        }
+    };
+    let spec = SandboxSpec {
+        vcpus: args.vcpus,
+        mem_mib: args.mem_mib,
+        kernel: args.kernel,
+        initrd: args.initrd,
+        ready_timeout,
+        ..SandboxSpec::default()
+    };
+    let exec = ExecSpec {
+        argv: args.command,
+        env,
+        workdir: args.workdir,
+        timeout,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    let code = runtime.block_on(run_in_sandbox(kind, spec, exec))?;
+    // Don't wait for the blocking stdin reader thread.
+    runtime.shutdown_background();
+    Ok(code)
+}
+
+async fn run_in_sandbox(
+    kind: BackendKind,
+    spec: SandboxSpec,
+    exec: ExecSpec,
+) -> Result<i32, CliError> {
+    let config = EdgeConfig::default();
+    let sandbox = tokio::select! {
+        created = Sandbox::create(kind, &config, &spec) => created?,
+        _ = tokio::signal::ctrl_c() => return Ok(130),
+    };
+    let stdin = (!std::io::stdin().is_terminal()).then(tokio::io::stdin);
+    let mut stdout = tokio::io::stdout();
+    let mut stderr = tokio::io::stderr();
+    let outcome = tokio::select! {
+        outcome = sandbox.agent().exec(&exec, stdin, &mut stdout, &mut stderr) => Some(outcome),
+        _ = tokio::signal::ctrl_c() => None,
+    };
+    let destroyed = sandbox.destroy().await;
+    let outcome = match outcome {
+        None => {
+            eprintln!("dsec: interrupted; sandbox torn down");
+            return Ok(130);
+        }
+        Some(outcome) => outcome?,
+    };
+    if let Err(err) = destroyed {
+        eprintln!("dsec: warning: {err}");
+    }
+    if outcome.timed_out {
+        eprintln!(
+            "dsec: command timed out after {:.1}s and was killed",
+            exec.timeout.unwrap_or_default().as_secs_f64()
+        );
+    }
+    Ok(outcome.exit_code())
+}
+
+#[derive(Serialize)]
+struct Info {
+    dsec_version: &'static str,
+    kvm: KvmStatus,
+    microvm_available: bool,
+    microvm_unavailable_reason: Option<String>,
+    default_backend: &'static str,
+    dsec_home: PathBuf,
+    kernel: ArtifactInfo,
+    initramfs: ArtifactInfo,
+    rootfs: ArtifactInfo,
+    agent: BinaryInfo,
+    vmm: BinaryInfo,
+}
+
+#[derive(Serialize)]
+struct ArtifactInfo {
+    path: PathBuf,
+    present: bool,
+    version: Option<String>,
+}
+
+#[derive(Serialize)]
+struct BinaryInfo {
+    path: Option<PathBuf>,
+    version: Option<String>,
+}
+
+fn binary_info(name: &str) -> BinaryInfo {
+    let path = find_binary(name);
+    let version = path.as_ref().and_then(|p| {
+        let out = std::process::Command::new(p)
+            .arg("--version")
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        out.status
+            .success()
+            .then(|| text.rsplit(' ').next().unwrap_or(&text).to_string())
+    });
+    BinaryInfo { path, version }
+}
+
+fn info(json: bool) -> Result<(), CliError> {
+    let artifacts = Artifacts::from_env();
+    let kvm = KvmStatus::detect();
+    let kernel = ArtifactInfo {
+        present: artifacts.kernel.is_file(),
+        version: artifacts.kernel_version(),
+        path: artifacts.kernel.clone(),
+    };
+    let initramfs = ArtifactInfo {
+        present: artifacts.initramfs.is_file(),
+        version: None,
+        path: artifacts.initramfs.clone(),
+    };
+    let rootfs = ArtifactInfo {
+        present: artifacts.rootfs.join("bin").is_dir(),
+        version: None,
+        path: artifacts.rootfs.clone(),
+    };
+    let agent = binary_info("dsec-agent");
+    let vmm = binary_info("dsec-vmm");
+    let mut missing = Vec::new();
+    if let Some(reason) = kvm.why_not_microvm() {
+        missing.push(reason);
+    }
+    if !kernel.present {
+        missing.push(format!("no guest kernel at {}", kernel.path.display()));
+    }
+    if !initramfs.present {
+        missing.push(format!("no initramfs at {}", initramfs.path.display()));
+    }
+    if vmm.path.is_none() {
+        missing.push("dsec-vmm binary not found".into());
+    }
+    let (default_kind, _) = BackendKind::auto(&kvm);
+    let info = Info {
+        dsec_version: env!("CARGO_PKG_VERSION"),
+        microvm_available: missing.is_empty(),
+        microvm_unavailable_reason: (!missing.is_empty()).then(|| missing.join("; ")),
+        default_backend: default_kind.as_str(),
+        kvm,
+        dsec_home: artifacts.home.clone(),
+        kernel,
+        initramfs,
+        rootfs,
+        agent,
+        vmm,
+    };
+    if json {
+        let text = serde_json::to_string_pretty(&info)
+            .map_err(|e| CliError::Usage(format!("cannot encode info as JSON: {e}")))?;
+        println!("{text}");
+        return Ok(());
+    }
+    let show_path = |p: &Option<PathBuf>| {
+        p.as_ref()
+            .map_or("not found".to_string(), |p| p.display().to_string())
+    };
+    let show_artifact = |a: &ArtifactInfo| {
+        format!(
+            "{}{}{}",
+            a.path.display(),
+            if a.present { "" } else { " (missing)" },
+            a.version
+                .as_ref()
+                .map_or(String::new(), |v| format!(" version {v}"))
+        )
+    };
+    println!("dsec {}", info.dsec_version);
+    println!("kvm:       {}", info.kvm.describe());
+    match &info.microvm_unavailable_reason {
+        None => println!("microvm:   available"),
+        Some(reason) => println!("microvm:   unavailable: {reason}"),
+    }
+    println!("default:   {} backend", info.default_backend);
+    println!("home:      {}", info.dsec_home.display());
+    println!("kernel:    {}", show_artifact(&info.kernel));
+    println!("initramfs: {}", show_artifact(&info.initramfs));
+    println!("rootfs:    {}", show_artifact(&info.rootfs));
+    println!(
+        "agent:     {} {}",
+        show_path(&info.agent.path),
+        info.agent.version.as_deref().unwrap_or("")
+    );
+    println!(
+        "vmm:       {} {}",
+        show_path(&info.vmm.path),
+        info.vmm.version.as_deref().unwrap_or("")
+    );
+    Ok(())
+}

@@ -1,1 +1,14 @@
-//! dsec-edge
+//! dsec-edge: sandbox lifecycle on one node. Backends (container, microVM), the agent
+//! client, KVM detection and artifact lookup. The node daemon builds on this later.
+
+pub mod client;
+pub mod error;
+pub mod kvm;
+pub mod paths;
+pub mod sandbox;
+
+pub use client::{AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec};
+pub use error::{EdgeError, Result};
+pub use kvm::KvmStatus;
+pub use paths::{find_binary, Artifacts};
+pub use sandbox::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};

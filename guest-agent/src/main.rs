@@ -1,1 +1,158 @@
-fn main() {}
+//! dsec-agent: the in-sandbox runtime agent. PID 1 of a microVM (serving over vsock) or of
+//! a container (serving on a Unix socket bound on the host before pivot_root), or a plain
+//! process serving on a Unix socket (tests).
+
+mod agent;
+mod container;
+mod exec;
+mod files;
+mod init;
+mod listen;
+mod reaper;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use dsec_api::agent::v1::agent_server::AgentServer;
+use dsec_api::agent::v1::files_server::FilesServer;
+use dsec_api::agent::v1::process_server::ProcessServer;
+
+use crate::listen::{BoundListener, ListenAddr};
+
+/// Errors that stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("sandbox setup failed: {0}")]
+    Setup(String),
+    #[error("cannot listen: {0}")]
+    Listen(String),
+    #[error("runtime error: {0}")]
+    Runtime(String),
+}
+
+/// How the agent runs, which decides setup and shutdown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// PID 1 of a VM.
+    Vm,
+    /// PID 1 of a container (fresh namespaces, `--container-root`).
+    Container,
+    /// A plain process (tests, debugging).
+    Process,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Vm => "vm",
+            Mode::Container => "container",
+            Mode::Process => "process",
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "dsec-agent", version, about = "DSec in-sandbox runtime agent")]
+struct Args {
+    /// Where to serve the runtime API: vsock:PORT or unix:/path/agent.sock.
+    #[arg(long, default_value = "vsock:1024")]
+    listen: ListenAddr,
+    /// Become a container's PID 1: pivot into an overlay (or bind) of this root directory.
+    #[arg(long, value_name = "DIR")]
+    container_root: Option<PathBuf>,
+    /// With --container-root: directory holding the overlay's upper/, work/ and root/.
+    #[arg(long, value_name = "DIR", requires = "container_root")]
+    overlay_dir: Option<PathBuf>,
+    /// Hostname to set in a VM or container.
+    #[arg(long, default_value = "dsec")]
+    hostname: String,
+}
+
+fn parse_args(is_pid1: bool) -> Result<Args, clap::Error> {
+    match Args::try_parse() {
+        Ok(args) => Ok(args),
+        // The kernel passes unknown cmdline words to init as arguments; PID 1 must not die
+        // over them.
+        Err(err) if is_pid1 && !matches!(err.kind(), clap::error::ErrorKind::DisplayVersion) => {
+            eprintln!("dsec-agent: ignoring arguments ({})", err.kind());
+            Ok(Args::parse_from(["dsec-agent"]))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+fn main() -> ExitCode {
+    let is_pid1 = std::process::id() == 1;
+    let args = match parse_args(is_pid1) {
+        Ok(args) => args,
+        Err(err) => err.exit(),
+    };
+    let mode = match (&args.container_root, is_pid1) {
+        (Some(_), _) => Mode::Container,
+        (None, true) => Mode::Vm,
+        (None, false) => Mode::Process,
+    };
+    // A VM console is slow (each byte is VM exits): warnings only unless asked.
+    let default_level = if mode == Mode::Vm { "warn" } else { "info" };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DSEC_AGENT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
+
+    match run(args, mode) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!("{err}");
+            eprintln!("dsec-agent: {err}");
+            if mode == Mode::Vm {
+                // PID 1 exiting panics the kernel; a reset lets the VMM exit cleanly.
+                init::power_off(mode);
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args, mode: Mode) -> Result<(), AgentError> {
+    if mode == Mode::Vm {
+        init::mount_vm_filesystems()?;
+        let _ = nix::unistd::sethostname(&args.hostname);
+        init::loopback_up();
+    }
+    // Bind first: in a container the socket path lives on the host and is gone after pivot.
+    let listener = BoundListener::bind(&args.listen)?;
+    if let Some(root) = &args.container_root {
+        container::enter_root(root, args.overlay_dir.as_deref(), &args.hostname)?;
+    } else if mode == Mode::Process {
+        // Reap orphans of the commands we start, like PID 1 would.
+        let _ = nix::sys::prctl::set_child_subreaper(true);
+    }
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| AgentError::Runtime(format!("start tokio: {e}")))?;
+    runtime.block_on(serve(listener, mode))
+}
+
+async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
+    let reaper = reaper::Reaper::start()
+        .map_err(|e| AgentError::Runtime(format!("install SIGCHLD handler: {e}")))?;
+    let incoming = listener
+        .incoming()
+        .map_err(|e| AgentError::Listen(format!("register listener: {e}")))?;
+    let server = tonic::transport::Server::builder()
+        .add_service(AgentServer::new(agent::AgentService { mode }))
+        .add_service(ProcessServer::new(exec::ProcessService::new(reaper)))
+        .add_service(FilesServer::new(files::FilesService));
+    init::announce_ready(mode);
+    server
+        .serve_with_incoming(incoming)
+        .await
+        .map_err(|e| AgentError::Runtime(format!("gRPC server: {e}")))
+}

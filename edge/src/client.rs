@@ -1,0 +1,328 @@
+//! A client of the in-sandbox agent over any byte stream (Unix socket, or vsock through the
+//! VMM's `CONNECT <port>` Unix socket).
+
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dsec_api::agent::v1::agent_client::AgentClient as AgentRpc;
+use dsec_api::agent::v1::files_client::FilesClient;
+use dsec_api::agent::v1::process_client::ProcessClient;
+use dsec_api::agent::v1::{
+    exec_request, exec_response, write_file_request, ExecRequest, ExecStart, InfoRequest,
+    InfoResponse, ReadFileRequest, ShutdownRequest, StdinEof, WriteFileHeader, WriteFileRequest,
+};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{EdgeError, Result};
+
+/// How to reach an agent.
+#[derive(Clone, Debug)]
+pub enum AgentAddr {
+    /// The agent's own Unix socket (container path, tests).
+    Unix(PathBuf),
+    /// A Firecracker-style vsock Unix socket: write `CONNECT <port>\n`, read `OK ...\n`.
+    VsockUds { uds: PathBuf, port: u32 },
+}
+
+impl AgentAddr {
+    async fn open(&self) -> io::Result<UnixStream> {
+        match self {
+            AgentAddr::Unix(path) => UnixStream::connect(path).await,
+            AgentAddr::VsockUds { uds, port } => vsock_connect(uds, *port).await,
+        }
+    }
+}
+
+/// Opens a stream to `port` in the guest through the VMM's vsock Unix socket.
+pub async fn vsock_connect(uds: &Path, port: u32) -> io::Result<UnixStream> {
+    let mut stream = UnixStream::connect(uds).await?;
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .await?;
+    // Read the reply byte by byte: anything after the newline already belongs to the agent.
+    let mut line = Vec::with_capacity(16);
+    let mut byte = [0u8; 1];
+    loop {
+        if stream.read(&mut byte).await? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!("vsock: connection to port {port} closed during handshake (guest not listening yet?)"),
+            ));
+        }
+        if byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+        if line.len() > 64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "vsock: handshake reply too long",
+            ));
+        }
+    }
+    if !line.starts_with(b"OK ") {
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            format!(
+                "vsock: CONNECT {port} answered {:?}",
+                String::from_utf8_lossy(&line)
+            ),
+        ));
+    }
+    Ok(stream)
+}
+
+/// What to run.
+#[derive(Clone, Debug, Default)]
+pub struct ExecSpec {
+    pub argv: Vec<String>,
+    pub env: HashMap<String, String>,
+    pub workdir: Option<String>,
+    pub timeout: Option<Duration>,
+}
+
+impl ExecSpec {
+    pub fn new<S: Into<String>>(argv: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            argv: argv.into_iter().map(Into::into).collect(),
+            ..Self::default()
+        }
+    }
+}
+
+/// How a command ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExecOutcome {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+}
+
+impl ExecOutcome {
+    /// Shell convention: the exit code, or 128 + signal number when killed.
+    pub fn exit_code(&self) -> i32 {
+        match (self.code, self.signal) {
+            (Some(code), _) => code,
+            (None, Some(signal)) => 128 + signal,
+            (None, None) => 255,
+        }
+    }
+}
+
+/// Output of [`AgentClient::exec_collect`].
+#[derive(Clone, Debug)]
+pub struct CollectedExec {
+    pub outcome: ExecOutcome,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+/// Typed access to the agent's services over one multiplexed connection.
+#[derive(Clone)]
+pub struct AgentClient {
+    channel: Channel,
+}
+
+const STDIN_CHUNK: usize = 32 * 1024;
+
+impl AgentClient {
+    /// Connects once (no retries).
+    pub async fn connect(addr: AgentAddr) -> Result<Self> {
+        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let addr = addr.clone();
+            async move { addr.open().await.map(TokioIo::new) }
+        });
+        // The URI is required by the HTTP/2 layer but never resolved: the connector decides.
+        let channel = Endpoint::from_static("http://agent.dsec.invalid")
+            .connect_with_connector(connector)
+            .await
+            .map_err(|e| EdgeError::Connect(error_chain(&e)))?;
+        Ok(Self { channel })
+    }
+
+    pub async fn info(&self) -> Result<InfoResponse> {
+        AgentRpc::new(self.channel.clone())
+            .info(InfoRequest {})
+            .await
+            .map(|r| r.into_inner())
+            .map_err(|s| EdgeError::agent("info", s))
+    }
+
+    pub async fn shutdown(&self) -> Result<()> {
+        AgentRpc::new(self.channel.clone())
+            .shutdown(ShutdownRequest {})
+            .await
+            .map(|_| ())
+            .map_err(|s| EdgeError::agent("shutdown", s))
+    }
+
+    /// Runs a command, copying its output live into `stdout`/`stderr` and feeding `stdin`
+    /// (if any) until EOF.
+    pub async fn exec<I, O, E>(
+        &self,
+        spec: &ExecSpec,
+        stdin: Option<I>,
+        stdout: &mut O,
+        stderr: &mut E,
+    ) -> Result<ExecOutcome>
+    where
+        I: AsyncRead + Unpin + Send + 'static,
+        O: AsyncWrite + Unpin,
+        E: AsyncWrite + Unpin,
+    {
+        if spec.argv.is_empty() {
+            return Err(EdgeError::InvalidSpec("no command given".into()));
+        }
+        let (tx, rx) = mpsc::channel(4);
+        let start = ExecStart {
+            argv: spec.argv.clone(),
+            env: spec.env.clone(),
+            workdir: spec.workdir.clone().unwrap_or_default(),
+            timeout_ms: spec
+                .timeout
+                .map(|t| t.as_millis().max(1) as u64)
+                .unwrap_or(0),
+            stdin: stdin.is_some(),
+        };
+        tx.send(ExecRequest {
+            kind: Some(exec_request::Kind::Start(start)),
+        })
+        .await
+        .map_err(|_| EdgeError::Protocol("exec request stream closed".into()))?;
+        let feeder = stdin.map(|input| tokio::spawn(feed_stdin(input, tx.clone())));
+        drop(tx);
+
+        let mut responses = ProcessClient::new(self.channel.clone())
+            .exec(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| EdgeError::agent("exec", s))?
+            .into_inner();
+        let result = loop {
+            let message = match responses.message().await {
+                Ok(Some(message)) => message,
+                Ok(None) => {
+                    break Err(EdgeError::Protocol(
+                        "the agent ended the exec stream without an exit status".into(),
+                    ))
+                }
+                Err(status) => break Err(EdgeError::agent("exec", status)),
+            };
+            match message.kind {
+                Some(exec_response::Kind::Stdout(data)) => {
+                    write_out(stdout, &data, "stdout").await?
+                }
+                Some(exec_response::Kind::Stderr(data)) => {
+                    write_out(stderr, &data, "stderr").await?
+                }
+                Some(exec_response::Kind::Exit(exit)) => {
+                    break Ok(ExecOutcome {
+                        code: exit.code,
+                        signal: exit.signal,
+                        timed_out: exit.timed_out,
+                    })
+                }
+                Some(exec_response::Kind::Started(_)) | None => {}
+            }
+        };
+        if let Some(feeder) = feeder {
+            feeder.abort();
+        }
+        result
+    }
+
+    /// Runs a command and collects its output in memory (tests, small commands).
+    pub async fn exec_collect(
+        &self,
+        spec: &ExecSpec,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<CollectedExec> {
+        let mut stdout = Vec::new();
+        let mut stderr = Vec::new();
+        let outcome = self
+            .exec(spec, stdin.map(io::Cursor::new), &mut stdout, &mut stderr)
+            .await?;
+        Ok(CollectedExec {
+            outcome,
+            stdout,
+            stderr,
+        })
+    }
+
+    pub async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        let mut stream = FilesClient::new(self.channel.clone())
+            .read_file(ReadFileRequest { path: path.into() })
+            .await
+            .map_err(|s| EdgeError::agent("read file", s))?
+            .into_inner();
+        let mut data = Vec::new();
+        while let Some(chunk) = stream
+            .message()
+            .await
+            .map_err(|s| EdgeError::agent("read file", s))?
+        {
+            data.extend_from_slice(&chunk.data);
+        }
+        Ok(data)
+    }
+
+    /// Creates or truncates `path` with `mode` (0 = 0644) and writes `data`.
+    pub async fn write_file(&self, path: &str, mode: u32, data: &[u8]) -> Result<u64> {
+        let mut messages = vec![WriteFileRequest {
+            kind: Some(write_file_request::Kind::Header(WriteFileHeader {
+                path: path.into(),
+                mode,
+                create_parents: false,
+            })),
+        }];
+        messages.extend(data.chunks(64 * 1024).map(|chunk| WriteFileRequest {
+            kind: Some(write_file_request::Kind::Data(chunk.to_vec())),
+        }));
+        FilesClient::new(self.channel.clone())
+            .write_file(tokio_stream::iter(messages))
+            .await
+            .map(|r| r.into_inner().bytes_written)
+            .map_err(|s| EdgeError::agent("write file", s))
+    }
+}
+
+async fn write_out<W: AsyncWrite + Unpin>(out: &mut W, data: &[u8], name: &str) -> Result<()> {
+    out.write_all(data)
+        .await
+        .map_err(|e| EdgeError::io(format!("write {name}"), e))?;
+    out.flush()
+        .await
+        .map_err(|e| EdgeError::io(format!("flush {name}"), e))
+}
+
+async fn feed_stdin<I: AsyncRead + Unpin>(mut input: I, tx: mpsc::Sender<ExecRequest>) {
+    let mut buf = vec![0u8; STDIN_CHUNK];
+    loop {
+        let kind = match input.read(&mut buf).await {
+            Ok(0) | Err(_) => exec_request::Kind::StdinEof(StdinEof {}),
+            Ok(n) => exec_request::Kind::Stdin(buf[..n].to_vec()),
+        };
+        let eof = matches!(kind, exec_request::Kind::StdinEof(_));
+        if tx.send(ExecRequest { kind: Some(kind) }).await.is_err() || eof {
+            return;
+        }
+    }
+}
+
+/// Flattens an error and its sources into one line.
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

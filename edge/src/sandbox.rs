@@ -1,0 +1,596 @@
+//! Sandboxes and the backends that create them.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sched::CloneFlags;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use crate::client::{AgentAddr, AgentClient};
+use crate::error::{EdgeError, Result};
+use crate::kvm::KvmStatus;
+use crate::paths::{find_binary, Artifacts};
+
+/// Which isolation a sandbox gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    MicroVm,
+    Container,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::MicroVm => "microvm",
+            BackendKind::Container => "container",
+        }
+    }
+
+    /// Picks microVM where hardware KVM can run the guest, else container; the second value
+    /// explains a fallback.
+    pub fn auto(kvm: &KvmStatus) -> (Self, Option<String>) {
+        match kvm.why_not_microvm() {
+            None => (BackendKind::MicroVm, None),
+            Some(reason) => (BackendKind::Container, Some(reason)),
+        }
+    }
+}
+
+/// Shape of a sandbox.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    pub vcpus: u32,
+    pub mem_mib: u32,
+    /// Guest kernel (microVM); default `$DSEC_HOME/kernel/vmlinux`.
+    pub kernel: Option<PathBuf>,
+    /// Initramfs (microVM); default `$DSEC_HOME/images/busybox/initramfs.cpio`.
+    pub initrd: Option<PathBuf>,
+    /// Extra kernel command line words appended to the defaults.
+    pub extra_cmdline: Option<String>,
+    /// Root directory of the container image; default `$DSEC_HOME/images/busybox/rootfs`.
+    pub rootfs: Option<PathBuf>,
+    /// How long the agent may take to answer after the sandbox starts.
+    pub ready_timeout: Duration,
+}
+
+impl Default for SandboxSpec {
+    fn default() -> Self {
+        Self {
+            vcpus: 1,
+            mem_mib: 256,
+            kernel: None,
+            initrd: None,
+            extra_cmdline: None,
+            rootfs: None,
+            ready_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl SandboxSpec {
+    fn validate(&self) -> Result<()> {
+        if self.vcpus == 0 {
+            return Err(EdgeError::InvalidSpec("vcpus must be at least 1".into()));
+        }
+        if self.vcpus > 255 {
+            return Err(EdgeError::InvalidSpec(format!(
+                "{} vcpus is more than the 255 supported",
+                self.vcpus
+            )));
+        }
+        if self.mem_mib < 32 {
+            return Err(EdgeError::InvalidSpec(format!(
+                "{} MiB of memory is too little: a sandbox needs at least 32 MiB",
+                self.mem_mib
+            )));
+        }
+        let host_mib = host_memory_mib();
+        if host_mib > 0 && u64::from(self.mem_mib) > host_mib {
+            return Err(EdgeError::InvalidSpec(format!(
+                "{} MiB of memory is more than this host has ({host_mib} MiB)",
+                self.mem_mib
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kib| kib / 1024)
+        .unwrap_or(0)
+}
+
+/// Node-level settings shared by all sandboxes.
+#[derive(Clone, Debug)]
+pub struct EdgeConfig {
+    /// Per-sandbox state: `<state_dir>/<id>/` (sockets, logs, overlay upper).
+    pub state_dir: PathBuf,
+    pub artifacts: Artifacts,
+    /// `dsec-agent`; default: found next to this executable, in $DSEC_HOME/bin or PATH.
+    pub agent_bin: Option<PathBuf>,
+    /// `dsec-vmm`; same lookup.
+    pub vmm_bin: Option<PathBuf>,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        Self {
+            state_dir: PathBuf::from("/run/dsec/sandboxes"),
+            artifacts: Artifacts::from_env(),
+            agent_bin: None,
+            vmm_bin: None,
+        }
+    }
+}
+
+static SANDBOX_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn new_sandbox_id(kind: BackendKind) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let n = SANDBOX_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let prefix = match kind {
+        BackendKind::MicroVm => "vm",
+        BackendKind::Container => "ct",
+    };
+    format!("{prefix}-{:x}-{nanos:08x}-{n}", std::process::id())
+}
+
+enum Runtime {
+    /// PID (in our namespace) of the agent, which is PID 1 of the sandbox's PID namespace.
+    Container {
+        agent_pid: Pid,
+    },
+    MicroVm {
+        vmm: tokio::process::Child,
+    },
+    /// Already torn down.
+    Gone,
+}
+
+/// Owns what a sandbox holds on the host; dropping it kills and removes everything.
+struct HostResources {
+    runtime: Runtime,
+    dir: PathBuf,
+}
+
+impl Drop for HostResources {
+    fn drop(&mut self) {
+        let runtime = std::mem::replace(&mut self.runtime, Runtime::Gone);
+        if let Err(err) = teardown(runtime, &self.dir) {
+            tracing::warn!(dir = %self.dir.display(), %err, "sandbox teardown failed");
+        }
+    }
+}
+
+/// A running sandbox. Call [`Sandbox::destroy`]; dropping it tears it down forcefully.
+pub struct Sandbox {
+    id: String,
+    kind: BackendKind,
+    client: AgentClient,
+    host: HostResources,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox")
+            .field("id", &self.id)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl Sandbox {
+    /// Creates a sandbox with the given backend and waits until its agent answers.
+    pub async fn create(
+        kind: BackendKind,
+        config: &EdgeConfig,
+        spec: &SandboxSpec,
+    ) -> Result<Self> {
+        spec.validate()?;
+        match kind {
+            BackendKind::Container => create_container(config, spec).await,
+            BackendKind::MicroVm => create_microvm(config, spec).await,
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// Host directory with this sandbox's sockets and logs.
+    pub fn dir(&self) -> &Path {
+        &self.host.dir
+    }
+
+    pub fn agent(&self) -> &AgentClient {
+        &self.client
+    }
+
+    /// Stops the sandbox and removes everything it left on the host.
+    pub async fn destroy(mut self) -> Result<()> {
+        if let Runtime::MicroVm { vmm } = &mut self.host.runtime {
+            // Ask for a clean poweroff first; the VMM exits on the guest's reset.
+            let _ = tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await;
+            if tokio::time::timeout(Duration::from_secs(3), vmm.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!(id = %self.id, "VMM did not exit after shutdown; killing it");
+                let _ = vmm.kill().await;
+            }
+        }
+        let runtime = std::mem::replace(&mut self.host.runtime, Runtime::Gone);
+        let dir = self.host.dir.clone();
+        tokio::task::spawn_blocking(move || teardown(runtime, &dir))
+            .await
+            .map_err(|e| EdgeError::Protocol(format!("teardown task failed: {e}")))?
+    }
+}
+
+/// Kills what runs, reaps it and removes the sandbox directory. Blocking.
+fn teardown(runtime: Runtime, dir: &Path) -> Result<()> {
+    match runtime {
+        Runtime::Container { agent_pid } => {
+            // Killing PID 1 of the namespace kills every process in it; waitpid returns once
+            // all of them are gone, and with them the sandbox's mounts.
+            let _ = kill(agent_pid, Signal::SIGKILL);
+            while let Err(nix::errno::Errno::EINTR) = waitpid(agent_pid, None) {}
+        }
+        Runtime::MicroVm { mut vmm } => {
+            // Already reaped after destroy(); otherwise tokio reaps it after the kill.
+            let _ = vmm.start_kill();
+        }
+        Runtime::Gone => {}
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(EdgeError::io(
+            format!("remove sandbox directory {}", dir.display()),
+            e,
+        )),
+    }
+}
+
+fn make_sandbox_dir(config: &EdgeConfig, id: &str) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(&config.state_dir)
+        .map_err(|e| {
+            EdgeError::io(
+                format!("create state directory {}", config.state_dir.display()),
+                e,
+            )
+        })?;
+    let dir = config.state_dir.join(id);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| EdgeError::io(format!("create sandbox directory {}", dir.display()), e))?;
+    Ok(dir)
+}
+
+fn tail_of(path: &Path, label: &str) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) if !bytes.is_empty() => {
+            let start = bytes.len().saturating_sub(2000);
+            format!(
+                "; last lines of {label} ({}):\n{}",
+                path.display(),
+                String::from_utf8_lossy(&bytes[start..]).trim_end()
+            )
+        }
+        _ => String::new(),
+    }
+}
+
+fn cstring(s: impl AsRef<std::ffi::OsStr>) -> Result<CString> {
+    CString::new(s.as_ref().as_bytes())
+        .map_err(|_| EdgeError::InvalidSpec(format!("{:?} contains a NUL byte", s.as_ref())))
+}
+
+async fn create_container(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandbox> {
+    let kind = BackendKind::Container;
+    let rootfs = spec
+        .rootfs
+        .clone()
+        .unwrap_or_else(|| config.artifacts.rootfs.clone());
+    if !rootfs.join("bin").is_dir() {
+        return Err(EdgeError::MissingArtifact {
+            what: "container root filesystem",
+            path: rootfs,
+            hint: "build it with `guest-agent/mkinitramfs.sh --install` (or set DSEC_HOME)",
+        });
+    }
+    let agent_bin = match &config.agent_bin {
+        Some(path) => path.clone(),
+        None => find_binary("dsec-agent").ok_or(EdgeError::MissingBinary {
+            what: "agent",
+            name: "dsec-agent",
+            hint: "build it with `cargo build -p dsec-agent`",
+        })?,
+    };
+    let id = new_sandbox_id(BackendKind::Container);
+    let dir = make_sandbox_dir(config, &id)?;
+    let socket = dir.join("agent.sock");
+    let log_path = dir.join("agent.log");
+    let started = spawn_container_agent(&agent_bin, &rootfs, &dir, &socket, &log_path, &id);
+    let agent_pid = match started {
+        Ok(pid) => pid,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+    };
+    let mut host = HostResources {
+        runtime: Runtime::Container { agent_pid },
+        dir,
+    };
+    let deadline = Instant::now() + spec.ready_timeout;
+    loop {
+        if let Ok(Some(status)) = try_reap(agent_pid) {
+            host.runtime = Runtime::Gone;
+            return Err(EdgeError::SandboxDied {
+                id,
+                detail: format!(" ({status:?}){}", tail_of(&log_path, "agent log")),
+            });
+        }
+        if socket.exists() {
+            if let Ok(client) = AgentClient::connect(AgentAddr::Unix(socket.clone())).await {
+                if tokio::time::timeout(Duration::from_secs(5), client.info())
+                    .await
+                    .is_ok_and(|r| r.is_ok())
+                {
+                    return Ok(Sandbox {
+                        id,
+                        kind,
+                        client,
+                        host,
+                    });
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(EdgeError::AgentNotReady {
+                id,
+                timeout: spec.ready_timeout,
+                detail: tail_of(&log_path, "agent log"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn try_reap(pid: Pid) -> nix::Result<Option<WaitStatus>> {
+    match waitpid(pid, Some(WaitPidFlag::WNOHANG))? {
+        WaitStatus::StillAlive => Ok(None),
+        status => Ok(Some(status)),
+    }
+}
+
+/// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces.
+fn spawn_container_agent(
+    agent_bin: &Path,
+    rootfs: &Path,
+    dir: &Path,
+    socket: &Path,
+    log_path: &Path,
+    id: &str,
+) -> Result<Pid> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)
+        .map_err(|e| EdgeError::io(format!("create {}", log_path.display()), e))?;
+    let devnull =
+        std::fs::File::open("/dev/null").map_err(|e| EdgeError::io("open /dev/null", e))?;
+    let mut listen = std::ffi::OsString::from("unix:");
+    listen.push(socket);
+    // Everything the child touches is prepared here: after clone only async-signal-safe
+    // calls (dup2, execve) may run, so no allocation happens in the child.
+    let argv: Vec<CString> = vec![
+        cstring(agent_bin)?,
+        cstring("--listen")?,
+        cstring(&listen)?,
+        cstring("--container-root")?,
+        cstring(rootfs)?,
+        cstring("--overlay-dir")?,
+        cstring(dir)?,
+        cstring("--hostname")?,
+        cstring(id)?,
+    ];
+    let envp: Vec<CString> = std::env::vars_os()
+        .filter(|(k, _)| k == "DSEC_AGENT_LOG" || k == "RUST_BACKTRACE")
+        .map(|(k, v)| {
+            let mut kv = k;
+            kv.push("=");
+            kv.push(v);
+            cstring(kv)
+        })
+        .collect::<Result<_>>()?;
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|s| s.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|s| s.as_ptr()).collect();
+    envp_ptrs.push(std::ptr::null());
+    let (log_fd, null_fd) = (log.as_raw_fd(), devnull.as_raw_fd());
+    let child_main = Box::new(|| {
+        // SAFETY: runs in the cloned child; dup2 and execve are async-signal-safe and all
+        // pointers refer to memory prepared before clone (the child has a copy of it).
+        unsafe {
+            libc::dup2(null_fd, 0);
+            libc::dup2(log_fd, 1);
+            libc::dup2(log_fd, 2);
+            libc::execve(argv_ptrs[0], argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
+            libc::_exit(127)
+        }
+    });
+    let mut stack = vec![0u8; 64 * 1024];
+    let flags = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET;
+    // SAFETY: the child only runs `child_main` (async-signal-safe calls, then execve or
+    // _exit) on its own copy of `stack`; it never returns into Rust code of the parent.
+    let pid = unsafe { nix::sched::clone(child_main, &mut stack, flags, Some(libc::SIGCHLD)) }
+        .map_err(|e| EdgeError::io("clone the sandbox's namespaces (are we root?)", e.into()))?;
+    Ok(pid)
+}
+
+async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandbox> {
+    let kind = BackendKind::MicroVm;
+    let kernel = spec
+        .kernel
+        .clone()
+        .unwrap_or_else(|| config.artifacts.kernel.clone());
+    let initrd = spec
+        .initrd
+        .clone()
+        .unwrap_or_else(|| config.artifacts.initramfs.clone());
+    if !kernel.is_file() {
+        return Err(EdgeError::MissingArtifact {
+            what: "guest kernel",
+            path: kernel,
+            hint: "build it with guest-kernel/build.sh, or pass --kernel",
+        });
+    }
+    if !initrd.is_file() {
+        return Err(EdgeError::MissingArtifact {
+            what: "initramfs",
+            path: initrd,
+            hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
+        });
+    }
+    let vmm_bin = match &config.vmm_bin {
+        Some(path) => path.clone(),
+        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
+            what: "VMM",
+            name: "dsec-vmm",
+            hint: "build it with `cargo build --release -p dsec-vmm`",
+        })?,
+    };
+    let id = new_sandbox_id(BackendKind::MicroVm);
+    let dir = make_sandbox_dir(config, &id)?;
+    let vsock = dir.join("vsock.sock");
+    let serial = dir.join("serial.log");
+    let vmm_log = dir.join("vmm.log");
+    let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
+    if let Some(extra) = &spec.extra_cmdline {
+        cmdline.push(' ');
+        cmdline.push_str(extra);
+    }
+    let log = std::fs::File::create(&vmm_log)
+        .map_err(|e| EdgeError::io(format!("create {}", vmm_log.display()), e))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| EdgeError::io("dup log fd", e))?;
+    let spawned = tokio::process::Command::new(&vmm_bin)
+        .arg("--kernel")
+        .arg(&kernel)
+        .arg("--initrd")
+        .arg(&initrd)
+        .arg("--cmdline")
+        .arg(&cmdline)
+        .arg("--vcpus")
+        .arg(spec.vcpus.to_string())
+        .arg("--mem-mib")
+        .arg(spec.mem_mib.to_string())
+        .arg("--vsock-uds")
+        .arg(&vsock)
+        .arg("--serial-log")
+        .arg(&serial)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .kill_on_drop(true)
+        .spawn();
+    let vmm = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(EdgeError::io(format!("start {}", vmm_bin.display()), e));
+        }
+    };
+    let mut host = HostResources {
+        runtime: Runtime::MicroVm { vmm },
+        dir,
+    };
+    let deadline = Instant::now() + spec.ready_timeout;
+    let addr = AgentAddr::VsockUds {
+        uds: vsock.clone(),
+        port: dsec_api::AGENT_VSOCK_PORT,
+    };
+    loop {
+        if let Runtime::MicroVm { vmm } = &mut host.runtime {
+            if let Ok(Some(status)) = vmm.try_wait() {
+                host.runtime = Runtime::Gone;
+                let detail = format!(
+                    " (VMM exited: {status}){}{}",
+                    tail_of(&vmm_log, "VMM log"),
+                    tail_of(&serial, "serial console")
+                );
+                return Err(EdgeError::SandboxDied { id, detail });
+            }
+        }
+        if vsock.exists() {
+            if let Ok(client) = AgentClient::connect(addr.clone()).await {
+                if tokio::time::timeout(Duration::from_secs(5), client.info())
+                    .await
+                    .is_ok_and(|r| r.is_ok())
+                {
+                    return Ok(Sandbox {
+                        id,
+                        kind,
+                        client,
+                        host,
+                    });
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(EdgeError::AgentNotReady {
+                id,
+                timeout: spec.ready_timeout,
+                detail: tail_of(&serial, "serial console"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Environment helper for callers: parses `K=V`.
+pub fn parse_env_pair(pair: &str) -> Result<(String, String)> {
+    match pair.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_string(), value.to_string())),
+        _ => Err(EdgeError::InvalidSpec(format!(
+            "bad environment variable {pair:?}: expected KEY=VALUE with a non-empty KEY"
+        ))),
+    }
+}
+
+/// Collects `K=V` pairs into a map (later ones win).
+pub fn parse_env(pairs: &[String]) -> Result<HashMap<String, String>> {
+    pairs.iter().map(|p| parse_env_pair(p)).collect()
+}

@@ -1,0 +1,129 @@
+//! PID 1 duties inside a VM: early mounts, loopback, hostname, poweroff.
+
+use std::io::Write;
+
+use nix::mount::{mount, MsFlags};
+
+use crate::{AgentError, Mode};
+
+fn mount_fs(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), AgentError> {
+    std::fs::create_dir_all(target)
+        .map_err(|e| AgentError::Setup(format!("mkdir {target}: {e}")))?;
+    match mount(Some(source), target, Some(fstype), flags, data) {
+        Ok(()) | Err(nix::errno::Errno::EBUSY) => Ok(()),
+        Err(err) => Err(AgentError::Setup(format!(
+            "mount {fstype} on {target}: {err}"
+        ))),
+    }
+}
+
+/// Mounts what a VM init must provide. Mounts that already exist are kept.
+pub fn mount_vm_filesystems() -> Result<(), AgentError> {
+    let nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount_fs("proc", "/proc", "proc", nodev, None)?;
+    mount_fs("sysfs", "/sys", "sysfs", nodev, None)?;
+    mount_fs(
+        "devtmpfs",
+        "/dev",
+        "devtmpfs",
+        MsFlags::MS_NOSUID,
+        Some("mode=0755"),
+    )?;
+    mount_fs(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("ptmxmode=0666,mode=0620"),
+    )?;
+    mount_fs(
+        "tmpfs",
+        "/dev/shm",
+        "tmpfs",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    mount_fs(
+        "tmpfs",
+        "/tmp",
+        "tmpfs",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    mount_fs(
+        "tmpfs",
+        "/run",
+        "tmpfs",
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )?;
+    Ok(())
+}
+
+/// Brings the loopback interface up so services inside the sandbox can use localhost.
+pub fn loopback_up() {
+    if let Err(err) = set_loopback_up() {
+        tracing::warn!(%err, "could not bring up lo");
+    }
+}
+
+fn set_loopback_up() -> std::io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain socket(2) call; the returned fd is checked and owned right away.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh, valid fd that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the flags of the interface named in `req` into `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: after SIOCGIFFLAGS the union holds the flags field.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: SIOCSIFFLAGS only reads `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Announces readiness: exactly one line on the console in a VM (the boot benchmark waits
+/// for it), a log line elsewhere.
+pub fn announce_ready(mode: Mode) {
+    if mode == Mode::Vm {
+        if let Ok(mut console) = std::fs::OpenOptions::new().write(true).open("/dev/console") {
+            let _ = console.write_all(b"dsec-agent ready\n");
+            return;
+        }
+    }
+    tracing::info!(mode = mode.as_str(), "dsec-agent ready");
+}
+
+/// Ends the sandbox. In a VM: kill everything, sync, reboot (the VMM exits on the i8042
+/// reset the kernel does with `reboot=k`). Elsewhere the agent just exits; in a container
+/// that takes the whole PID namespace down.
+pub fn power_off(mode: Mode) -> ! {
+    if mode == Mode::Vm {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(-1),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        nix::unistd::sync();
+        let err = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
+        tracing::error!(?err, "reboot failed");
+    }
+    std::process::exit(0)
+}

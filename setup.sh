@@ -33,11 +33,11 @@ step "guest kernel (cached under ${DSEC_CACHE:-/var/cache/dsec}/kernel)"
 guest-kernel/install.sh >/dev/null
 
 step "binaries (cargo build --release)"
-cargo build --release --locked --workspace --bins
+cargo build --release --workspace --bins
 
 step "static guest agent"
 RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release --locked -p dsec-agent --target x86_64-unknown-linux-gnu
+    cargo build --release -p dsec-agent --target x86_64-unknown-linux-gnu
 mkdir -p "$DSEC_HOME/bin"
 install -m 0755 target/release/dsec-vmm "$DSEC_HOME/bin/dsec-vmm"
 install -m 0755 target/x86_64-unknown-linux-gnu/release/dsec-agent "$DSEC_HOME/bin/dsec-agent"

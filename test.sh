@@ -26,8 +26,8 @@ suite() {
 ./setup.sh --no-run || { echo "setup failed: nothing can be tested"; echo "suites: 0 passed, 1 failed"; exit 1; }
 
 suite fmt cargo fmt --all -- --check
-suite clippy cargo clippy --locked --workspace --all-targets -- -D warnings
-suite cargo-test cargo test --locked --workspace
+suite clippy cargo clippy --workspace --all-targets -- -D warnings
+suite cargo-test cargo test --workspace
 # The Quick-start job: a real sandbox prints the kernel release and passes the exit code back.
 main_job() {
     local out rc

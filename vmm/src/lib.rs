@@ -6,9 +6,12 @@
 
 pub mod arch;
 pub mod config;
+pub mod control;
 pub mod devices;
+pub mod memory;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
 
 pub use config::{SerialOutput, VmConfig, VsockConfig};
-pub use vm::{run, RunReport, VmError, VmExitReason};
+pub use vm::{run, RestoreOverrides, RunReport, Vm, VmError, VmExitReason};

@@ -5,10 +5,11 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
 use dsec_vmm::config::{SerialOutput, VmConfig, VsockConfig};
-use dsec_vmm::VmExitReason;
+use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -20,6 +21,16 @@ struct Args {
     /// JSON config file; flags given here override its fields.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Restore from a snapshot directory instead of booting (vsock and serial flags
+    /// override the snapshot's, giving a fork its own identity).
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib"])]
+    restore: Option<PathBuf>,
+    /// Serve the control socket (pause, resume, snapshot, stop) here.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// Do not start the vCPUs until a `resume` arrives on the control socket.
+    #[arg(long, requires = "api_sock")]
+    paused: bool,
     /// Guest kernel: uncompressed ELF vmlinux (PVH) or bzImage.
     #[arg(long)]
     kernel: Option<PathBuf>,
@@ -38,9 +49,9 @@ struct Args {
     /// Host Unix socket for the vsock device.
     #[arg(long)]
     vsock_uds: Option<PathBuf>,
-    /// Guest vsock context id.
-    #[arg(long, default_value_t = 3)]
-    vsock_cid: u64,
+    /// Guest vsock context id (default 3).
+    #[arg(long)]
+    vsock_cid: Option<u64>,
     /// Append the serial console to this file.
     #[arg(long, conflicts_with = "serial_stdout")]
     serial_log: Option<PathBuf>,
@@ -76,7 +87,7 @@ fn build_config(args: &Args) -> Result<VmConfig, String> {
     if let Some(uds) = &args.vsock_uds {
         config.vsock = Some(VsockConfig {
             uds_path: uds.clone(),
-            guest_cid: args.vsock_cid,
+            guest_cid: args.vsock_cid.unwrap_or(dsec_vmm::config::MIN_GUEST_CID),
         });
     }
     if let Some(path) = &args.serial_log {
@@ -97,18 +108,7 @@ fn main() -> ExitCode {
         )
         .init();
     let args = Args::parse();
-    let config = match build_config(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("dsec-vmm: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let result = dsec_vmm::run(&config);
-    // The vsock device lives on in vCPU threads that die with the process: clean up here.
-    if let Some(vsock) = &config.vsock {
-        let _ = std::fs::remove_file(&vsock.uds_path);
-    }
+    let (result, loaded_ns) = build_and_run(&args);
     let report = match result {
         Ok(r) => r,
         Err(e) => {
@@ -121,6 +121,7 @@ fn main() -> ExitCode {
             "exit_reason": report.reason.to_string(),
             "vm_exits": report.exits,
             "process_start_ns": started_ns,
+            "vm_ready_ns": loaded_ns,
             "first_kvm_run_ns": report.first_kvm_run_ns,
             "first_serial_byte_ns": report.first_serial_byte_ns,
         });
@@ -129,10 +130,54 @@ fn main() -> ExitCode {
         }
     }
     match report.reason {
-        VmExitReason::Reset | VmExitReason::PowerOff => ExitCode::SUCCESS,
+        VmExitReason::Reset | VmExitReason::PowerOff | VmExitReason::Stopped => ExitCode::SUCCESS,
         reason => {
             eprintln!("dsec-vmm: {reason}");
             ExitCode::from(3)
         }
     }
+}
+
+fn overrides(args: &Args) -> RestoreOverrides {
+    RestoreOverrides {
+        vsock_uds: args.vsock_uds.clone(),
+        vsock_cid: args.vsock_cid,
+        serial: match (&args.serial_log, args.serial_stdout) {
+            (Some(path), _) => Some(SerialOutput::File(path.clone())),
+            (None, true) => Some(SerialOutput::Stdout),
+            (None, false) => None,
+        },
+    }
+}
+
+/// Builds (or restores) the VM, serves the control socket, runs until the VM stops.
+/// Also returns when the VM was ready to run (ns since the epoch) for the metrics.
+fn build_and_run(args: &Args) -> (Result<RunReport, String>, u64) {
+    let vm: Result<Vm, String> = match &args.restore {
+        Some(dir) => Vm::restore(dir, &overrides(args)).map_err(|e| e.to_string()),
+        None => build_config(args).and_then(|c| Vm::new(c).map_err(|e| e.to_string())),
+    };
+    let vm = match vm {
+        Ok(vm) => Arc::new(vm),
+        Err(e) => return (Err(e), 0),
+    };
+    let loaded_ns = dsec_vmm::vm::now_ns();
+    let uds = vm.config().vsock.as_ref().map(|v| v.uds_path.clone());
+    if let Some(sock) = &args.api_sock {
+        if let Err(e) = dsec_vmm::control::serve(vm.clone(), sock) {
+            return (Err(e.to_string()), loaded_ns);
+        }
+    }
+    if !args.paused {
+        vm.start();
+    }
+    let report = vm.wait();
+    // Device threads die with the process: remove the sockets they own here.
+    if let Some(uds) = uds {
+        let _ = std::fs::remove_file(uds);
+    }
+    if let Some(sock) = &args.api_sock {
+        let _ = std::fs::remove_file(sock);
+    }
+    (Ok(report), loaded_ns)
 }

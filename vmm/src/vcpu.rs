@@ -1,12 +1,21 @@
-//! The vCPU thread: runs KVM_RUN and dispatches exits to the buses.
+//! vCPU threads: run KVM_RUN, dispatch exits to the buses, park on request so the VM can be
+//! paused and its state saved, and save/restore the architectural state.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use kvm_bindings::{
+    kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs,
+};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use serde::{Deserialize, Serialize};
 
-use crate::devices::bus::Bus;
+use crate::devices::bus::{lock, Bus};
 use crate::vm::{now_ns, BootTimes, VmExitReason};
 
 /// Exit counters shared by all vCPUs (exits dominate boot time on nested hosts).
@@ -15,6 +24,26 @@ pub struct VcpuStats {
     pub exits: AtomicU64,
 }
 
+const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
+const KVM_SYSTEM_EVENT_RESET: u32 = 2;
+
+/// Pause handshake between the VMM and one vCPU thread.
+#[derive(Default)]
+struct Control {
+    pause_requested: AtomicBool,
+    parked: Mutex<bool>,
+    changed: Condvar,
+}
+
+/// A running vCPU thread and the fd the VMM uses to save its state while parked.
+pub struct VcpuHandle {
+    pub id: u8,
+    pub fd: Arc<Mutex<VcpuFd>>,
+    control: Arc<Control>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What a vCPU thread needs.
 pub struct VcpuContext {
     pub id: u8,
     pub fd: VcpuFd,
@@ -23,83 +52,278 @@ pub struct VcpuContext {
     pub exit: Sender<VmExitReason>,
     pub stats: Arc<VcpuStats>,
     pub times: Arc<BootTimes>,
+    /// Start parked (a restored VM starts paused until told to resume).
+    pub start_paused: bool,
 }
 
-const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
-const KVM_SYSTEM_EVENT_RESET: u32 = 2;
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
-pub fn run(mut ctx: VcpuContext) {
-    if ctx.id == 0 {
-        ctx.times
-            .first_kvm_run_ns
-            .store(now_ns(), Ordering::Relaxed);
+fn kick_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// Starts a vCPU thread.
+pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        // A no-op handler: the signal only has to interrupt KVM_RUN with EINTR.
+        if let Err(e) = vmm_sys_util::signal::register_signal_handler(kick_signal(), kick_handler) {
+            tracing::warn!("cannot install the vCPU kick handler, pause will not work: {e}");
+        }
+    });
+    let control = Arc::new(Control::default());
+    control
+        .pause_requested
+        .store(ctx.start_paused, Ordering::SeqCst);
+    let fd = Arc::new(Mutex::new(ctx.fd));
+    let id = ctx.id;
+    let thread = {
+        let control = control.clone();
+        let fd = fd.clone();
+        let runner = Runner {
+            id: ctx.id,
+            pio: ctx.pio,
+            mmio: ctx.mmio,
+            stats: ctx.stats,
+            times: ctx.times,
+        };
+        let exit = ctx.exit;
+        std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || {
+                let reason = runner.run(&fd, &control);
+                let _ = exit.send(reason);
+            })?
+    };
+    Ok(VcpuHandle {
+        id,
+        fd,
+        control,
+        thread: Some(thread),
+    })
+}
+
+impl VcpuHandle {
+    /// Stops the vCPU at its next exit and waits until it is parked.
+    pub fn pause(&self, timeout: Duration) -> Result<(), String> {
+        self.control.pause_requested.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + timeout;
+        let mut parked = lock(&self.control.parked);
+        while !*parked {
+            // Re-kick: a signal that lands just before KVM_RUN starts is otherwise lost.
+            if let Some(thread) = &self.thread {
+                // SAFETY: the pthread id belongs to a thread we own and have not joined.
+                unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(format!("vCPU {} did not pause within {timeout:?}", self.id));
+            }
+            parked = self
+                .control
+                .changed
+                .wait_timeout(parked, Duration::from_millis(1))
+                .map(|(guard, _)| guard)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        Ok(())
     }
-    let reason = loop {
-        let exit = ctx.fd.run();
-        ctx.stats.exits.fetch_add(1, Ordering::Relaxed);
+
+    pub fn resume(&self) {
+        self.control.pause_requested.store(false, Ordering::SeqCst);
+        self.control.changed.notify_all();
+    }
+
+    pub fn is_paused(&self) -> bool {
+        *lock(&self.control.parked)
+    }
+}
+
+struct Runner {
+    id: u8,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    stats: Arc<VcpuStats>,
+    times: Arc<BootTimes>,
+}
+
+impl Runner {
+    fn run(&self, fd: &Mutex<VcpuFd>, control: &Control) -> VmExitReason {
+        let mut first = true;
+        loop {
+            if control.pause_requested.load(Ordering::SeqCst) {
+                let mut parked = lock(&control.parked);
+                *parked = true;
+                control.changed.notify_all();
+                while control.pause_requested.load(Ordering::SeqCst) {
+                    parked = control
+                        .changed
+                        .wait(parked)
+                        .unwrap_or_else(|e| e.into_inner());
+                }
+                *parked = false;
+                control.changed.notify_all();
+            }
+            if first && self.id == 0 {
+                self.times
+                    .first_kvm_run_ns
+                    .store(now_ns(), Ordering::Relaxed);
+                first = false;
+            }
+            let mut fd = lock(fd);
+            if let Some(reason) = self.run_once(&mut fd) {
+                return reason;
+            }
+        }
+    }
+
+    /// One KVM_RUN; `Some` when the vCPU must stop for good.
+    fn run_once(&self, fd: &mut VcpuFd) -> Option<VmExitReason> {
+        let exit = fd.run();
+        self.stats.exits.fetch_add(1, Ordering::Relaxed);
+        let error = |message: String| {
+            Some(VmExitReason::VcpuError {
+                vcpu: self.id,
+                message,
+            })
+        };
         match exit {
             Ok(VcpuExit::IoIn(port, data)) => {
-                if !ctx.pio.read(u64::from(port), data) {
+                if !self.pio.read(u64::from(port), data) {
                     // Nothing there: the bus floats high, as on real hardware.
                     data.fill(0xff);
                 }
+                None
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                ctx.pio.write(u64::from(port), data);
+                self.pio.write(u64::from(port), data);
+                None
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                if !ctx.mmio.read(addr, data) {
+                if !self.mmio.read(addr, data) {
                     data.fill(0xff);
                 }
+                None
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                ctx.mmio.write(addr, data);
+                self.mmio.write(addr, data);
+                None
             }
-            Ok(VcpuExit::Hlt) => {
-                // Only seen without an in-kernel LAPIC; nothing will wake this vCPU.
-                break VmExitReason::PowerOff;
-            }
-            Ok(VcpuExit::Shutdown) => break VmExitReason::TripleFault { vcpu: ctx.id },
+            // Only seen without an in-kernel LAPIC: nothing would wake this vCPU.
+            Ok(VcpuExit::Hlt) => Some(VmExitReason::PowerOff),
+            Ok(VcpuExit::Shutdown) => Some(VmExitReason::TripleFault { vcpu: self.id }),
             Ok(VcpuExit::SystemEvent(kind, _)) => match kind {
-                KVM_SYSTEM_EVENT_RESET => break VmExitReason::Reset,
-                KVM_SYSTEM_EVENT_SHUTDOWN => break VmExitReason::PowerOff,
-                other => {
-                    break VmExitReason::VcpuError {
-                        vcpu: ctx.id,
-                        message: format!("unhandled system event {other}"),
-                    }
-                }
+                KVM_SYSTEM_EVENT_RESET => Some(VmExitReason::Reset),
+                KVM_SYSTEM_EVENT_SHUTDOWN => Some(VmExitReason::PowerOff),
+                other => error(format!("unhandled system event {other}")),
             },
-            Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                break VmExitReason::VcpuError {
-                    vcpu: ctx.id,
-                    message: format!(
-                        "VM entry failed: hardware reason {reason:#x} on host CPU {cpu}"
-                    ),
-                }
-            }
-            Ok(VcpuExit::InternalError) => {
-                break VmExitReason::VcpuError {
-                    vcpu: ctx.id,
-                    message:
-                        "KVM internal error (often an instruction the host KVM cannot emulate)"
-                            .into(),
-                }
-            }
-            Ok(other) => {
-                break VmExitReason::VcpuError {
-                    vcpu: ctx.id,
-                    message: format!("unexpected exit {other:?}"),
-                }
-            }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
-            Err(e) => {
-                break VmExitReason::VcpuError {
-                    vcpu: ctx.id,
-                    message: format!("KVM_RUN failed: {e}"),
-                }
-            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => error(format!(
+                "VM entry failed: hardware reason {reason:#x} on host CPU {cpu}"
+            )),
+            Ok(VcpuExit::InternalError) => error(
+                "KVM internal error (often an instruction the host KVM cannot emulate)".into(),
+            ),
+            Ok(other) => error(format!("unexpected exit {other:?}")),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+            Err(e) => error(format!("KVM_RUN failed: {e}")),
         }
-    };
-    let _ = ctx.exit.send(reason);
+    }
+}
+
+/// Everything KVM keeps about one vCPU.
+#[derive(Serialize, Deserialize)]
+pub struct VcpuState {
+    pub id: u8,
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub msrs: Vec<kvm_msr_entry>,
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    pub xsave: kvm_xsave,
+    pub xcrs: kvm_xcrs,
+    pub debug_regs: kvm_debugregs,
+    pub lapic: kvm_lapic_state,
+    pub mp_state: kvm_mp_state,
+    pub events: kvm_vcpu_events,
+}
+
+fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// Reads every MSR KVM lists, skipping the few a host refuses to read back.
+fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
+    let indices = kvm.get_msr_index_list().map_err(kvm_err("list MSRs"))?;
+    let mut saved = Vec::new();
+    let mut pending: Vec<u32> = indices.as_slice().to_vec();
+    while !pending.is_empty() {
+        let entries: Vec<kvm_msr_entry> = pending
+            .iter()
+            .map(|&index| kvm_msr_entry {
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs = Msrs::from_entries(&entries).map_err(|e| format!("MSR list: {e:?}"))?;
+        let read = fd.get_msrs(&mut msrs).map_err(kvm_err("read MSRs"))?;
+        saved.extend_from_slice(&msrs.as_slice()[..read]);
+        // KVM stops at the first MSR it cannot read: skip it and carry on.
+        pending.drain(..(read + 1).min(pending.len()));
+    }
+    Ok(saved)
+}
+
+/// Saves a parked vCPU.
+pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
+    let cpuid = fd
+        .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(kvm_err("read CPUID"))?;
+    // Tell the guest's kvmclock it was stopped, so it does not report a soft lockup.
+    let _ = fd.kvmclock_ctrl();
+    Ok(VcpuState {
+        id,
+        cpuid: cpuid.as_slice().to_vec(),
+        msrs: save_msrs(kvm, fd)?,
+        regs: fd.get_regs().map_err(kvm_err("read registers"))?,
+        sregs: fd.get_sregs().map_err(kvm_err("read segment registers"))?,
+        xsave: fd.get_xsave().map_err(kvm_err("read FPU/XSAVE state"))?,
+        xcrs: fd.get_xcrs().map_err(kvm_err("read XCRs"))?,
+        debug_regs: fd
+            .get_debug_regs()
+            .map_err(kvm_err("read debug registers"))?,
+        lapic: fd.get_lapic().map_err(kvm_err("read the local APIC"))?,
+        mp_state: fd.get_mp_state().map_err(kvm_err("read the MP state"))?,
+        events: fd
+            .get_vcpu_events()
+            .map_err(kvm_err("read pending events"))?,
+    })
+}
+
+/// Loads a saved state into a fresh vCPU (order matters: CPUID first, events last).
+pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
+    let cpuid = CpuId::from_entries(&state.cpuid).map_err(|e| format!("CPUID: {e:?}"))?;
+    fd.set_cpuid2(&cpuid).map_err(kvm_err("set CPUID"))?;
+    fd.set_mp_state(state.mp_state)
+        .map_err(kvm_err("set the MP state"))?;
+    fd.set_regs(&state.regs).map_err(kvm_err("set registers"))?;
+    fd.set_sregs(&state.sregs)
+        .map_err(kvm_err("set segment registers"))?;
+    // SAFETY: the buffer came from KVM_GET_XSAVE on a vCPU of the same kind and is the
+    // fixed-size legacy XSAVE area, which is what KVM_SET_XSAVE reads.
+    unsafe { fd.set_xsave(&state.xsave) }.map_err(kvm_err("set FPU/XSAVE state"))?;
+    fd.set_xcrs(&state.xcrs).map_err(kvm_err("set XCRs"))?;
+    fd.set_debug_regs(&state.debug_regs)
+        .map_err(kvm_err("set debug registers"))?;
+    fd.set_lapic(&state.lapic)
+        .map_err(kvm_err("set the local APIC"))?;
+    let msrs = Msrs::from_entries(&state.msrs).map_err(|e| format!("MSRs: {e:?}"))?;
+    let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
+    if written != state.msrs.len() {
+        return Err(format!(
+            "host accepted only {written} of {} saved MSRs (MSR {:#x} refused); restore on a host with the same CPU and KVM",
+            state.msrs.len(),
+            state.msrs[written].index
+        ));
+    }
+    fd.set_vcpu_events(&state.events)
+        .map_err(kvm_err("set pending events"))?;
+    Ok(())
 }

@@ -1,26 +1,31 @@
-//! Builds a VM from a [`VmConfig`], runs it, and reports why it stopped.
+//! A VM: built from a [`VmConfig`] or restored from a snapshot, run by vCPU threads, paused,
+//! snapshotted and resumed through [`Vm`]'s methods (the control socket calls them).
 
-use std::fs::OpenOptions;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
+    kvm_irqchip, kvm_pit_config, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::{boot, cpu, layout, mptable};
 use crate::config::{ConfigError, SerialOutput, VmConfig};
-use crate::devices::bus::Bus;
+use crate::devices::bus::{lock, Bus};
 use crate::devices::legacy::{Cmos, Serial, SerialSink, I8042};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::vsock::Vsock;
-use crate::vcpu::{self, VcpuStats};
+use crate::memory::{self, DumpPages, GuestMemory, RegionLayout, PAGE_SIZE};
+use crate::snapshot::{self, DevicesState, MemoryState, Persist, SnapshotError, VmState};
+use crate::vcpu::{self, VcpuHandle, VcpuStats};
 
 /// Why the VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +38,8 @@ pub enum VmExitReason {
     TripleFault { vcpu: u8 },
     /// A vCPU stopped on an error KVM reported.
     VcpuError { vcpu: u8, message: String },
+    /// The VMM was told to stop (control socket).
+    Stopped,
 }
 
 impl std::fmt::Display for VmExitReason {
@@ -45,11 +52,12 @@ impl std::fmt::Display for VmExitReason {
                 "guest crashed: triple fault on vCPU {vcpu} (KVM_EXIT_SHUTDOWN); check the serial log"
             ),
             VmExitReason::VcpuError { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
+            VmExitReason::Stopped => write!(f, "stopped by the control socket"),
         }
     }
 }
 
-/// Why a VM could not be built or run.
+/// Why a VM could not be built, run, paused or snapshotted.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
     #[error(transparent)]
@@ -63,8 +71,8 @@ pub enum VmError {
         what: &'static str,
         source: kvm_ioctls::Error,
     },
-    #[error("cannot allocate {mib} MiB of guest memory: {reason}")]
-    Memory { mib: u64, reason: String },
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
     #[error(transparent)]
     Boot(#[from] boot::BootError),
     #[error(transparent)]
@@ -82,6 +90,10 @@ pub enum VmError {
     Device(String),
     #[error("cannot start vCPU thread: {0}")]
     Thread(std::io::Error),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    #[error("{0}")]
+    State(String),
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -131,8 +143,8 @@ impl std::io::Write for TimedSink {
     }
 }
 
-fn serial_sink(config: &VmConfig) -> Result<SerialSink, VmError> {
-    Ok(match &config.serial {
+fn serial_sink(output: &SerialOutput, times: &Arc<BootTimes>) -> Result<SerialSink, VmError> {
+    let inner: SerialSink = match output {
         SerialOutput::Sink => Box::new(std::io::sink()),
         SerialOutput::Stdout => Box::new(std::io::stdout()),
         SerialOutput::File(path) => Box::new(
@@ -145,51 +157,59 @@ fn serial_sink(config: &VmConfig) -> Result<SerialSink, VmError> {
                     source,
                 })?,
         ),
-    })
+    };
+    Ok(Box::new(TimedSink {
+        inner,
+        times: times.clone(),
+    }))
 }
 
-fn create_memory(vm: &VmFd, mem_mib: u64) -> Result<GuestMemoryMmap, VmError> {
-    let bytes = mem_mib << 20;
-    let ranges: Vec<(GuestAddress, usize)> = layout::ram_regions(bytes)
-        .into_iter()
-        .map(|(start, size)| (GuestAddress(start), size as usize))
-        .collect();
-    let mem = GuestMemoryMmap::from_ranges(&ranges).map_err(|e| VmError::Memory {
-        mib: mem_mib,
-        reason: format!("{e:?}"),
-    })?;
-    for (slot, region) in mem.iter().enumerate() {
-        let host_addr = region
-            .get_host_address(vm_memory::MemoryRegionAddress(0))
-            .map_err(|e| VmError::Memory {
-                mib: mem_mib,
-                reason: e.to_string(),
-            })?;
-        let kvm_region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            flags: 0,
-            guest_phys_addr: region.start_addr().0,
-            memory_size: region.len(),
-            userspace_addr: host_addr as u64,
-        };
-        // SAFETY: the region is a live mapping owned by `mem`, which outlives the VM fd in
-        // every caller (both are dropped only when the VMM process ends).
-        unsafe { vm.set_user_memory_region(kvm_region) }.map_err(kvm_err("map guest memory"))?;
-    }
-    Ok(mem)
+/// Host-side settings a restored VM takes instead of the snapshot's (a fork's identity).
+#[derive(Clone, Debug, Default)]
+pub struct RestoreOverrides {
+    pub vsock_uds: Option<PathBuf>,
+    pub vsock_cid: Option<u64>,
+    pub serial: Option<SerialOutput>,
 }
 
-/// Builds the VM and runs it until the guest stops.
-pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
-    config.validate()?;
+pub struct Vm {
+    config: VmConfig,
+    kvm: Kvm,
+    fd: VmFd,
+    mem: GuestMemory,
+    regions: Vec<RegionLayout>,
+    serial: Arc<Mutex<Serial>>,
+    vsock: Option<Arc<Mutex<MmioTransport>>>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    vcpus: Vec<VcpuHandle>,
+    exit_tx: Sender<VmExitReason>,
+    exit_rx: Mutex<Receiver<VmExitReason>>,
+    stats: Arc<VcpuStats>,
+    times: Arc<BootTimes>,
+    /// Set once a full snapshot exists: later snapshots may be diffs against it.
+    dirty_logging: AtomicBool,
+    last_snapshot: Mutex<Option<PathBuf>>,
+}
+
+struct Devices {
+    serial: Arc<Mutex<Serial>>,
+    vsock: Option<Arc<Mutex<MmioTransport>>>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+}
+
+fn open_kvm() -> Result<Kvm, VmError> {
     let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
     let api = kvm.get_api_version();
     if api != 12 {
         return Err(VmError::KvmApi(api));
     }
-    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
-    let mem = create_memory(&vm, config.mem_mib)?;
+    Ok(kvm)
+}
 
+fn create_vm_fd(kvm: &Kvm) -> Result<VmFd, VmError> {
+    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
     // Not every host needs these (SVM ignores the TSS); failures are not fatal.
     if let Err(e) = vm.set_tss_address(layout::KVM_TSS_ADDR as usize) {
         tracing::debug!("set_tss_address: {e}");
@@ -204,100 +224,426 @@ pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
         ..Default::default()
     };
     vm.create_pit2(pit).map_err(kvm_err("create the PIT"))?;
-
-    let (exit_tx, exit_rx) = channel();
-    let times = Arc::new(BootTimes::default());
-    let (pio, mmio, cmdline) = build_devices(config, &vm, &mem, &exit_tx, &times)?;
-
-    let boot_info = boot::load(
-        &mem,
-        config.mem_mib << 20,
-        &config.kernel,
-        config.initrd.as_deref(),
-        &cmdline,
-    )?;
-    mptable::setup(&mem, config.vcpus)?;
-
-    let base_cpuid = kvm
-        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(kvm_err("report supported CPUID"))?;
-    let stats = Arc::new(VcpuStats::default());
-    let mut vcpu_fds = Vec::new();
-    for id in 0..config.vcpus {
-        let fd = vm
-            .create_vcpu(u64::from(id))
-            .map_err(kvm_err("create a vCPU"))?;
-        cpu::setup_cpuid(&fd, &base_cpuid, id, config.vcpus)?;
-        cpu::setup_msrs(&fd)?;
-        cpu::setup_sregs(&mem, &fd, boot_info.mode)?;
-        cpu::setup_regs(&fd, boot_info.mode, boot_info.entry)?;
-        cpu::setup_fpu(&fd)?;
-        cpu::setup_lapic(&fd)?;
-        vcpu_fds.push(fd);
-    }
-    for (id, fd) in vcpu_fds.into_iter().enumerate() {
-        let ctx = vcpu::VcpuContext {
-            id: id as u8,
-            fd,
-            pio: pio.clone(),
-            mmio: mmio.clone(),
-            exit: exit_tx.clone(),
-            stats: stats.clone(),
-            times: times.clone(),
-        };
-        std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || vcpu::run(ctx))
-            .map_err(VmError::Thread)?;
-    }
-    drop(exit_tx);
-    // The i8042 holds a sender, so this only fails if every sender is gone.
-    let reason = exit_rx.recv().unwrap_or(VmExitReason::VcpuError {
-        vcpu: 0,
-        message: "all vCPUs stopped without a reason".into(),
-    });
-    // Keep `vm` and `mem` alive until here: vCPU threads still reference them.
-    drop(vm);
-    Ok(RunReport {
-        reason,
-        exits: stats.exits.load(Ordering::Relaxed),
-        first_kvm_run_ns: times.first_kvm_run_ns.load(Ordering::Relaxed),
-        first_serial_byte_ns: times.first_serial_byte_ns.load(Ordering::Relaxed),
-    })
+    Ok(vm)
 }
 
-type Devices = (Arc<Bus>, Arc<Bus>, String);
+impl Vm {
+    /// Builds a VM ready to boot `config.kernel`; call [`Vm::start`] to run it.
+    pub fn new(config: VmConfig) -> Result<Vm, VmError> {
+        config.validate()?;
+        let kvm = open_kvm()?;
+        let fd = create_vm_fd(&kvm)?;
+        let mem_bytes = config.mem_mib << 20;
+        let regions = memory::layout_for(mem_bytes);
+        let mem = memory::anonymous(mem_bytes)?;
+        memory::register(&fd, &mem, false)?;
+        let (exit_tx, exit_rx) = channel();
+        let times = Arc::new(BootTimes::default());
+        let sink = serial_sink(&config.serial, &times)?;
+        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
+        let cmdline = kernel_cmdline(&config);
+        let boot_info = boot::load(
+            &mem,
+            mem_bytes,
+            &config.kernel,
+            config.initrd.as_deref(),
+            &cmdline,
+        )?;
+        mptable::setup(&mem, config.vcpus)?;
+        let base_cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_err("report supported CPUID"))?;
+        let mut vm = Vm::assemble(
+            config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
+        );
+        for id in 0..vm.config.vcpus {
+            let vcpu = vm
+                .fd
+                .create_vcpu(u64::from(id))
+                .map_err(kvm_err("create a vCPU"))?;
+            cpu::setup_cpuid(&vcpu, &base_cpuid, id, vm.config.vcpus)?;
+            cpu::setup_msrs(&vcpu)?;
+            cpu::setup_sregs(&vm.mem, &vcpu, boot_info.mode)?;
+            cpu::setup_regs(&vcpu, boot_info.mode, boot_info.entry)?;
+            cpu::setup_fpu(&vcpu)?;
+            cpu::setup_lapic(&vcpu)?;
+            vm.spawn_vcpu(id, vcpu, true)?;
+        }
+        Ok(vm)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: VmConfig,
+        kvm: Kvm,
+        fd: VmFd,
+        mem: GuestMemory,
+        regions: Vec<RegionLayout>,
+        devices: Devices,
+        exit_tx: Sender<VmExitReason>,
+        exit_rx: Receiver<VmExitReason>,
+        times: Arc<BootTimes>,
+    ) -> Vm {
+        Vm {
+            config,
+            kvm,
+            fd,
+            mem,
+            regions,
+            serial: devices.serial,
+            vsock: devices.vsock,
+            pio: devices.pio,
+            mmio: devices.mmio,
+            vcpus: Vec::new(),
+            exit_tx,
+            exit_rx: Mutex::new(exit_rx),
+            stats: Arc::new(VcpuStats::default()),
+            times,
+            dirty_logging: AtomicBool::new(false),
+            last_snapshot: Mutex::new(None),
+        }
+    }
+
+    fn spawn_vcpu(&mut self, id: u8, fd: kvm_ioctls::VcpuFd, paused: bool) -> Result<(), VmError> {
+        let handle = vcpu::spawn(vcpu::VcpuContext {
+            id,
+            fd,
+            pio: self.pio.clone(),
+            mmio: self.mmio.clone(),
+            exit: self.exit_tx.clone(),
+            stats: self.stats.clone(),
+            times: self.times.clone(),
+            start_paused: paused,
+        })
+        .map_err(VmError::Thread)?;
+        self.vcpus.push(handle);
+        Ok(())
+    }
+
+    /// Restores a VM from a snapshot directory (and its diff chain). It starts paused.
+    pub fn restore(dir: &Path, overrides: &RestoreOverrides) -> Result<Vm, VmError> {
+        let state = snapshot::read_state(dir)?;
+        let mut config = state.config.clone();
+        if let Some(vsock) = config.vsock.as_mut() {
+            if let Some(uds) = &overrides.vsock_uds {
+                vsock.uds_path = uds.clone();
+            }
+            if let Some(cid) = overrides.vsock_cid {
+                vsock.guest_cid = cid;
+            }
+        }
+        if let Some(serial) = &overrides.serial {
+            config.serial = serial.clone();
+        }
+        let kvm = open_kvm()?;
+        let fd = create_vm_fd(&kvm)?;
+        let mem = restore_memory(dir, &state)?;
+        memory::register(&fd, &mem, false)?;
+        let (exit_tx, exit_rx) = channel();
+        let times = Arc::new(BootTimes::default());
+        let sink = serial_sink(&config.serial, &times)?;
+        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, Some(&state.devices))?;
+        // In-kernel devices and the clock before the vCPUs run.
+        for chip in &state.irqchips {
+            fd.set_irqchip(chip)
+                .map_err(kvm_err("restore the interrupt controller"))?;
+        }
+        fd.set_pit2(&state.pit)
+            .map_err(kvm_err("restore the PIT"))?;
+        let mut clock = state.clock;
+        clock.flags = 0;
+        fd.set_clock(&clock)
+            .map_err(kvm_err("restore the guest clock"))?;
+        let regions = state.memory.regions.clone();
+        let mut vm = Vm::assemble(
+            config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
+        );
+        if state.vcpus.len() != usize::from(vm.config.vcpus) {
+            return Err(VmError::State(
+                "snapshot vCPU count does not match its config".into(),
+            ));
+        }
+        for saved in &state.vcpus {
+            let vcpu = vm
+                .fd
+                .create_vcpu(u64::from(saved.id))
+                .map_err(kvm_err("create a vCPU"))?;
+            vcpu::restore_state(&vcpu, saved).map_err(VmError::State)?;
+            vm.spawn_vcpu(saved.id, vcpu, true)?;
+        }
+        // The restored memory is the baseline for the next diff snapshot.
+        *lock(&vm.last_snapshot) = Some(dir.to_owned());
+        Ok(vm)
+    }
+
+    /// Lets every vCPU run.
+    pub fn start(&self) {
+        self.resume();
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.vcpus.iter().all(VcpuHandle::is_paused)
+    }
+
+    /// Stops every vCPU and device thread at a consistent point.
+    pub fn pause(&self) -> Result<(), VmError> {
+        for vcpu in &self.vcpus {
+            vcpu.pause(Duration::from_secs(5)).map_err(VmError::State)?;
+        }
+        if let Some(vsock) = &self.vsock {
+            lock(vsock).pause_device().map_err(VmError::State)?;
+        }
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        if let Some(vsock) = &self.vsock {
+            lock(vsock).resume_device();
+        }
+        for vcpu in &self.vcpus {
+            vcpu.resume();
+        }
+    }
+
+    /// Writes a snapshot of a paused VM into `dest` (which must not exist). With `diff`, only
+    /// pages written since the previous snapshot of this VM go into the memory file.
+    pub fn snapshot(&self, dest: &Path, diff: bool) -> Result<SnapshotSummary, VmError> {
+        if !self.is_paused() {
+            return Err(VmError::State(
+                "pause the VM before taking a snapshot".into(),
+            ));
+        }
+        let parent = lock(&self.last_snapshot).clone();
+        let diff_parent = match (diff, &parent) {
+            (true, Some(p)) if self.dirty_logging.load(Ordering::SeqCst) => Some(p.clone()),
+            (true, _) => {
+                return Err(VmError::State(
+                    "a diff snapshot needs an earlier full snapshot of this running VM".into(),
+                ))
+            }
+            (false, _) => None,
+        };
+        let pending = snapshot::PendingSnapshot::create(dest)?;
+        let mut vcpus = Vec::new();
+        for handle in &self.vcpus {
+            let fd = lock(&handle.fd);
+            vcpus.push(vcpu::save_state(&self.kvm, handle.id, &fd).map_err(VmError::State)?);
+        }
+        let mut irqchips = Vec::new();
+        for chip_id in [
+            KVM_IRQCHIP_PIC_MASTER,
+            KVM_IRQCHIP_PIC_SLAVE,
+            KVM_IRQCHIP_IOAPIC,
+        ] {
+            let mut chip = kvm_irqchip {
+                chip_id,
+                ..Default::default()
+            };
+            self.fd
+                .get_irqchip(&mut chip)
+                .map_err(kvm_err("read the interrupt controller"))?;
+            irqchips.push(chip);
+        }
+        let pit = self.fd.get_pit2().map_err(kvm_err("read the PIT"))?;
+        let clock = self
+            .fd
+            .get_clock()
+            .map_err(kvm_err("read the guest clock"))?;
+        let devices = DevicesState {
+            serial: lock(&self.serial).save(),
+            vsock: self.vsock.as_ref().map(|t| lock(t).save()),
+        };
+
+        let mut mem_file = pending.memory_file()?;
+        let (pages_written, pages) = match &diff_parent {
+            None => (
+                memory::dump(&self.mem, &self.regions, &mut mem_file, DumpPages::All)?.len() as u64,
+                Vec::new(),
+            ),
+            Some(_) => {
+                let list =
+                    memory::dump_dirty_list(&self.mem, &self.regions, &self.fd, &mut mem_file)?;
+                (list.len() as u64, list)
+            }
+        };
+        let state = VmState {
+            vmm_version: env!("CARGO_PKG_VERSION").to_string(),
+            config: self.config.clone(),
+            memory: MemoryState {
+                regions: self.regions.clone(),
+                parent: diff_parent
+                    .as_ref()
+                    .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
+                pages,
+            },
+            vcpus,
+            irqchips,
+            pit,
+            clock,
+            devices,
+        };
+        pending.commit(&state)?;
+        if !diff {
+            // From now on KVM tracks the guest's writes so the next snapshot can be a diff.
+            memory::register(&self.fd, &self.mem, true)?;
+            if self.dirty_logging.swap(true, Ordering::SeqCst) {
+                // Already logging: clear the log so the diff starts at this snapshot.
+                memory::clear_dirty_log(&self.mem, &self.fd)?;
+            }
+        }
+        *lock(&self.last_snapshot) = Some(dest.to_owned());
+        Ok(SnapshotSummary {
+            pages_written,
+            diff: diff_parent.is_some(),
+        })
+    }
+
+    /// Waits until the VM stops and returns why.
+    pub fn wait(&self) -> RunReport {
+        let reason = lock(&self.exit_rx)
+            .recv()
+            .unwrap_or(VmExitReason::VcpuError {
+                vcpu: 0,
+                message: "all vCPUs stopped without a reason".into(),
+            });
+        RunReport {
+            reason,
+            exits: self.stats.exits.load(Ordering::Relaxed),
+            first_kvm_run_ns: self.times.first_kvm_run_ns.load(Ordering::Relaxed),
+            first_serial_byte_ns: self.times.first_serial_byte_ns.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Makes [`Vm::wait`] return with `reason` (the control socket's stop).
+    pub fn request_exit(&self, reason: VmExitReason) {
+        let _ = self.exit_tx.send(reason);
+    }
+
+    /// Reads guest memory (tests and the control socket's status use it).
+    pub fn read_guest_u64(&self, addr: u64) -> Option<u64> {
+        self.mem.read_obj(GuestAddress(addr)).ok()
+    }
+}
+
+/// What a snapshot wrote.
+#[derive(Clone, Copy, Debug)]
+pub struct SnapshotSummary {
+    pub pages_written: u64,
+    pub diff: bool,
+}
+
+/// The snapshot chain from the full snapshot up to `dir`, oldest first.
+fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemoryState)>, VmError> {
+    let mut chain = vec![(dir.to_owned(), state.memory.clone())];
+    while let Some(parent) = chain.last().and_then(|(_, m)| m.parent.clone()) {
+        if chain.len() > 64 {
+            return Err(VmError::State(
+                "diff snapshot chain is longer than 64 or loops".into(),
+            ));
+        }
+        let parent_state = snapshot::read_state(&parent)?;
+        if parent_state.memory.regions != state.memory.regions {
+            return Err(VmError::State(format!(
+                "diff snapshot parent {} has a different memory layout",
+                parent.display()
+            )));
+        }
+        chain.push((parent, parent_state.memory));
+    }
+    chain.reverse();
+    Ok(chain)
+}
+
+/// Maps the full snapshot's memory MAP_PRIVATE, then applies each diff in order.
+fn restore_memory(dir: &Path, state: &VmState) -> Result<GuestMemory, VmError> {
+    let chain = snapshot_chain(dir, state)?;
+    let (base_dir, _) = &chain[0];
+    let base_path = base_dir.join(snapshot::MEMORY_FILE);
+    let base = File::open(&base_path).map_err(|source| SnapshotError::Read {
+        path: base_path.clone(),
+        source,
+    })?;
+    let mem = memory::from_file(base, &state.memory.regions)?;
+    let file_size: u64 = state
+        .memory
+        .regions
+        .iter()
+        .map(|r| r.file_offset + r.size)
+        .max()
+        .unwrap_or(0);
+    for (diff_dir, diff_state) in &chain[1..] {
+        let path = diff_dir.join(snapshot::MEMORY_FILE);
+        let read_err = |source| SnapshotError::Read {
+            path: path.clone(),
+            source,
+        };
+        let mut file = File::open(&path).map_err(read_err)?;
+        let mut page = vec![0u8; PAGE_SIZE];
+        for &file_page in &diff_state.pages {
+            let offset = file_page * PAGE_SIZE as u64;
+            if offset + PAGE_SIZE as u64 > file_size {
+                return Err(SnapshotError::Corrupt {
+                    path: path.clone(),
+                    detail: format!("diff page {file_page} lies outside guest memory"),
+                }
+                .into());
+            }
+            file.seek(SeekFrom::Start(offset)).map_err(read_err)?;
+            file.read_exact(&mut page).map_err(read_err)?;
+            let guest =
+                memory::file_offset_to_guest(&state.memory.regions, offset).ok_or_else(|| {
+                    VmError::State(format!("diff page {file_page} has no guest address"))
+                })?;
+            mem.write_slice(&page, GuestAddress(guest))
+                .map_err(|e| VmError::State(format!("apply diff page: {e}")))?;
+        }
+    }
+    Ok(mem)
+}
+
+fn kernel_cmdline(config: &VmConfig) -> String {
+    let mut cmdline = config.cmdline.clone();
+    if config.vsock.is_some() {
+        cmdline.push_str(&format!(
+            " virtio_mmio.device=4K@{:#x}:{}",
+            layout::VIRTIO_MMIO_BASE,
+            layout::VIRTIO_IRQ_BASE
+        ));
+    }
+    cmdline
+}
 
 fn build_devices(
     config: &VmConfig,
     vm: &VmFd,
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     exit_tx: &Sender<VmExitReason>,
-    times: &Arc<BootTimes>,
+    sink: SerialSink,
+    saved: Option<&DevicesState>,
 ) -> Result<Devices, VmError> {
     let dev_err = |what: &str, e: std::io::Error| VmError::Device(format!("{what}: {e}"));
+    let overlap = |e: crate::devices::bus::BusOverlap| VmError::Device(e.to_string());
     let mut pio = Bus::default();
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err("serial irq", e))?;
     vm.register_irqfd(&serial_irq, layout::SERIAL_IRQ)
         .map_err(kvm_err("wire the serial interrupt"))?;
-    let sink = TimedSink {
-        inner: serial_sink(config)?,
-        times: times.clone(),
+    let serial = match saved {
+        Some(s) => Serial::restore((serial_irq, sink), &s.serial).map_err(VmError::State)?,
+        None => Serial::new(serial_irq, sink),
     };
-    let overlap = |e: crate::devices::bus::BusOverlap| VmError::Device(e.to_string());
-    pio.insert(
-        0x3f8,
-        8,
-        Arc::new(Mutex::new(Serial::new(serial_irq, Box::new(sink)))),
-    )
-    .map_err(overlap)?;
+    let serial = Arc::new(Mutex::new(serial));
+    pio.insert(0x3f8, 8, serial.clone()).map_err(overlap)?;
     pio.insert(0x60, 5, Arc::new(Mutex::new(I8042::new(exit_tx.clone()))))
         .map_err(overlap)?;
     pio.insert(0x70, 2, Arc::new(Mutex::new(Cmos::default())))
         .map_err(overlap)?;
 
     let mut mmio = Bus::default();
-    let mut cmdline = config.cmdline.clone();
+    let mut vsock = None;
     if let Some(vsock_config) = &config.vsock {
         let base = layout::VIRTIO_MMIO_BASE;
         let irq = layout::VIRTIO_IRQ_BASE;
@@ -306,8 +652,12 @@ fn build_devices(
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err("vsock irq", e))?;
         vm.register_irqfd(&irqfd, irq)
             .map_err(kvm_err("wire the vsock interrupt"))?;
-        let transport = MmioTransport::new(Box::new(device), mem.clone(), irqfd)
-            .map_err(|e| dev_err("vsock transport", e))?;
+        let transport = match saved.and_then(|s| s.vsock.as_ref()) {
+            Some(state) => MmioTransport::restore((Box::new(device), mem.clone(), irqfd), state)
+                .map_err(VmError::State)?,
+            None => MmioTransport::new(Box::new(device), mem.clone(), irqfd)
+                .map_err(|e| dev_err("vsock transport", e))?,
+        };
         for (index, event) in transport.queue_events().iter().enumerate() {
             // Queue kicks go straight to the device thread without a userspace exit.
             let addr = IoEventAddress::Mmio(base + 0x50);
@@ -315,13 +665,22 @@ fn build_devices(
                 tracing::debug!("ioeventfd unavailable, kicks take the slow path: {e}");
             }
         }
-        mmio.insert(
-            base,
-            layout::VIRTIO_MMIO_SIZE,
-            Arc::new(Mutex::new(transport)),
-        )
-        .map_err(overlap)?;
-        cmdline.push_str(&format!(" virtio_mmio.device=4K@{base:#x}:{irq}"));
+        let transport = Arc::new(Mutex::new(transport));
+        mmio.insert(base, layout::VIRTIO_MMIO_SIZE, transport.clone())
+            .map_err(overlap)?;
+        vsock = Some(transport);
     }
-    Ok((Arc::new(pio), Arc::new(mmio), cmdline))
+    Ok(Devices {
+        serial,
+        vsock,
+        pio: Arc::new(pio),
+        mmio: Arc::new(mmio),
+    })
+}
+
+/// Builds the VM and runs it until the guest stops (the simple, one-shot path).
+pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
+    let vm = Vm::new(config.clone())?;
+    vm.start();
+    Ok(vm.wait())
 }

@@ -4,10 +4,11 @@
 use std::fs::File;
 use std::path::Path;
 
+use crate::memory::GuestMemory;
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::elf::PvhBootCapability;
 use linux_loader::loader::{BzImage, Elf, KernelLoader, KernelLoaderResult};
-use vm_memory::{Address, ByteValued, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, ByteValued, Bytes, GuestAddress};
 
 use super::cpu::EntryMode;
 use super::layout::*;
@@ -117,7 +118,7 @@ pub fn memory_map(mem_bytes: u64) -> Vec<(u64, u64, u32)> {
 
 /// Loads everything and writes the boot structures. Returns where and how to enter.
 pub fn load(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     mem_bytes: u64,
     kernel_path: &Path,
     initrd_path: Option<&Path>,
@@ -155,7 +156,7 @@ pub fn load(
 }
 
 fn load_kernel(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     path: &Path,
 ) -> Result<(KernelLoaderResult, EntryMode, u64), BootError> {
     let open = || {
@@ -190,7 +191,7 @@ fn load_kernel(
 
 /// Places the initrd page-aligned at the top of low RAM (as bootloaders do) and returns (addr, size).
 fn load_initrd(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     path: &Path,
     kernel_end: u64,
     low_ram_end: u64,
@@ -224,7 +225,7 @@ fn load_initrd(
 }
 
 fn write_pvh_info(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     map: &[(u64, u64, u32)],
     initrd: Option<(u64, u64)>,
 ) -> Result<(), BootError> {
@@ -262,7 +263,7 @@ fn write_pvh_info(
 }
 
 fn write_boot_params(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMemory,
     map: &[(u64, u64, u32)],
     initrd: Option<(u64, u64)>,
     result: &KernelLoaderResult,

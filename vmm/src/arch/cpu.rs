@@ -1,8 +1,9 @@
 //! vCPU register, CPUID, MSR and LAPIC setup for the two boot protocols we support.
 
+use crate::memory::GuestMemory;
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::VcpuFd;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::*;
 
@@ -89,7 +90,7 @@ fn boot_gdt(mode: EntryMode) -> [u64; 4] {
 }
 
 /// Sets segment, control registers and (for 64-bit entry) the identity page tables.
-pub fn setup_sregs(mem: &GuestMemoryMmap, vcpu: &VcpuFd, mode: EntryMode) -> Result<(), CpuError> {
+pub fn setup_sregs(mem: &GuestMemory, vcpu: &VcpuFd, mode: EntryMode) -> Result<(), CpuError> {
     let mut sregs = vcpu.get_sregs().map_err(kvm("get sregs"))?;
     let gdt = boot_gdt(mode);
     for (i, entry) in gdt.iter().enumerate() {
@@ -130,7 +131,7 @@ pub fn setup_sregs(mem: &GuestMemoryMmap, vcpu: &VcpuFd, mode: EntryMode) -> Res
 }
 
 /// Identity-maps the first 1 GiB with 2 MiB pages (kernel, boot_params and cmdline live there).
-fn write_identity_page_tables(mem: &GuestMemoryMmap) -> Result<(), CpuError> {
+fn write_identity_page_tables(mem: &GuestMemory) -> Result<(), CpuError> {
     const PRESENT_RW: u64 = 0x3;
     const HUGE: u64 = 0x80;
     mem.write_obj(PDPTE_ADDR | PRESENT_RW, GuestAddress(PML4_ADDR))

@@ -1,7 +1,8 @@
 //! Intel MultiProcessor Specification 1.4 table: how a guest without ACPI finds its
 //! CPUs, the IO-APIC and the legacy IRQ routing.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use crate::memory::GuestMemory;
+use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::{APIC_BASE, EBDA_START, IOAPIC_BASE, LOW_MEM_END};
 
@@ -89,7 +90,7 @@ pub fn build(vcpus: u8, base: u64) -> Vec<u8> {
 }
 
 /// Writes the MP table into the EBDA.
-pub fn setup(mem: &GuestMemoryMmap, vcpus: u8) -> Result<(), MptableError> {
+pub fn setup(mem: &GuestMemory, vcpus: u8) -> Result<(), MptableError> {
     let bytes = build(vcpus, EBDA_START);
     if EBDA_START + bytes.len() as u64 > LOW_MEM_END {
         return Err(MptableError::TooLarge(vcpus));

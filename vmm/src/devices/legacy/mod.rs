@@ -6,4 +6,4 @@ mod serial;
 
 pub use cmos::Cmos;
 pub use i8042::I8042;
-pub use serial::{Serial, SerialSink};
+pub use serial::{Serial, SerialSink, SerialState};

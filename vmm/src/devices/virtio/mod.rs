@@ -6,8 +6,8 @@ pub mod vsock;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use crate::memory::GuestMemory;
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: we only speak modern virtio.
@@ -71,13 +71,26 @@ pub trait VirtioDevice: Send {
     /// Starts processing: the guest set DRIVER_OK.
     fn activate(
         &mut self,
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: Vec<Queue>,
         queue_events: Vec<EventFd>,
         interrupt: Arc<Interrupt>,
     ) -> Result<(), ActivateError>;
     /// Stops processing after a guest reset; returns false if the device cannot be reset.
     fn reset(&mut self) -> bool;
+    /// Called before `activate` when the device comes back from a snapshot: host-side
+    /// state (connections, files) did not survive, so the device tells the guest.
+    fn prepare_restore(&mut self) {}
+    /// Live queue positions while the device thread runs (for snapshots); None if inactive.
+    /// Only meaningful while the device is paused.
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        None
+    }
+    /// Stops touching guest memory (the VM is being snapshotted).
+    fn pause(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+    fn resume(&mut self) {}
 }
 
 /// Copies `src` into `data` at a guest-chosen `offset`, reading past the end as zeroes.

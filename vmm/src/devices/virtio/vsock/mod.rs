@@ -9,12 +9,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use crate::memory::GuestMemory;
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
-pub use muxer::MuxerLimits;
+use crate::devices::bus::lock;
+pub use muxer::{DeviceRun, MuxerLimits};
 
 pub const VIRTIO_ID_VSOCK: u32 = 19;
 const QUEUE_SIZE: u16 = 256;
@@ -26,6 +27,9 @@ pub struct Vsock {
     listener: Option<std::os::unix::net::UnixListener>,
     acked_features: u64,
     stop: Option<EventFd>,
+    pause_evt: Option<EventFd>,
+    run: Arc<DeviceRun>,
+    reset_on_activate: bool,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -52,6 +56,9 @@ impl Vsock {
             listener: Some(listener),
             acked_features: 0,
             stop: None,
+            pause_evt: None,
+            run: Arc::new(DeviceRun::default()),
+            reset_on_activate: false,
             worker: None,
         })
     }
@@ -100,16 +107,17 @@ impl VirtioDevice for Vsock {
 
     fn activate(
         &mut self,
-        mem: GuestMemoryMmap,
+        mem: GuestMemory,
         queues: Vec<Queue>,
         queue_events: Vec<EventFd>,
         interrupt: Arc<Interrupt>,
     ) -> Result<(), ActivateError> {
-        let [rx, tx, _event]: [Queue; 3] =
+        let [rx, tx, event]: [Queue; 3] =
             queues.try_into().map_err(|_| ActivateError::BadQueues)?;
         let [rx_evt, tx_evt, _]: [EventFd; 3] = queue_events
             .try_into()
             .map_err(|_| ActivateError::BadQueues)?;
+        let pause_evt = EventFd::new(libc::EFD_NONBLOCK)?;
         let listener = match &self.listener {
             Some(l) => l.try_clone()?,
             None => return Err(ActivateError::BadQueues),
@@ -120,18 +128,22 @@ impl VirtioDevice for Vsock {
             self.uds_path.clone(),
             listener,
             mem,
-            rx,
-            tx,
+            [rx, tx, event],
             rx_evt,
             tx_evt,
             stop.try_clone()?,
+            (pause_evt.try_clone()?, self.run.clone()),
             interrupt,
             MuxerLimits::default(),
         )?;
+        if std::mem::take(&mut self.reset_on_activate) {
+            muxer.announce_transport_reset();
+        }
         let worker = std::thread::Builder::new()
             .name("vsock".into())
             .spawn(move || muxer.run())?;
         self.stop = Some(stop);
+        self.pause_evt = Some(pause_evt);
         self.worker = Some(worker);
         Ok(())
     }
@@ -139,5 +151,31 @@ impl VirtioDevice for Vsock {
     fn reset(&mut self) -> bool {
         self.stop_worker();
         true
+    }
+
+    fn prepare_restore(&mut self) {
+        self.reset_on_activate = true;
+    }
+
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        self.worker.as_ref()?;
+        Some(lock(&self.run.state).queues.clone())
+    }
+
+    fn pause(&mut self) -> Result<(), String> {
+        let Some(pause_evt) = &self.pause_evt else {
+            return Ok(()); // not active: nothing touches guest memory
+        };
+        lock(&self.run.state).pause_requested = true;
+        pause_evt.write(1).map_err(|e| e.to_string())?;
+        self.run
+            .wait_parked(std::time::Duration::from_secs(5))
+            .then_some(())
+            .ok_or_else(|| "vsock device did not pause within 5 s".to_string())
+    }
+
+    fn resume(&mut self) {
+        lock(&self.run.state).pause_requested = false;
+        self.run.changed.notify_all();
     }
 }

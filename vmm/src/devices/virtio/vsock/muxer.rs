@@ -8,12 +8,15 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::memory::GuestMemory;
 use virtio_queue::{Queue, QueueT, Reader, Writer};
-use vm_memory::{ByteValued, GuestMemoryMmap};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::ByteValued;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
+use crate::devices::bus::lock;
 use crate::devices::virtio::Interrupt;
 
 /// Per-VM bounds that keep a hostile guest or host client from growing our memory.
@@ -40,7 +43,36 @@ const TOKEN_RX: u64 = 0;
 const TOKEN_TX: u64 = 1;
 const TOKEN_LISTENER: u64 = 2;
 const TOKEN_STOP: u64 = 3;
+const TOKEN_PAUSE: u64 = 4;
 const TOKEN_FD_BASE: u64 = 16;
+/// virtio-vsock event id telling the guest every connection is gone (after a restore).
+const EVENT_TRANSPORT_RESET: u32 = 0;
+
+/// Pause handshake with the device thread, and the queue positions it publishes when parked.
+#[derive(Default)]
+pub struct DeviceRun {
+    pub state: std::sync::Mutex<RunState>,
+    pub changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+pub struct RunState {
+    pub pause_requested: bool,
+    pub parked: bool,
+    pub queues: Vec<virtio_queue::QueueState>,
+}
+
+impl DeviceRun {
+    /// Waits until the device thread is parked; false on timeout.
+    pub fn wait_parked(&self, timeout: std::time::Duration) -> bool {
+        let guard = lock(&self.state);
+        let (guard, _) = self
+            .changed
+            .wait_timeout_while(guard, timeout, |s| !s.parked)
+            .unwrap_or_else(|e| e.into_inner());
+        guard.parked
+    }
+}
 const HANDSHAKE_MAX: usize = 64;
 const FIRST_HOST_PORT: u32 = 1 << 30;
 
@@ -120,12 +152,15 @@ pub struct Muxer {
     guest_cid: u64,
     uds_path: PathBuf,
     listener: UnixListener,
-    mem: GuestMemoryMmap,
+    mem: GuestMemory,
     rx: Queue,
     tx: Queue,
+    event: Queue,
     rx_evt: EventFd,
     tx_evt: EventFd,
     stop: EventFd,
+    pause_evt: EventFd,
+    run: Arc<DeviceRun>,
     interrupt: Arc<Interrupt>,
     limits: MuxerLimits,
     epoll: Epoll,
@@ -143,12 +178,12 @@ impl Muxer {
         guest_cid: u64,
         uds_path: PathBuf,
         listener: UnixListener,
-        mem: GuestMemoryMmap,
-        rx: Queue,
-        tx: Queue,
+        mem: GuestMemory,
+        [rx, tx, event]: [Queue; 3],
         rx_evt: EventFd,
         tx_evt: EventFd,
         stop: EventFd,
+        (pause_evt, run): (EventFd, Arc<DeviceRun>),
         interrupt: Arc<Interrupt>,
         limits: MuxerLimits,
     ) -> std::io::Result<Self> {
@@ -158,6 +193,7 @@ impl Muxer {
             (tx_evt.as_raw_fd(), TOKEN_TX),
             (listener.as_raw_fd(), TOKEN_LISTENER),
             (stop.as_raw_fd(), TOKEN_STOP),
+            (pause_evt.as_raw_fd(), TOKEN_PAUSE),
         ] {
             epoll.ctl(
                 ControlOperation::Add,
@@ -172,9 +208,12 @@ impl Muxer {
             mem,
             rx,
             tx,
+            event,
             rx_evt,
             tx_evt,
             stop,
+            pause_evt,
+            run,
             interrupt,
             limits,
             epoll,
@@ -214,11 +253,54 @@ impl Muxer {
                         self.process_tx();
                     }
                     TOKEN_LISTENER => self.accept(),
+                    TOKEN_PAUSE => {
+                        let _ = self.pause_evt.read();
+                        self.park();
+                    }
                     token => self.handle_fd((token - TOKEN_FD_BASE) as RawFd, event.event_set()),
                 }
             }
             self.process_rx();
             self.update_interests();
+        }
+    }
+
+    /// Publishes the queue positions and waits, touching no guest memory, until resumed.
+    fn park(&mut self) {
+        let mut state = lock(&self.run.state);
+        if !state.pause_requested {
+            return;
+        }
+        state.queues = vec![self.rx.state(), self.tx.state(), self.event.state()];
+        state.parked = true;
+        self.run.changed.notify_all();
+        while state.pause_requested {
+            state = self
+                .run
+                .changed
+                .wait(state)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        state.parked = false;
+    }
+
+    /// After a restore no host connection survived: tell the guest to drop its sockets.
+    pub fn announce_transport_reset(&mut self) {
+        let mem = self.mem.clone();
+        let Some(chain) = self.event.pop_descriptor_chain(&mem) else {
+            tracing::debug!("guest gave no vsock event buffer; cannot announce the reset");
+            return;
+        };
+        let head = chain.head_index();
+        let written = match Writer::new(&mem, chain) {
+            Ok(mut w) => match w.write_all(&EVENT_TRANSPORT_RESET.to_le_bytes()) {
+                Ok(()) => 4,
+                Err(_) => 0,
+            },
+            Err(_) => 0,
+        };
+        if self.event.add_used(&mem, head, written).is_ok() {
+            self.interrupt.signal_used_queue();
         }
     }
 
@@ -414,7 +496,7 @@ impl Muxer {
         }
     }
 
-    fn handle_guest_packet(&mut self, reader: &mut Reader<'_>) {
+    fn handle_guest_packet<B: BitmapSlice>(&mut self, reader: &mut Reader<'_, B>) {
         let Ok(header) = reader.read_obj::<Header>() else {
             return; // shorter than a header: nothing to answer
         };
@@ -591,7 +673,11 @@ impl Muxer {
         }
     }
 
-    fn write_packet(&mut self, writer: &mut Writer<'_>, pick: (Key, u16, u32, usize)) -> usize {
+    fn write_packet<B: BitmapSlice>(
+        &mut self,
+        writer: &mut Writer<'_, B>,
+        pick: (Key, u16, u32, usize),
+    ) -> usize {
         let (key, op, flags, len) = pick;
         let guest_cid = self.guest_cid;
         let buf_alloc = self.limits.buf_alloc;

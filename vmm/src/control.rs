@@ -1,0 +1,137 @@
+//! Control socket: a Unix socket speaking one JSON object per line. The edge drives a running
+//! VMM through it.
+//!
+//! Requests: `{"op":"status"}`, `{"op":"pause"}`, `{"op":"resume"}`,
+//! `{"op":"snapshot","path":"/dir","diff":false}` (pauses a running VM for the snapshot and
+//! resumes it after), `{"op":"stop"}`. Replies: `{"ok":true,...}` or `{"ok":false,"error":"..."}`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::vm::{Vm, VmExitReason};
+
+/// Longest request line we read; anything longer is refused (no unbounded buffering).
+const MAX_REQUEST: u64 = 64 * 1024;
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Request {
+    Status,
+    Pause,
+    Resume,
+    Snapshot {
+        path: PathBuf,
+        #[serde(default)]
+        diff: bool,
+    },
+    Stop,
+}
+
+/// Binds the socket and serves it on a background thread.
+pub fn serve(vm: Arc<Vm>, path: &Path) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("bind control socket {}: {e}", path.display()),
+        )
+    })?;
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                // One client at a time: requests are short and must not interleave.
+                handle_client(&vm, stream);
+            }
+        })?;
+    Ok(())
+}
+
+fn handle_client(vm: &Vm, stream: UnixStream) {
+    let Ok(writer) = stream.try_clone() else {
+        return;
+    };
+    let mut writer = writer;
+    let mut reader = BufReader::new(std::io::Read::take(stream, u64::MAX));
+    loop {
+        let mut line = String::new();
+        reader.get_mut().set_limit(MAX_REQUEST);
+        match reader.read_line(&mut line) {
+            Ok(0) => return,
+            Ok(_) if !line.ends_with('\n') => {
+                let _ = reply(&mut writer, &error("request line too long or unterminated"));
+                return;
+            }
+            Ok(_) => {}
+            Err(_) => return,
+        }
+        let response = match serde_json::from_str::<Request>(line.trim()) {
+            Ok(request) => execute(vm, request),
+            Err(e) => error(&format!("bad request: {e}")),
+        };
+        if reply(&mut writer, &response).is_err() {
+            return;
+        }
+    }
+}
+
+fn reply(w: &mut UnixStream, v: &Value) -> std::io::Result<()> {
+    let mut bytes = serde_json::to_vec(v).unwrap_or_default();
+    bytes.push(b'\n');
+    w.write_all(&bytes)
+}
+
+fn error(message: &str) -> Value {
+    json!({"ok": false, "error": message})
+}
+
+fn execute(vm: &Vm, request: Request) -> Value {
+    let result: Result<Value, String> = match request {
+        Request::Status => Ok(json!({
+            "state": if vm.is_paused() { "paused" } else { "running" },
+            "vcpus": vm.config().vcpus,
+            "mem_mib": vm.config().mem_mib,
+        })),
+        Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
+        Request::Resume => {
+            vm.resume();
+            Ok(json!({}))
+        }
+        Request::Snapshot { path, diff } => {
+            let was_running = !vm.is_paused();
+            let started = std::time::Instant::now();
+            let result = vm
+                .pause()
+                .and_then(|_| vm.snapshot(&path, diff))
+                .map(|s| {
+                    json!({
+                        "pages_written": s.pages_written,
+                        "diff": s.diff,
+                        "paused_ms": started.elapsed().as_secs_f64() * 1e3,
+                    })
+                })
+                .map_err(|e| e.to_string());
+            if was_running {
+                vm.resume();
+            }
+            result
+        }
+        Request::Stop => {
+            vm.request_exit(VmExitReason::Stopped);
+            Ok(json!({}))
+        }
+    };
+    match result {
+        Ok(Value::Object(mut map)) => {
+            map.insert("ok".into(), Value::Bool(true));
+            Value::Object(map)
+        }
+        Ok(other) => json!({"ok": true, "result": other}),
+        Err(e) => error(&e),
+    }
+}

@@ -126,9 +126,14 @@ pub struct EdgeConfig {
 }
 
 impl Default for EdgeConfig {
+    /// State under `${DSEC_RUN_DIR:-/run/dsec}/sandboxes`, artifacts under `$DSEC_HOME`.
     fn default() -> Self {
+        let run_dir = std::env::var_os("DSEC_RUN_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/run/dsec"));
         Self {
-            state_dir: PathBuf::from("/run/dsec/sandboxes"),
+            state_dir: run_dir.join("sandboxes"),
             artifacts: Artifacts::from_env(),
             agent_bin: None,
             vmm_bin: None,

@@ -1,0 +1,240 @@
+//! The agent as a plain process on a Unix socket (no namespaces): the Exec and Files
+//! semantics the sandboxes rely on. Each test starts its own agent and stops it.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dsec_edge::{AgentAddr, AgentClient, ExecSpec};
+
+struct Agent {
+    child: Child,
+    dir: PathBuf,
+    client: AgentClient,
+}
+
+impl Agent {
+    async fn start(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("dsec-agent-test-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("agent.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_dsec-agent"))
+            .arg("--listen")
+            .arg(format!("unix:{}", socket.display()))
+            .env("DSEC_AGENT_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start dsec-agent");
+        match connect_within(&socket, Duration::from_secs(10)).await {
+            Some(client) => Self { child, dir, client },
+            None => {
+                let mut child = child;
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("agent did not answer on {}", socket.display());
+            }
+        }
+    }
+}
+
+async fn connect_within(socket: &std::path::Path, timeout: Duration) -> Option<AgentClient> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if socket.exists() {
+            if let Ok(client) = AgentClient::connect(AgentAddr::Unix(socket.to_path_buf())).await {
+                if client.info().await.is_ok() {
+                    return Some(client);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn spec(argv: &[&str]) -> ExecSpec {
+    ExecSpec::new(argv.iter().copied())
+}
+
+#[tokio::test]
+async fn info_reports_version_kernel_and_mode() {
+    let agent = Agent::start("info").await;
+    let info = agent.client.info().await.unwrap();
+    assert_eq!(info.agent_version, env!("CARGO_PKG_VERSION"));
+    assert_eq!(info.mode, "process");
+    let uname = Command::new("uname").arg("-r").output().unwrap();
+    assert_eq!(
+        info.kernel_release,
+        String::from_utf8_lossy(&uname.stdout).trim()
+    );
+    assert!(info.uptime_ms > 0);
+}
+
+#[tokio::test]
+async fn exec_exit_codes_streams_and_stdin() {
+    let agent = Agent::start("exec").await;
+    let out = agent
+        .client
+        .exec_collect(&spec(&["sh", "-c", "exit 7"]), None)
+        .await
+        .unwrap();
+    assert_eq!(out.outcome.code, Some(7));
+    let out = agent
+        .client
+        .exec_collect(
+            &spec(&["sh", "-c", "printf a; printf b >&2; printf c"]),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"ac");
+    assert_eq!(out.stderr, b"b");
+    let out = agent
+        .client
+        .exec_collect(&spec(&["tr", "a-z", "A-Z"]), Some(b"hello\n".to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"HELLO\n");
+    // Without stdin the command reads EOF at once instead of hanging.
+    let out = agent
+        .client
+        .exec_collect(&spec(&["cat"]), None)
+        .await
+        .unwrap();
+    assert_eq!(out.outcome.code, Some(0));
+    assert!(out.stdout.is_empty());
+}
+
+#[tokio::test]
+async fn exec_environment_is_clean_and_overridable() {
+    let agent = Agent::start("env").await;
+    let mut s = spec(&["env"]);
+    s.env.insert("ONLY_THIS".into(), "1".into());
+    let out = agent.client.exec_collect(&s, None).await.unwrap();
+    let env = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(env.contains("ONLY_THIS=1"), "{env}");
+    assert!(env.contains("PATH="), "{env}");
+    // The agent's own environment does not leak into commands.
+    assert!(!env.contains("DSEC_AGENT_LOG"), "{env}");
+}
+
+#[tokio::test]
+async fn timeout_kills_group_and_reports_it() {
+    let agent = Agent::start("timeout").await;
+    let mut s = spec(&["sh", "-c", "sleep 1000 & sleep 1000"]);
+    s.timeout = Some(Duration::from_millis(300));
+    let started = Instant::now();
+    let out = agent.client.exec_collect(&s, None).await.unwrap();
+    assert!(out.outcome.timed_out);
+    assert_eq!(out.outcome.signal, Some(9));
+    assert!(started.elapsed() < Duration::from_secs(3));
+    // A command that finishes in time is not marked.
+    s.argv = vec!["true".into()];
+    let out = agent.client.exec_collect(&s, None).await.unwrap();
+    assert!(!out.outcome.timed_out);
+    assert_eq!(out.outcome.code, Some(0));
+}
+
+#[tokio::test]
+async fn background_children_do_not_hold_the_exit_status() {
+    let agent = Agent::start("bg").await;
+    // The background child keeps stdout open; the exit status still arrives promptly.
+    let started = Instant::now();
+    let out = agent
+        .client
+        .exec_collect(&spec(&["sh", "-c", "echo hi; sleep 5 & exit 3"]), None)
+        .await
+        .unwrap();
+    assert_eq!(out.outcome.code, Some(3));
+    assert_eq!(out.stdout, b"hi\n");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn flood_output_is_bounded_and_complete() {
+    let agent = Agent::start("flood").await;
+    // 64 MiB through the stream: must arrive complete with bounded agent memory.
+    let out = agent
+        .client
+        .exec_collect(&spec(&["sh", "-c", "head -c 67108864 /dev/zero"]), None)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout.len(), 64 << 20);
+    let rss_kib = std::fs::read_to_string(format!("/proc/{}/status", agent.child.id()))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .unwrap();
+    assert!(
+        rss_kib < 48 * 1024,
+        "agent peak RSS {rss_kib} KiB after a 64 MiB stream"
+    );
+}
+
+#[tokio::test]
+async fn exec_bad_requests_are_clear() {
+    let agent = Agent::start("bad").await;
+    let err = agent
+        .client
+        .exec_collect(&spec(&["definitely-not-a-command"]), None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.agent_code(), Some(tonic::Code::NotFound), "{err}");
+    let mut s = spec(&["true"]);
+    s.env.insert("BAD=NAME".into(), "x".into());
+    let err = agent.client.exec_collect(&s, None).await.unwrap_err();
+    assert_eq!(
+        err.agent_code(),
+        Some(tonic::Code::InvalidArgument),
+        "{err}"
+    );
+    let err = agent
+        .client
+        .exec_collect(&spec(&[]), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no command"), "{err}");
+}
+
+#[tokio::test]
+async fn files_write_read_and_errors() {
+    let agent = Agent::start("files").await;
+    let path = agent.dir.join("data.bin");
+    let path = path.to_str().unwrap();
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(
+        agent.client.write_file(path, 0o600, &data).await.unwrap(),
+        data.len() as u64
+    );
+    assert_eq!(agent.client.read_file(path).await.unwrap(), data);
+    // Overwrite truncates.
+    agent.client.write_file(path, 0, b"short").await.unwrap();
+    assert_eq!(agent.client.read_file(path).await.unwrap(), b"short");
+    let missing = agent.dir.join("missing");
+    let err = agent
+        .client
+        .read_file(missing.to_str().unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(err.agent_code(), Some(tonic::Code::NotFound), "{err}");
+    let err = agent.client.read_file("").await.unwrap_err();
+    assert_eq!(
+        err.agent_code(),
+        Some(tonic::Code::InvalidArgument),
+        "{err}"
+    );
+}

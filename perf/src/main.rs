@@ -1,1 +1,297 @@
-fn main() {}
+//! dsec-perf: DSec's benchmark harness. `dsec-perf boot` measures boot latency of our VMM
+//! beside QEMU `-M microvm`, alternating between them, and reports percentiles and ratios.
+
+mod direct;
+mod machine;
+mod report;
+mod rig;
+mod run;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+#[command(name = "dsec-perf", version, about = "DSec benchmark harness")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Boot latency: our VMM vs QEMU microvm, directly (test guest) and in the rig (Linux).
+    Boot(BootArgs),
+    /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
+    /// one PERF-RIG line per boot.
+    #[command(hide = true)]
+    RigInner(RigInnerArgs),
+}
+
+#[derive(Args, Debug)]
+struct BootArgs {
+    /// Samples per contender in the direct scenario (contenders alternate every sample).
+    #[arg(long, default_value_t = 20)]
+    samples: usize,
+    /// Discarded warm-up runs per contender before the direct samples (page cache, etc.).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Our VMM binary [default: dsec-vmm next to this binary, else target/release, else PATH].
+    #[arg(long, value_name = "PATH")]
+    vmm: Option<PathBuf>,
+    /// QEMU binary.
+    #[arg(long, value_name = "PATH", default_value = "qemu-system-x86_64")]
+    qemu: PathBuf,
+    /// Test guest ELF for the direct scenario [default: the `serial` guest from
+    /// vmm/test-guests, built if missing].
+    #[arg(long, value_name = "PATH")]
+    guest: Option<PathBuf>,
+    /// Console line the test guest prints when done.
+    #[arg(long, default_value = "DONE 0 0")]
+    done_marker: String,
+    /// QEMU accelerators to run in the direct scenario, each a contender.
+    #[arg(long, value_delimiter = ',', default_value = "kvm,tcg")]
+    qemu_accel: Vec<String>,
+    /// Guest memory in the direct scenario (both VMMs).
+    #[arg(long, default_value_t = 128)]
+    mem_mib: u32,
+    /// Per-run timeout in the direct scenario.
+    #[arg(long, default_value_t = 30)]
+    timeout_s: u64,
+    /// Skip the direct scenario.
+    #[arg(long)]
+    skip_direct: bool,
+    /// Samples per contender in the rig (Linux guest to agent-ready); 0 skips the rig.
+    /// Each sample boots one fresh L1 per contender (about 20-40 s each).
+    #[arg(long, default_value_t = 5)]
+    rig_samples: usize,
+    /// Run all rig boots in one L1, strictly alternating, instead of a fresh L1 per boot
+    /// (faster; later VMs in one L1 are slower, so only the alternation keeps it fair).
+    #[arg(long)]
+    rig_shared_l1: bool,
+    /// The rig driver [default: tests/rig/rig.sh in the repo].
+    #[arg(long, value_name = "PATH")]
+    rig: Option<PathBuf>,
+    /// Guest kernel (PVH vmlinux) [default: guest-kernel/build.sh's cached build].
+    #[arg(long, value_name = "PATH")]
+    guest_kernel: Option<PathBuf>,
+    /// Agent initramfs [default: $DSEC_HOME/images/busybox/initramfs.cpio or
+    /// target/images/busybox/initramfs.cpio].
+    #[arg(long, value_name = "PATH")]
+    guest_initramfs: Option<PathBuf>,
+    /// Guest memory in the rig (both VMMs).
+    #[arg(long, default_value_t = 256)]
+    rig_mem_mib: u32,
+    /// Per-boot timeout inside L1.
+    #[arg(long, default_value_t = 120)]
+    rig_boot_timeout_s: u64,
+    /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct RigInnerArgs {
+    /// Contenders to boot, in order (ours, qemu), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    order: Vec<String>,
+    #[arg(long, default_value = "/bin/dsec-vmm")]
+    vmm: PathBuf,
+    #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
+    qemu: PathBuf,
+    #[arg(long, default_value = "/guest/vmlinux")]
+    kernel: PathBuf,
+    #[arg(long, default_value = "/guest/initramfs.cpio")]
+    initrd: PathBuf,
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u32,
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+    #[arg(long, default_value = "/tmp/dsec-perf")]
+    workdir: PathBuf,
+}
+
+/// The repository root: upward from the current directory, else where this was built.
+fn repo_root() -> PathBuf {
+    let is_root =
+        |d: &Path| d.join("perf/rig/boot-in-l1.sh").is_file() && d.join("Cargo.toml").is_file();
+    if let Ok(cwd) = std::env::current_dir() {
+        if let Some(d) = cwd.ancestors().find(|d| is_root(d)) {
+            return d.to_path_buf();
+        }
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn default_vmm(root: &Path) -> PathBuf {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("dsec-vmm")));
+    if let Some(p) = beside.filter(|p| p.is_file()) {
+        return p;
+    }
+    let built = root.join("target/release/dsec-vmm");
+    if built.is_file() {
+        return built;
+    }
+    direct::which(Path::new("dsec-vmm")).unwrap_or(built)
+}
+
+/// The `serial` test guest, built (release, into target/test-guests) if missing.
+fn default_guest(root: &Path) -> PathBuf {
+    let target_dir = root.join("target/test-guests");
+    let guest = target_dir.join("x86_64-unknown-linux-gnu/release/serial");
+    if !guest.is_file() {
+        eprintln!("dsec-perf: building the test guests (vmm/test-guests)");
+        // The guests' .cargo/config.toml is only read when cargo runs in their directory.
+        let status = Command::new("cargo")
+            .args(["build", "--release", "--target-dir"])
+            .arg(&target_dir)
+            .current_dir(root.join("vmm/test-guests"))
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            eprintln!("dsec-perf: building the test guests failed ({status:?})");
+        }
+    }
+    guest
+}
+
+fn default_kernel(root: &Path) -> Option<PathBuf> {
+    let out = Command::new(root.join("guest-kernel/build.sh"))
+        .arg("--print-dir")
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let k = Path::new(&dir).join("vmlinux");
+    (out.status.success() && k.is_file()).then_some(k)
+}
+
+fn default_initramfs(root: &Path) -> Option<PathBuf> {
+    let home = std::env::var_os("DSEC_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"));
+    [
+        home.join("images/busybox/initramfs.cpio"),
+        root.join("target/images/busybox/initramfs.cpio"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+}
+
+fn boot(a: BootArgs) -> Result<(), String> {
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir).map_err(|e| format!("create {}: {e}", workdir.display()))?;
+    let vmm = a.vmm.clone().unwrap_or_else(|| default_vmm(&root));
+    let qemu = direct::which(&a.qemu).unwrap_or(a.qemu.clone());
+    let machine = machine::info(&qemu);
+    eprintln!(
+        "dsec-perf: kvm={} cpu={:?} vmm={} qemu={}",
+        machine["kvm_kind"].as_str().unwrap_or("?"),
+        machine["cpu_model"].as_str().unwrap_or("?"),
+        vmm.display(),
+        qemu.display()
+    );
+
+    let direct_opts = direct::DirectOpts {
+        vmm: vmm.clone(),
+        qemu: qemu.clone(),
+        guest: a.guest.clone().unwrap_or_else(|| default_guest(&root)),
+        samples: a.samples,
+        warmup: a.warmup,
+        accels: a.qemu_accel.clone(),
+        timeout: Duration::from_secs(a.timeout_s),
+        done_marker: a.done_marker.clone(),
+        mem_mib: a.mem_mib,
+        workdir: workdir.join("direct"),
+    };
+    std::fs::create_dir_all(&direct_opts.workdir).map_err(|e| e.to_string())?;
+    let direct = if a.skip_direct {
+        let mut sc = direct::scenario_skeleton(&direct_opts);
+        sc.skipped = Some("--skip-direct".into());
+        sc
+    } else {
+        direct::bench(&direct_opts)
+    };
+    print!("{}", direct.table());
+
+    let rig_opts = rig::OuterOpts {
+        samples: a.rig_samples,
+        shared_l1: a.rig_shared_l1,
+        rig: a
+            .rig
+            .clone()
+            .unwrap_or_else(|| root.join("tests/rig/rig.sh")),
+        kernel: a.guest_kernel.clone().or_else(|| default_kernel(&root)),
+        initramfs: a
+            .guest_initramfs
+            .clone()
+            .or_else(|| default_initramfs(&root)),
+        vmm,
+        qemu,
+        mem_mib: a.rig_mem_mib,
+        boot_timeout: Duration::from_secs(a.rig_boot_timeout_s),
+        workdir: workdir.join("rig"),
+    };
+    let rig = rig::bench(&rig_opts);
+    println!();
+    print!("{}", rig.table());
+
+    if let Some(path) = &a.json {
+        let doc = json!({
+            "tool": "dsec-perf",
+            "scenario": "boot",
+            "version": env!("CARGO_PKG_VERSION"),
+            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+            "machine": machine,
+            "direct": direct.to_json(),
+            "rig": rig.to_json(),
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
+        eprintln!("dsec-perf: wrote {}", path.display());
+    }
+    if a.keep_workdir {
+        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&workdir);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Boot(a) => match boot(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dsec-perf: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Cmd::RigInner(a) => {
+            let failed = rig::inner(&rig::InnerOpts {
+                order: a.order,
+                vmm: a.vmm,
+                qemu: a.qemu,
+                kernel: a.kernel,
+                initrd: a.initrd,
+                mem_mib: a.mem_mib,
+                timeout: Duration::from_secs(a.timeout_s),
+                workdir: a.workdir,
+            });
+            ExitCode::from(failed.min(255) as u8)
+        }
+    }
+}

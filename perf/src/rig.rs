@@ -1,0 +1,517 @@
+//! Scenario 2: the real guest kernel + agent initramfs booted to `dsec-agent ready`, our
+//! VMM beside QEMU `-M microvm -accel kvm`, inside the nested-KVM rig's L1.
+//!
+//! The outer half (on the host) starts `tests/rig/rig.sh run` once per boot: a fresh L1
+//! for every sample of every contender, alternating ours / qemu. Inside L1 the rig script
+//! (`perf/rig/boot-in-l1.sh`) runs `dsec-perf rig-inner`, which times the boot on L1's
+//! clock with the same pipe method as the direct scenario and prints one `PERF-RIG` line
+//! per boot; the outer half parses those lines.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::report::{Contender, Metric, Sample, Scenario};
+use crate::run::{self, RunSpec};
+
+pub const READY_LINE: &str = "dsec-agent ready";
+pub const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
+const SCRIPT_TEMPLATE: &str = include_str!("../rig/boot-in-l1.sh");
+pub const CONTENDERS: [&str; 2] = ["ours", "qemu"];
+
+pub fn metrics() -> Vec<Metric> {
+    vec![
+        Metric {
+            key: "spawn_to_first_console_byte_ms",
+            label: "spawn -> first console byte",
+            unit: "ms",
+        },
+        Metric {
+            key: "spawn_to_agent_ready_ms",
+            label: "spawn -> dsec-agent ready",
+            unit: "ms",
+        },
+        Metric {
+            key: "l1_boot_s",
+            label: "(rig) L1 boot to /init, host clock",
+            unit: "s",
+        },
+    ]
+}
+
+// ---------------------------------------------------------------- inside L1
+
+#[derive(Debug, Clone)]
+pub struct InnerOpts {
+    pub order: Vec<String>,
+    pub vmm: PathBuf,
+    pub qemu: PathBuf,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub mem_mib: u32,
+    pub timeout: Duration,
+    pub workdir: PathBuf,
+}
+
+/// The argv each contender runs inside L1 (also recorded in the JSON).
+pub fn inner_command(
+    contender: &str,
+    o: &InnerOpts,
+    index: usize,
+) -> Result<(PathBuf, Vec<OsString>), String> {
+    let mem = o.mem_mib.to_string();
+    let mut a: Vec<OsString> = Vec::new();
+    let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
+    match contender {
+        "ours" => {
+            let uds = o.workdir.join(format!("vsock-{index}.sock"));
+            push(&["--kernel"]);
+            a.push(o.kernel.clone().into());
+            a.push("--initrd".into());
+            a.push(o.initrd.clone().into());
+            let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
+            push(&[
+                "--mem-mib",
+                &mem,
+                "--vcpus",
+                "1",
+                "--cmdline",
+                GUEST_CMDLINE,
+            ]);
+            push(&["--serial-stdout", "--vsock-uds"]);
+            a.push(uds.into());
+            Ok((o.vmm.clone(), a))
+        }
+        "qemu" => {
+            push(&[
+                "-M",
+                "microvm,x-option-roms=off,isa-serial=on,rtc=off",
+                "-accel",
+                "kvm",
+                "-cpu",
+                "host",
+                "-smp",
+                "1",
+                "-m",
+                &mem,
+                "-nodefaults",
+                "-no-user-config",
+                "-nographic",
+                "-serial",
+                "stdio",
+                "-no-reboot",
+                "-kernel",
+            ]);
+            a.push(o.kernel.clone().into());
+            a.push("-initrd".into());
+            a.push(o.initrd.clone().into());
+            a.push("-append".into());
+            a.push(GUEST_CMDLINE.into());
+            // Same devices as ours: a vsock device (vhost in L1's kernel) when L1 has it.
+            if Path::new("/dev/vhost-vsock").exists() {
+                a.push("-device".into());
+                a.push(format!("vhost-vsock-device,guest-cid={}", 3 + index).into());
+            }
+            Ok((o.qemu.clone(), a))
+        }
+        other => Err(format!("unknown contender '{other}' (ours, qemu)")),
+    }
+}
+
+/// Runs the boots in `o.order` one after another; prints one `PERF-RIG` line each.
+/// Returns the number of failed boots.
+pub fn inner(o: &InnerOpts) -> usize {
+    let _ = std::fs::create_dir_all(&o.workdir);
+    let mut failed = 0;
+    for (i, c) in o.order.iter().enumerate() {
+        let line = match inner_command(c, o, i) {
+            Err(e) => format!("contender={c} index={i} ok=0 error={e}"),
+            Ok((program, args)) => {
+                let spec = RunSpec {
+                    program,
+                    args,
+                    stderr_path: o.workdir.join(format!("{c}-{i}.stderr")),
+                    timeout: o.timeout,
+                    marker: Some(READY_LINE.into()),
+                    kill_after_marker: true,
+                };
+                match run::run(&spec) {
+                    Err(e) => format!("contender={c} index={i} ok=0 error=spawn: {e}"),
+                    Ok(r) => {
+                        let f = |d: Option<Duration>| {
+                            d.map_or("-".to_string(), |d| format!("{:.3}", d.as_secs_f64() * 1e3))
+                        };
+                        let mut l = format!(
+                            "contender={c} index={i} ok={} killed_after_ready={} first_byte_ms={} ready_ms={}",
+                            u8::from(r.marker.is_some()),
+                            u8::from(r.killed_after_marker),
+                            f(r.first_byte),
+                            f(r.marker)
+                        );
+                        if r.marker.is_none() {
+                            let why = if r.timed_out {
+                                format!("no '{READY_LINE}' within {:?}", o.timeout)
+                            } else {
+                                format!("exited ({:?}) before '{READY_LINE}'", r.status)
+                            };
+                            l.push_str(&format!(
+                                " error={why}; console tail: {:?}; stderr tail: {:?}",
+                                r.output_tail(300),
+                                run::read_tail(&spec.stderr_path, 300)
+                            ));
+                        }
+                        l
+                    }
+                }
+            }
+        };
+        if !line.contains(" ok=1 ") {
+            failed += 1;
+        }
+        println!("PERF-RIG {line}");
+    }
+    failed
+}
+
+// ---------------------------------------------------------------- on the host
+
+#[derive(Debug, Clone)]
+pub struct OuterOpts {
+    pub samples: usize,
+    /// One L1 for all boots (strictly alternating) instead of a fresh L1 per boot.
+    pub shared_l1: bool,
+    pub rig: PathBuf,
+    pub kernel: Option<PathBuf>,
+    pub initramfs: Option<PathBuf>,
+    pub vmm: PathBuf,
+    pub qemu: PathBuf,
+    pub mem_mib: u32,
+    pub boot_timeout: Duration,
+    pub workdir: PathBuf,
+}
+
+/// A parsed `PERF-RIG key=value ... [error=rest of line]` line.
+pub fn parse_line(line: &str) -> Option<BTreeMap<String, String>> {
+    let rest = line.trim_end_matches('\r').strip_prefix("PERF-RIG ")?;
+    let (kv, error) = match rest.split_once(" error=") {
+        Some((kv, e)) => (kv, Some(e)),
+        None => (rest, None),
+    };
+    let mut m: BTreeMap<String, String> = kv
+        .split_whitespace()
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    if let Some(e) = error {
+        m.insert("error".into(), e.to_string());
+    }
+    m.contains_key("contender").then_some(m)
+}
+
+fn sample_from_line(m: &BTreeMap<String, String>, index: usize, l1_boot_s: Option<f64>) -> Sample {
+    let mut values = BTreeMap::new();
+    let num = |k: &str| m.get(k).and_then(|v| v.parse::<f64>().ok());
+    if let Some(v) = num("first_byte_ms") {
+        values.insert("spawn_to_first_console_byte_ms", v);
+    }
+    if let Some(v) = num("ready_ms") {
+        values.insert("spawn_to_agent_ready_ms", v);
+    }
+    if let Some(v) = l1_boot_s {
+        values.insert("l1_boot_s", v);
+    }
+    let ok = m.get("ok").map(String::as_str) == Some("1");
+    Sample {
+        contender: m.get("contender").cloned().unwrap_or_default(),
+        index,
+        values,
+        error: (!ok).then(|| {
+            m.get("error")
+                .cloned()
+                .unwrap_or_else(|| "boot failed".into())
+        }),
+    }
+}
+
+fn skeleton(o: &OuterOpts) -> Scenario {
+    let io = InnerOpts {
+        order: vec![],
+        vmm: "/bin/dsec-vmm".into(),
+        qemu: "/usr/bin/qemu-system-x86_64".into(),
+        kernel: "/guest/vmlinux".into(),
+        initrd: "/guest/initramfs.cpio".into(),
+        mem_mib: o.mem_mib,
+        timeout: o.boot_timeout,
+        workdir: "/tmp/dsec-perf".into(),
+    };
+    let contenders = CONTENDERS
+        .iter()
+        .map(|c| {
+            let (p, a) = inner_command(c, &io, 0).expect("known contender");
+            let mut cmd = p.display().to_string();
+            for x in a {
+                let s = x.to_string_lossy();
+                if s.contains(' ') {
+                    cmd.push_str(&format!(" '{s}'"));
+                } else {
+                    cmd.push(' ');
+                    cmd.push_str(&s);
+                }
+            }
+            Contender {
+                name: c.to_string(),
+                description: match *c {
+                    "ours" => "dsec-vmm in L1 (PVH vmlinux + agent initramfs, virtio-mmio vsock)".into(),
+                    _ => "qemu-system-x86_64 -M microvm -accel kvm in L1 (same kernel, initramfs, cmdline; vhost-vsock-device if L1 has /dev/vhost-vsock)".into(),
+                },
+                command: cmd,
+            }
+        })
+        .collect();
+    Scenario {
+        name: "rig",
+        title: format!(
+            "in the rig (nested KVM in a QEMU-TCG L1): Linux guest to agent-ready ({} samples per contender, {})",
+            o.samples,
+            if o.shared_l1 { "one L1, strictly alternating" } else { "fresh L1 per boot, alternating" }
+        ),
+        method: format!(
+            "L1's CLOCK_MONOTONIC from just before spawning the VMM (by dsec-perf inside L1) to the \
+             first console byte and to the line '{READY_LINE}' on the VMM's stdout pipe; the VMM is \
+             then killed. Guest cmdline '{GUEST_CMDLINE}', {} MiB, 1 vCPU.",
+            o.mem_mib
+        ),
+        metrics: metrics(),
+        contenders,
+        comparisons: vec![("ours".into(), "qemu".into())],
+        samples: Vec::new(),
+        skipped: None,
+    }
+}
+
+/// Why the rig scenario cannot run here, if it cannot.
+fn check_inputs(o: &OuterOpts) -> Result<(PathBuf, PathBuf), String> {
+    if o.samples == 0 {
+        return Err("--rig-samples 0".into());
+    }
+    if !o.rig.is_file() {
+        return Err(format!("rig script {} not found", o.rig.display()));
+    }
+    let kernel = o.kernel.clone().ok_or_else(|| {
+        "guest kernel not built (guest-kernel/build.sh has no cached vmlinux; run it, ~7 min, or pass --guest-kernel)".to_string()
+    })?;
+    if !kernel.is_file() {
+        return Err(format!("guest kernel {} not found", kernel.display()));
+    }
+    let initramfs = o.initramfs.clone().ok_or_else(|| {
+        "agent initramfs not found (build it with guest-agent/mkinitramfs.sh --install, or pass --guest-initramfs)".to_string()
+    })?;
+    if !initramfs.is_file() {
+        return Err(format!("agent initramfs {} not found", initramfs.display()));
+    }
+    if !o.vmm.is_file() {
+        return Err(format!("dsec-vmm {} not found", o.vmm.display()));
+    }
+    if crate::direct::which(&o.qemu).is_none() {
+        return Err(format!(
+            "{} not found (apt-get install qemu-system-x86)",
+            o.qemu.display()
+        ));
+    }
+    for bin in ["cpio", "busybox"] {
+        if crate::direct::which(Path::new(bin)).is_none() {
+            return Err(format!(
+                "'{bin}' not found (rig.sh needs cpio and busybox-static)"
+            ));
+        }
+    }
+    Ok((kernel, initramfs))
+}
+
+/// One `rig.sh run`: a fresh L1 running the boots in `order`.
+fn run_l1(o: &OuterOpts, kernel: &Path, initramfs: &Path, order: &[&str], tag: &str) -> L1Result {
+    let me = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let script = o.workdir.join(format!("boot-in-l1-{tag}.sh"));
+    let header = format!(
+        "#!/bin/sh\nPERF_ORDER={}\nPERF_MEM_MIB={}\nPERF_TIMEOUT_S={}\n",
+        order.join(","),
+        o.mem_mib,
+        o.boot_timeout.as_secs()
+    );
+    let body = SCRIPT_TEMPLATE
+        .strip_prefix("#!/bin/sh\n")
+        .unwrap_or(SCRIPT_TEMPLATE);
+    std::fs::write(&script, format!("{header}{body}")).map_err(|e| format!("write script: {e}"))?;
+    let log = o.workdir.join(format!("rig-{tag}.log"));
+    let stderr =
+        std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+    let per_boot = o.boot_timeout.as_secs() + 30;
+    let mut child = Command::new(&o.rig)
+        .arg("run")
+        .arg(&script)
+        .arg("--qemu")
+        .arg(format!("{}=/bin/dsec-perf", me.display()))
+        .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
+        .arg(format!("{}=/guest/vmlinux", kernel.display()))
+        .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()))
+        .env(
+            "RIG_TIMEOUT",
+            (300 + per_boot * order.len() as u64).to_string(),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", o.rig.display()))?;
+    let mut lines = Vec::new();
+    let mut console = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Some(m) = parse_line(&line) {
+                lines.push(m);
+            }
+            console.push(line);
+        }
+    }
+    let status = child.wait().map_err(|e| format!("wait rig.sh: {e}"))?;
+    let _ = std::fs::write(
+        o.workdir.join(format!("rig-{tag}.console")),
+        console.join("\n"),
+    );
+    let stderr_text = std::fs::read_to_string(&log).unwrap_or_default();
+    let l1_boot_s = stderr_text.lines().find_map(|l| {
+        l.split_once("L1 reached /init after ")
+            .and_then(|(_, r)| r.split_whitespace().next())
+            .and_then(|v| v.parse::<f64>().ok())
+    });
+    if lines.is_empty() {
+        let tail: Vec<&String> = console.iter().rev().take(15).collect();
+        return Err(format!(
+            "rig.sh exited {status} with no PERF-RIG lines; stderr tail: {:?}; console tail: {:?}",
+            run::read_tail(&log, 400),
+            tail.into_iter().rev().cloned().collect::<Vec<_>>()
+        ));
+    }
+    Ok((lines, l1_boot_s))
+}
+
+pub fn bench(o: &OuterOpts) -> Scenario {
+    let mut sc = skeleton(o);
+    let (kernel, initramfs) = match check_inputs(o) {
+        Ok(x) => x,
+        Err(why) => {
+            sc.skipped = Some(why);
+            return sc;
+        }
+    };
+    let _ = std::fs::create_dir_all(&o.workdir);
+    let started = Instant::now();
+    if o.shared_l1 {
+        let order: Vec<&str> = (0..o.samples).flat_map(|_| CONTENDERS).collect();
+        let res = run_l1(o, &kernel, &initramfs, &order, "shared");
+        record(&mut sc, &order, |k| k / CONTENDERS.len(), res);
+    } else {
+        for i in 0..o.samples {
+            for c in CONTENDERS {
+                let res = run_l1(o, &kernel, &initramfs, &[c], &format!("{c}-{i}"));
+                record(&mut sc, &[c], |_| i, res);
+                let last = sc.samples.last().expect("just pushed");
+                eprintln!(
+                    "dsec-perf: rig {c} #{i}: {} ({:.0} s elapsed)",
+                    match (&last.error, last.values.get("spawn_to_agent_ready_ms")) {
+                        (None, Some(v)) => format!("agent ready after {v:.0} ms"),
+                        (Some(e), _) =>
+                            format!("FAILED: {}", e.chars().take(200).collect::<String>()),
+                        _ => "?".into(),
+                    },
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+    sc
+}
+
+type L1Result = Result<(Vec<BTreeMap<String, String>>, Option<f64>), String>;
+
+/// Turns one L1's PERF-RIG lines into samples; boot `k` of `order` is sample `round(k)`.
+/// The L1 boot time is attributed only when the L1 ran a single boot.
+fn record(sc: &mut Scenario, order: &[&str], round: impl Fn(usize) -> usize, res: L1Result) {
+    match res {
+        Ok((lines, l1)) => {
+            let l1 = if order.len() == 1 { l1 } else { None };
+            for (k, c) in order.iter().enumerate() {
+                let key = k.to_string();
+                match lines.iter().find(|m| m.get("index") == Some(&key)) {
+                    Some(m) => sc.samples.push(sample_from_line(m, round(k), l1)),
+                    None => sc.samples.push(Sample {
+                        contender: c.to_string(),
+                        index: round(k),
+                        values: BTreeMap::new(),
+                        error: Some("no PERF-RIG line for this boot (L1 died?)".into()),
+                    }),
+                }
+            }
+        }
+        Err(e) => {
+            for (k, c) in order.iter().enumerate() {
+                sc.samples.push(Sample {
+                    contender: c.to_string(),
+                    index: round(k),
+                    values: BTreeMap::new(),
+                    error: Some(e.clone()),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ok_and_error_lines() {
+        let m = parse_line(
+            "PERF-RIG contender=ours index=0 ok=1 first_byte_ms=12.5 ready_ms=2100.000\r",
+        )
+        .unwrap();
+        assert_eq!(m["contender"], "ours");
+        assert_eq!(m["ready_ms"], "2100.000");
+        let s = sample_from_line(&m, 3, Some(2.5));
+        assert!(s.error.is_none());
+        assert_eq!(s.values["spawn_to_agent_ready_ms"], 2100.0);
+        assert_eq!(s.values["l1_boot_s"], 2.5);
+        let m = parse_line("PERF-RIG contender=qemu index=1 ok=0 first_byte_ms=- ready_ms=- error=no 'x' within 1s; tail: \"a=b c\"").unwrap();
+        assert_eq!(m["error"], "no 'x' within 1s; tail: \"a=b c\"");
+        let s = sample_from_line(&m, 0, None);
+        assert!(s.error.is_some() && s.values.is_empty());
+        assert!(parse_line("PASS something").is_none());
+    }
+
+    #[test]
+    fn inner_commands_share_kernel_initrd_and_cmdline() {
+        let o = InnerOpts {
+            order: vec![],
+            vmm: "/bin/dsec-vmm".into(),
+            qemu: "/usr/bin/qemu-system-x86_64".into(),
+            kernel: "/guest/vmlinux".into(),
+            initrd: "/guest/initramfs.cpio".into(),
+            mem_mib: 256,
+            timeout: Duration::from_secs(1),
+            workdir: "/tmp".into(),
+        };
+        for c in CONTENDERS {
+            let (_, a) = inner_command(c, &o, 0).unwrap();
+            let a: Vec<String> = a.iter().map(|x| x.to_string_lossy().into_owned()).collect();
+            assert!(a.contains(&"/guest/vmlinux".to_string()));
+            assert!(a.contains(&"/guest/initramfs.cpio".to_string()));
+            assert!(a.contains(&GUEST_CMDLINE.to_string()));
+            assert!(a.contains(&"256".to_string()));
+        }
+        assert!(inner_command("xen", &o, 0).is_err());
+    }
+}

@@ -1,0 +1,409 @@
+//! Read-only FUSE view of an `ImageTree`. The tree is immutable, so attributes and entries
+//! get long TTLs and file pages stay in the kernel page cache across opens (KEEP_CACHE).
+//! Reads run on a small worker pool so a slow chunk fetch does not stall lookups.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::path::Path;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, UNIX_EPOCH};
+
+use fuser::{
+    FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
+};
+use tracing::{debug, warn};
+
+use crate::cache::NodeCache;
+use crate::compose::{Attr, FileKind, ImageTree};
+use crate::error::{Error, Result};
+
+/// Immutable layers: the kernel may cache names and attributes for as long as it likes.
+const TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+const WORKERS: usize = 4;
+const HOT_LIST_MAX: usize = 200_000;
+
+/// First-touch order of (inode, chunk index) during a run, for the prefetch hot list.
+#[derive(Debug, Default)]
+pub struct HotRecorder {
+    seen: HashSet<(u64, u32)>,
+    order: Vec<(u64, u32)>,
+}
+
+impl HotRecorder {
+    fn record(&mut self, ino: u64, first: u32, last: u32) {
+        for c in first..=last {
+            if self.order.len() < HOT_LIST_MAX && self.seen.insert((ino, c)) {
+                self.order.push((ino, c));
+            }
+        }
+    }
+    pub fn order(&self) -> &[(u64, u32)] {
+        &self.order
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+pub struct LayerFs {
+    tree: Arc<dyn ImageTree>,
+    cache: Arc<NodeCache>,
+    jobs: Option<mpsc::Sender<Job>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    hot: Option<Arc<Mutex<HotRecorder>>>,
+}
+
+impl LayerFs {
+    pub fn new(
+        tree: Arc<dyn ImageTree>,
+        cache: Arc<NodeCache>,
+        hot: Option<Arc<Mutex<HotRecorder>>>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let workers = (0..WORKERS)
+            .map(|i| {
+                let rx = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("layerfs-read-{i}"))
+                    .spawn(move || loop {
+                        let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                            Ok(j) => j,
+                            Err(_) => return,
+                        };
+                        job();
+                    })
+                    .expect("spawning a read worker")
+            })
+            .collect();
+        LayerFs {
+            tree,
+            cache,
+            jobs: Some(tx),
+            workers,
+            hot,
+        }
+    }
+}
+
+impl Drop for LayerFs {
+    fn drop(&mut self) {
+        self.jobs = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn file_type(k: FileKind) -> FileType {
+    match k {
+        FileKind::Dir => FileType::Directory,
+        FileKind::File => FileType::RegularFile,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Char => FileType::CharDevice,
+        FileKind::Block => FileType::BlockDevice,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+    }
+}
+
+fn to_fuse(a: &Attr) -> FileAttr {
+    let t = if a.mtime >= 0 {
+        UNIX_EPOCH + Duration::new(a.mtime as u64, a.mtime_nsec)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(a.mtime.unsigned_abs())
+            + Duration::from_nanos(a.mtime_nsec as u64)
+    };
+    let (major, minor) = (libc::major(a.rdev), libc::minor(a.rdev));
+    FileAttr {
+        ino: a.ino,
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: t,
+        mtime: t,
+        ctime: t,
+        crtime: t,
+        kind: file_type(a.kind),
+        perm: a.perm as u16,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        // The kernel decodes FUSE rdev with new_decode_dev.
+        rdev: (minor & 0xff) | (major << 8) | ((minor & !0xff) << 12),
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+impl Filesystem for LayerFs {
+    fn init(
+        &mut self,
+        _req: &Request<'_>,
+        config: &mut KernelConfig,
+    ) -> std::result::Result<(), libc::c_int> {
+        // Large readahead: sequential reads then ask for whole chunks.
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn lookup(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEntry) {
+        let found = name
+            .to_str()
+            .and_then(|n| self.tree.lookup(parent, n))
+            .and_then(|ino| self.tree.attr(ino));
+        match found {
+            Some(a) => reply.entry(&TTL, &to_fuse(&a), 0),
+            None => reply.error(libc::ENOENT),
+        }
+    }
+
+    fn getattr(&mut self, _req: &Request<'_>, ino: u64, _fh: Option<u64>, reply: ReplyAttr) {
+        match self.tree.attr(ino) {
+            Some(a) => reply.attr(&TTL, &to_fuse(&a)),
+            None => reply.error(libc::ENOENT),
+        }
+    }
+
+    fn readlink(&mut self, _req: &Request<'_>, ino: u64, reply: ReplyData) {
+        match self.tree.readlink(ino) {
+            Some(t) => reply.data(t.as_bytes()),
+            None => reply.error(libc::EINVAL),
+        }
+    }
+
+    fn open(&mut self, _req: &Request<'_>, ino: u64, flags: i32, reply: ReplyOpen) {
+        if flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0 {
+            return reply.error(libc::EROFS);
+        }
+        match self.tree.attr(ino) {
+            Some(a) if a.kind == FileKind::File => reply.opened(0, fuser::consts::FOPEN_KEEP_CACHE),
+            Some(_) => reply.error(libc::EINVAL),
+            None => reply.error(libc::ENOENT),
+        }
+    }
+
+    fn read(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        size: u32,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        reply: ReplyData,
+    ) {
+        if offset < 0 {
+            return reply.error(libc::EINVAL);
+        }
+        if let (Some(hot), Some((cs, chunks))) = (&self.hot, self.tree.file_chunks(ino)) {
+            if !chunks.is_empty() && size > 0 {
+                let first = (offset as u64 / cs as u64) as u32;
+                let last = ((offset as u64 + size as u64 - 1) / cs as u64)
+                    .min(chunks.len() as u64 - 1) as u32;
+                if first <= last {
+                    hot.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .record(ino, first, last);
+                }
+            }
+        }
+        let tree = self.tree.clone();
+        let cache = self.cache.clone();
+        let job: Job =
+            Box::new(
+                move || match cache.read(tree.as_ref(), ino, offset as u64, size) {
+                    Ok(data) => reply.data(&data),
+                    Err(e) => {
+                        warn!(ino, offset, size, "read failed: {e}");
+                        reply.error(e.errno())
+                    }
+                },
+            );
+        if let Some(tx) = &self.jobs {
+            if let Err(mpsc::SendError(job)) = tx.send(job) {
+                job();
+            }
+        }
+    }
+
+    fn opendir(&mut self, _req: &Request<'_>, ino: u64, _flags: i32, reply: ReplyOpen) {
+        match self.tree.children(ino) {
+            Some(_) => reply.opened(0, fuser::consts::FOPEN_KEEP_CACHE),
+            None => reply.error(libc::ENOTDIR),
+        }
+    }
+
+    fn readdir(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        offset: i64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(kids) = self.tree.children(ino) else {
+            return reply.error(libc::ENOTDIR);
+        };
+        let parent = self.tree.parent(ino).unwrap_or(ino);
+        let total = kids.len() as i64 + 2;
+        let mut i = offset.max(0);
+        while i < total {
+            let (name, cino, kind) = match i {
+                0 => (".", ino, FileType::Directory),
+                1 => ("..", parent, FileType::Directory),
+                _ => {
+                    let (n, c) = &kids[(i - 2) as usize];
+                    let k = self
+                        .tree
+                        .attr(*c)
+                        .map(|a| file_type(a.kind))
+                        .unwrap_or(FileType::RegularFile);
+                    (n.as_str(), *c, k)
+                }
+            };
+            if reply.add(cino, i + 1, kind, name) {
+                break;
+            }
+            i += 1;
+        }
+        reply.ok()
+    }
+
+    fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
+        reply.statfs(0, 0, 0, self.tree.inode_count(), 0, 4096, 255, 4096);
+    }
+
+    fn getxattr(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        name: &OsStr,
+        size: u32,
+        reply: ReplyXattr,
+    ) {
+        let v = name
+            .to_str()
+            .and_then(|n| self.tree.xattrs(ino).and_then(|x| x.get(n)));
+        match v {
+            None => reply.error(libc::ENODATA),
+            Some(v) if size == 0 => reply.size(v.0.len() as u32),
+            Some(v) if v.0.len() > size as usize => reply.error(libc::ERANGE),
+            Some(v) => reply.data(&v.0),
+        }
+    }
+
+    fn listxattr(&mut self, _req: &Request<'_>, ino: u64, size: u32, reply: ReplyXattr) {
+        let Some(x) = self.tree.xattrs(ino) else {
+            return reply.error(libc::ENOENT);
+        };
+        let mut buf = Vec::new();
+        for k in x.keys() {
+            buf.extend_from_slice(k.as_bytes());
+            buf.push(0);
+        }
+        if size == 0 {
+            reply.size(buf.len() as u32)
+        } else if buf.len() > size as usize {
+            reply.error(libc::ERANGE)
+        } else {
+            reply.data(&buf)
+        }
+    }
+
+    fn access(&mut self, _req: &Request<'_>, ino: u64, mask: i32, reply: ReplyEmpty) {
+        if self.tree.attr(ino).is_none() {
+            reply.error(libc::ENOENT)
+        } else if mask & libc::W_OK != 0 {
+            reply.error(libc::EROFS)
+        } else {
+            reply.ok()
+        }
+    }
+}
+
+/// A mounted view; dropping it (or `unmount`) unmounts.
+pub struct Mount {
+    session: Option<fuser::BackgroundSession>,
+    pub hot: Option<Arc<Mutex<HotRecorder>>>,
+    pub tree: Arc<dyn ImageTree>,
+    mountpoint: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount")
+            .field("mountpoint", &self.mountpoint)
+            .finish()
+    }
+}
+
+impl Mount {
+    /// Unmounts and waits for the session to end.
+    pub fn unmount(mut self) {
+        if let Some(s) = self.session.take() {
+            s.join();
+        }
+    }
+
+    /// Hot list as (path, chunk index) in first-touch order.
+    pub fn hot_list(&self) -> Vec<(String, u32)> {
+        let Some(h) = &self.hot else {
+            return Vec::new();
+        };
+        let h = h.lock().unwrap_or_else(|p| p.into_inner());
+        h.order()
+            .iter()
+            .filter_map(|(ino, c)| Some((self.tree.path(*ino)?, *c)))
+            .collect()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take() {
+            s.join();
+        }
+    }
+}
+
+/// Mounts `tree` read-only at `mountpoint`. `record_hot` keeps the access order for a hot
+/// list. Device nodes and setuid bits work (this is a root filesystem); the kernel checks
+/// permissions from the modes (default_permissions).
+pub fn mount(
+    tree: Arc<dyn ImageTree>,
+    cache: Arc<NodeCache>,
+    mountpoint: &Path,
+    record_hot: bool,
+) -> Result<Mount> {
+    let hot = record_hot.then(|| Arc::new(Mutex::new(HotRecorder::default())));
+    let fs = LayerFs::new(tree.clone(), cache, hot.clone());
+    let opts = [
+        MountOption::RO,
+        MountOption::FSName("layerfs".into()),
+        MountOption::Subtype("layerfs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::AllowOther,
+        MountOption::Dev,
+        MountOption::Suid,
+        MountOption::Exec,
+    ];
+    let session = fuser::spawn_mount2(fs, mountpoint, &opts).map_err(|e| {
+        Error::io(
+            "mounting FUSE at",
+            mountpoint,
+            std::io::Error::new(
+                e.kind(),
+                format!("{e} (needs root or fusermount3, and /dev/fuse)"),
+            ),
+        )
+    })?;
+    debug!(mountpoint = %mountpoint.display(), "layerfs mounted");
+    Ok(Mount {
+        session: Some(session),
+        hot,
+        tree,
+        mountpoint: mountpoint.to_path_buf(),
+    })
+}

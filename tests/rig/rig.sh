@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# DSec hardware-virtualization test rig.
+#
+# This host's /dev/kvm is the software PVM hypervisor, which cannot run a Linux
+# guest. QEMU TCG emulates AMD SVM, so an L1 Linux under `-accel tcg -cpu max`
+# gets a real nested /dev/kvm (kvm_amd). The rig boots such an L1 (kernel from
+# guest-kernel/build.sh, the same one the guests use), runs a test script in it
+# and returns the script's output and exit status.
+#
+# Usage:
+#   rig.sh build [--qemu] [FILE...]        assemble (or reuse) the L1 initramfs; prints its path
+#   rig.sh run SCRIPT [--qemu] [FILE...]   boot a fresh L1, run SCRIPT, exit with its status
+#   rig.sh guest-initramfs                 build (or reuse) a tiny busybox guest initramfs; prints its path
+#   rig.sh smoke [GUEST_INITRAMFS]         QEMU-KVM inside L1 boots the guest kernel (proves the rig)
+#
+# FILE is SRC or SRC=DEST (DEST absolute inside L1). Without DEST, ELF programs
+# go to /bin/, anything else to /guest/. Dynamically linked programs bring
+# their shared libraries (found with ldd). --qemu adds Debian's
+# qemu-system-x86_64, its libraries and firmware, for side-by-side runs.
+#
+# Environment: RIG_KERNEL (L1 kernel, default: guest-kernel build output),
+#   RIG_TIMEOUT (seconds, default 900), RIG_MEM (MiB, default 2048),
+#   RIG_LOG (keep the raw serial log here), DSEC_CACHE (default /var/cache/dsec).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+CACHE=${DSEC_CACHE:-/var/cache/dsec}/rig
+TIMEOUT=${RIG_TIMEOUT:-900}
+MEM=${RIG_MEM:-2048}
+QEMU=${RIG_QEMU_BIN:-qemu-system-x86_64}
+
+die() { echo "rig: error: $*" >&2; exit 2; }
+log() { echo "rig: $*" >&2; }
+
+# Everything temporary lives under one dir; QEMU is killed on every exit path.
+TMP=$(mktemp -d /tmp/dsec-rig.XXXXXX)
+QPID=
+cleanup() {
+    if [[ -n $QPID ]] && kill -0 "$QPID" 2>/dev/null; then
+        kill "$QPID" 2>/dev/null || true
+        sleep 0.2
+        kill -9 "$QPID" 2>/dev/null || true
+    fi
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM HUP
+
+need() { command -v "$1" >/dev/null || die "'$1' not found: $2"; }
+
+l1_kernel() {
+    if [[ -n ${RIG_KERNEL:-} ]]; then
+        [[ -r $RIG_KERNEL ]] || die "RIG_KERNEL=$RIG_KERNEL is not readable"
+        echo "$RIG_KERNEL"; return
+    fi
+    local dir
+    dir=$("$REPO/guest-kernel/build.sh") || die "guest-kernel/build.sh failed; the L1 kernel is that build"
+    echo "$dir/vmlinux"
+}
+
+is_elf() { [[ $(head -c4 "$1" | od -An -c | tr -d ' ') == '177ELF' ]]; }
+
+# Copy SRC to ROOT/DEST, plus (for dynamic ELF) every library ldd resolves.
+add_file() {
+    local root=$1 src=$2 dest=$3
+    [[ -e $src ]] || die "file '$src' does not exist"
+    mkdir -p "$root$(dirname "$dest")"
+    cp -L "$src" "$root$dest"
+    if is_elf "$src" && ldd "$src" >/dev/null 2>&1; then
+        local lib
+        while read -r lib; do
+            [[ -n $lib && -e $lib ]] || continue
+            mkdir -p "$root$(dirname "$lib")"
+            [[ -e $root$lib ]] || cp -L "$lib" "$root$lib"
+        done < <(ldd "$src" | awk '/=> \//{print $3} /^\t\//{print $1}')
+        if ldd "$src" | grep -q 'not found'; then
+            ldd "$src" | grep 'not found' >&2
+            die "'$src' needs libraries this host lacks"
+        fi
+    fi
+}
+
+# Parse [--qemu] [FILE...] into SPECS (SRC=DEST lines).
+parse_files() {
+    SPECS=()
+    WITH_QEMU=0
+    local a src dest
+    for a in "$@"; do
+        if [[ $a == --qemu ]]; then WITH_QEMU=1; continue; fi
+        if [[ $a == *=* ]]; then src=${a%%=*}; dest=${a#*=}; else src=$a; dest=; fi
+        [[ -e $src ]] || die "file '$src' does not exist"
+        src=$(readlink -f "$src")
+        if [[ -z $dest ]]; then
+            if is_elf "$src" && [[ -x $src ]]; then dest=/bin/$(basename "$src"); else dest=/guest/$(basename "$src"); fi
+        fi
+        [[ $dest == /* ]] || die "destination '$dest' must be an absolute path inside L1"
+        SPECS+=("$src=$dest")
+    done
+}
+
+QEMU_FIRMWARE=(bios-microvm.bin qboot.rom pvh.bin linuxboot_dma.bin multiboot_dma.bin bios-256k.bin kvmvapic.bin)
+
+# Build (or reuse) the base L1 initramfs for SPECS/WITH_QEMU; prints its path.
+build_l1() {
+    need busybox "apt-get install busybox-static"
+    need cpio "apt-get install cpio"
+    local bb
+    bb=$(command -v busybox)
+    is_elf "$bb" && ! ldd "$bb" >/dev/null 2>&1 || die "$bb is not static: apt-get install busybox-static"
+    # Cache key: rig.sh itself, busybox, and every input (path + content digest).
+    local key spec qemu_bin=
+    if [[ $WITH_QEMU == 1 ]]; then
+        qemu_bin=$(command -v "$QEMU") || die "$QEMU not found: apt-get install qemu-system-x86"
+    fi
+    key=$( {
+        sha256sum "$HERE/rig.sh" "$HERE/l1-init" "$bb" | cut -d' ' -f1
+        for spec in "${SPECS[@]}"; do echo "$spec $(sha256sum <"${spec%%=*}" | cut -d' ' -f1)"; done
+        [[ -z $qemu_bin ]] || echo "qemu $(sha256sum <"$qemu_bin" | cut -d' ' -f1)"
+    } | sha256sum | cut -c1-16)
+    local out=$CACHE/l1-$key.cpio
+    if [[ -f $out ]]; then log "L1 initramfs cache hit: $out"; echo "$out"; return; fi
+
+    local root=$TMP/l1root
+    rm -rf "$root"; mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,proc,sys,dev,tmp,run,guest,rig,root,etc}
+    cp "$bb" "$root/bin/busybox"
+    local app
+    for app in $(busybox --list); do
+        [[ -e $root/bin/$app ]] || ln -s busybox "$root/bin/$app"
+    done
+    # Initial console for /init before devtmpfs is mounted (needs root).
+    mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || true
+    cp "$HERE/l1-init" "$root/init"; chmod 755 "$root/init"
+    for spec in "${SPECS[@]}"; do add_file "$root" "${spec%%=*}" "${spec#*=}"; done
+    if [[ $WITH_QEMU == 1 ]]; then
+        add_file "$root" "$qemu_bin" /usr/bin/qemu-system-x86_64
+        local fw
+        mkdir -p "$root/usr/share/qemu"
+        for fw in "${QEMU_FIRMWARE[@]}"; do
+            [[ -e /usr/share/qemu/$fw ]] && cp -L "/usr/share/qemu/$fw" "$root/usr/share/qemu/$fw"
+        done
+        [[ -e $root/usr/share/qemu/bios-microvm.bin ]] || die "/usr/share/qemu/bios-microvm.bin missing: apt-get install qemu-system-x86"
+    fi
+    mkdir -p "$CACHE"
+    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$TMP/l1.cpio"
+    mv "$TMP/l1.cpio" "$out"
+    log "L1 initramfs built: $out ($(du -h "$out" | cut -f1))"
+    echo "$out"
+}
+
+# Run SCRIPT in a fresh L1; stream the serial console; exit with its status.
+run_l1() {
+    local script=$1; shift
+    [[ -r $script ]] || die "test script '$script' not readable"
+    need "$QEMU" "apt-get install qemu-system-x86"
+    parse_files "$@"
+    local kernel base
+    kernel=$(l1_kernel)
+    base=$(build_l1)
+    # The script travels as a second cpio appended to the cached base one.
+    mkdir -p "$TMP/script/rig"
+    cp "$script" "$TMP/script/rig/test.sh"
+    (cd "$TMP/script" && printf 'rig\nrig/test.sh\n' | cpio --quiet -o -H newc -R 0:0) >"$TMP/script.cpio"
+    cat "$base" "$TMP/script.cpio" >"$TMP/initramfs.cpio"
+
+    local logf=${RIG_LOG:-$TMP/serial.log}
+    : >"$logf"
+    local t0 now
+    t0=$(date +%s.%N)
+    log "booting L1 ($(basename "$kernel"), ${MEM} MiB, timeout ${TIMEOUT}s) for $(basename "$script")"
+    "$QEMU" -accel tcg -cpu max -m "$MEM" -smp 1 \
+        -M microvm,x-option-roms=off,isa-serial=on,rtc=off \
+        -nodefaults -no-user-config -nographic -serial stdio -no-reboot \
+        -kernel "$kernel" -initrd "$TMP/initramfs.cpio" \
+        -append "console=ttyS0 panic=-1 tsc_early_khz=2300000 tsc=reliable quiet ${RIG_APPEND:-}" \
+        </dev/null >"$logf" 2>&1 &
+    QPID=$!
+
+    local code= line deadline
+    deadline=$(( $(date +%s) + TIMEOUT ))
+    exec 3< <(tail -n +1 -s 0.1 -f --pid="$QPID" "$logf")
+    while :; do
+        if IFS= read -r -t 2 line <&3; then
+            line=${line%$'\r'}
+            printf '%s\n' "$line"
+            case $line in
+                RIG-BOOTED*)
+                    now=$(date +%s.%N)
+                    log "L1 reached /init after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s (host wall clock)" ;;
+                RIG-EXIT\ *)
+                    code=${line#RIG-EXIT }; code=${code%% *}
+                    # L1 should power off now; do not wait long for it.
+                    deadline=$(( $(date +%s) + 10 )) ;;
+            esac
+        else
+            local rc=$?
+            if (( rc > 128 )); then :  # read timed out: just check the deadline
+            else [[ -n $line ]] && printf '%s\n' "${line%$'\r'}"; break; fi
+        fi
+        if (( $(date +%s) >= deadline )); then
+            if [[ -n $code ]]; then
+                log "L1 did not power off after RIG-EXIT; killing it"
+                break
+            fi
+            log "TIMEOUT after ${TIMEOUT}s: killing L1 (raise RIG_TIMEOUT if the test is just slow)"
+            exec 3<&-
+            return 124
+        fi
+    done
+    exec 3<&-
+    kill "$QPID" 2>/dev/null || true
+    wait "$QPID" 2>/dev/null || true
+    QPID=
+    now=$(date +%s.%N)
+    log "L1 finished after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s"
+    if [[ -z $code || ! $code =~ ^[0-9]+$ ]]; then
+        log "L1 ended without a RIG-EXIT line (kernel panic or crash?); serial log above"
+        return 125
+    fi
+    return "$code"
+}
+
+# Tiny guest initramfs: static busybox + an /init that prints a marker and powers off.
+guest_initramfs() {
+    need busybox "apt-get install busybox-static"
+    local bb key out root
+    bb=$(command -v busybox)
+    key=$( { sha256sum "$HERE/rig.sh" "$HERE/guest-init" "$bb" | cut -d' ' -f1; } | sha256sum | cut -c1-16)
+    out=$CACHE/guest-$key.cpio
+    if [[ -f $out ]]; then echo "$out"; return; fi
+    root=$TMP/guestroot
+    mkdir -p "$root"/{bin,proc,sys,dev,tmp}
+    cp "$bb" "$root/bin/busybox"
+    for app in sh mount echo cat poweroff reboot uname sleep; do ln -s busybox "$root/bin/$app"; done
+    mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || true
+    cp "$HERE/guest-init" "$root/init"; chmod 755 "$root/init"
+    mkdir -p "$CACHE"
+    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$TMP/guest.cpio"
+    mv "$TMP/guest.cpio" "$out"
+    echo "$out"
+}
+
+cmd=${1:-}
+[[ $# -gt 0 ]] && shift
+case $cmd in
+    build) parse_files "$@"; build_l1 ;;
+    run)
+        [[ $# -ge 1 ]] || die "usage: rig.sh run SCRIPT [--qemu] [FILE...]"
+        set +e; run_l1 "$@"; rc=$?; set -e
+        exit "$rc" ;;
+    guest-initramfs) guest_initramfs ;;
+    smoke)
+        gi=${1:-$(guest_initramfs)}
+        kdir=$("$REPO/guest-kernel/build.sh") || die "guest-kernel/build.sh failed"
+        set +e
+        run_l1 "$HERE/tests/smoke.sh" --qemu "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" "$gi=/guest/initramfs"
+        rc=$?; set -e
+        exit "$rc" ;;
+    ""|-h|--help|help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) die "unknown subcommand '$cmd' (build, run, guest-initramfs, smoke)" ;;
+esac

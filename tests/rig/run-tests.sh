@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Real-Linux-guest tests: boots a fresh rig L1 carrying our dsec + dsec-vmm, the installed guest
-# kernel and the agent image, and runs tests/rig/tests/first-light.sh inside it.
-# Needs ./setup.sh --no-run first (kernel, image, release binaries).
+# The rig suite test.sh runs: every real-Linux-guest test, each in a fresh L1.
+#   1. smoke:       QEMU-KVM inside L1 boots our guest kernel (proves the rig itself)
+#   2. first-light: our dsec-vmm and `dsec run --backend microvm` in L1
+# Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
+# and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
+# Exit status: number of failed suites.
 set -euo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$repo"
-home=${DSEC_HOME:-/var/lib/dsec}
-kernel=$home/kernel
-image=$home/images/busybox/initramfs.cpio
-for f in target/release/dsec target/release/dsec-vmm "$kernel/vmlinux" "$kernel/bzImage" "$image"; do
-    [[ -e $f ]] || { echo "run-tests: $f is missing; run ./setup.sh --no-run first" >&2; exit 2; }
-done
-tiny=$(tests/rig/rig.sh guest-initramfs)
-exec tests/rig/rig.sh run tests/rig/tests/first-light.sh \
-    target/release/dsec target/release/dsec-vmm \
-    "$kernel/vmlinux=/guest/vmlinux" "$kernel/bzImage=/guest/bzImage" \
-    "$image=/guest/initramfs.cpio" "$tiny=/guest/initramfs"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+BIN=${DSEC_BIN_DIR:-$REPO/target/release}
+AGENT_IMG=${DSEC_AGENT_INITRAMFS:-${DSEC_HOME:-/var/lib/dsec}/images/busybox/initramfs.cpio}
+
+kdir=$("$REPO/guest-kernel/build.sh") || { echo "rig: error: guest kernel build failed" >&2; exit 1; }
+tiny=$("$HERE/rig.sh" guest-initramfs)
+failed=0
+
+echo "==> rig smoke (QEMU-KVM in L1)"
+"$HERE/rig.sh" smoke "$tiny" || failed=$((failed + 1))
+
+echo "==> rig first-light (dsec-vmm + dsec run in L1)"
+missing=()
+for f in "$BIN/dsec" "$BIN/dsec-vmm" "$AGENT_IMG"; do [[ -e $f ]] || missing+=("$f"); done
+if ((${#missing[@]})); then
+    echo "FAIL first-light: missing ${missing[*]} (run ./setup.sh --no-run, or set DSEC_BIN_DIR / DSEC_AGENT_INITRAMFS)"
+    failed=$((failed + 1))
+else
+    "$HERE/rig.sh" run "$HERE/tests/first-light.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" \
+        "$AGENT_IMG=/guest/initramfs.cpio" "$tiny=/guest/initramfs" \
+        || failed=$((failed + 1))
+fi
+echo "rig suites failed: $failed"
+exit "$failed"

@@ -21,7 +21,7 @@ done
 if [ -f /guest/initramfs ]; then
     t0=$(now)
     timeout $T dsec-vmm --kernel $K --initrd /guest/initramfs --mem-mib 256 \
-        --cmdline "console=ttyS0 reboot=k panic=-1 quiet" --serial-stdout >/tmp/vmm.log 2>&1
+        --cmdline "console=ttyS0 reboot=k panic=-1 quiet acpi=off i8042.noaux i8042.nomux i8042.nopnp" --serial-stdout >/tmp/vmm.log 2>&1
     rc=$?; t1=$(now)
     if grep -q GUEST-INIT-OK /tmp/vmm.log && [ $rc = 0 ]; then
         ok vmm-boot-busybox

@@ -40,6 +40,11 @@ pub fn metrics() -> Vec<Metric> {
             unit: "ms",
         },
         Metric {
+            key: "spawn_to_vm_ready_ms",
+            label: "spawn -> VM built (vm_ready)",
+            unit: "ms",
+        },
+        Metric {
             key: "spawn_to_first_kvm_run_ms",
             label: "spawn -> first KVM_RUN",
             unit: "ms",
@@ -212,6 +217,9 @@ fn one(plan: &Plan, o: &DirectOpts, index: usize) -> Sample {
                     let spawn = r.spawn_realtime_ns;
                     if let Some(v) = ns_after(get("process_start_ns"), spawn) {
                         values.insert("spawn_to_vmm_main_ms", v);
+                    }
+                    if let Some(v) = ns_after(get("vm_ready_ns"), spawn) {
+                        values.insert("spawn_to_vm_ready_ms", v);
                     }
                     if let Some(v) = ns_after(get("first_kvm_run_ns"), spawn) {
                         values.insert("spawn_to_first_kvm_run_ms", v);

@@ -73,6 +73,7 @@ enum Event {
 
 struct ReaderOut {
     first_byte: Option<Instant>,
+    marker: Option<Instant>,
     output: Vec<u8>,
 }
 
@@ -83,6 +84,7 @@ fn reader_thread(
 ) -> ReaderOut {
     let mut out = ReaderOut {
         first_byte: None,
+        marker: None,
         output: Vec::with_capacity(4096),
     };
     let mut buf = [0u8; 4096];
@@ -103,6 +105,7 @@ fn reader_thread(
                 if let (false, Some(m)) = (marker_seen, &marker) {
                     if find(&out.output[scan_from..], m.as_bytes()) {
                         marker_seen = true;
+                        out.marker = Some(now);
                         let _ = tx.send(Event::Marker(now));
                     }
                 }
@@ -228,8 +231,12 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
     let status = child.wait().ok();
     let out = reader.join().unwrap_or(ReaderOut {
         first_byte: None,
+        marker: None,
         output: Vec::new(),
     });
+    // The exit can be reported before the reader's marker event: the reader's own record
+    // of the marker is authoritative.
+    let marker_at = marker_at.or(out.marker);
     let since = |t: Option<Instant>| t.map(|t| t.saturating_duration_since(t0));
     Ok(RunResult {
         spawn_realtime_ns,
@@ -262,12 +269,17 @@ pub fn read_tail(path: &Path, max: usize) -> String {
 mod tests {
     use super::*;
 
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
     fn spec(script: &str, marker: Option<&str>, kill: bool, timeout_ms: u64) -> RunSpec {
         RunSpec {
             program: "/bin/sh".into(),
             args: vec!["-c".into(), script.into()],
-            stderr_path: std::env::temp_dir()
-                .join(format!("dsec-perf-test-{}.err", std::process::id())),
+            stderr_path: std::env::temp_dir().join(format!(
+                "dsec-perf-test-{}-{}.err",
+                std::process::id(),
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            )),
             timeout: Duration::from_millis(timeout_ms),
             marker: marker.map(str::to_string),
             kill_after_marker: kill,
@@ -289,6 +301,14 @@ mod tests {
         assert!(ex >= Duration::from_millis(90));
         assert!(r.status.unwrap().success());
         assert_eq!(String::from_utf8_lossy(&r.output), "hello\nREADY\n");
+    }
+
+    #[test]
+    fn marker_right_before_exit_is_kept() {
+        for _ in 0..20 {
+            let r = run(&spec("echo DONE", Some("DONE"), false, 5000)).unwrap();
+            assert!(r.marker.is_some() && r.exit.is_some());
+        }
     }
 
     #[test]

@@ -63,6 +63,7 @@ _start32:
     sgdtl dsec_boot_regs + BR_GDTR
     movl $1, dsec_boot_regs + BR_KIND
 
+    call mask_interrupts
     lgdtl gdt_ptr
     lidtl idt_null
     movl %cr4, %eax
@@ -77,6 +78,13 @@ _start32:
     movl $CR0_VALUE, %eax
     movl %eax, %cr0
     ljmpl $0x08, $long_common
+
+/* Mask both 8259 PICs (same bytes in 32- and 64-bit mode). */
+mask_interrupts:
+    movb $0xff, %al
+    outb %al, $0x21
+    outb %al, $0xa1
+    ret
 
 ap_park32:
     cli
@@ -115,6 +123,7 @@ _start64:
     sgdt dsec_boot_regs + BR_GDTR(%rip)
     movq $2, dsec_boot_regs + BR_KIND(%rip)
 
+    call mask_interrupts
     lgdt gdt_ptr(%rip)
     lidt idt_null(%rip)
     movq %cr4, %rax
@@ -140,6 +149,15 @@ long_common:
     movl %eax, %ss
     movl %eax, %fs
     movl %eax, %gs
+ /* Our own TSS whose I/O bitmap allows every port: the PVM hypervisor checks the TSS
+  * bitmap for port I/O at CPL 3 even with IOPL 3, and the VMM's boot TSS has none. */
+    movl $tss, %eax
+    movw %ax, gdt_tss + 2
+    shrl $16, %eax
+    movb %al, gdt_tss + 4
+    movb %ah, gdt_tss + 7
+    movw $0x28, %ax
+    ltr %ax
     movq $boot_stack_top, %rsp
     pushq $0x1b                 /* SS: user data */
     pushq $user_stack_top       /* RSP */
@@ -219,6 +237,14 @@ gdt:
     .quad 0x00cf92000000ffff    /* 0x10 kernel data */
     .quad 0x00cff2000000ffff    /* 0x18 user data (selector 0x1b) */
     .quad 0x00affa000000ffff    /* 0x20 user code, 64-bit (selector 0x23) */
+gdt_tss:                        /* 0x28 64-bit TSS; base filled in at boot */
+    .word tss_end - tss - 1
+    .word 0
+    .byte 0
+    .byte 0x89                  /* present, available 64-bit TSS */
+    .byte 0
+    .byte 0
+    .quad 0
 gdt_end:
     .balign 16
 gdt_ptr:
@@ -236,6 +262,19 @@ boot_claimed:
     .global dsec_boot_regs
 dsec_boot_regs:
     .fill 16, 8, 0
+
+/* 64-bit TSS: RSP0 (unused: no interrupts or exceptions are handled) and an all-zero I/O
+ * permission bitmap (every port allowed), terminated by 0xff. */
+    .balign 16
+tss:
+    .long 0
+    .quad boot_stack_top
+    .fill 0x66 - 12, 1, 0
+    .word tss_iomap - tss
+tss_iomap:
+    .fill 8192, 1, 0
+    .byte 0xff
+tss_end:
 
 /* Identity map of the first 4 GiB with 2 MiB pages, user-accessible at every level. */
     .section .data.pagetables, "aw"

@@ -357,6 +357,12 @@ fn run_l1(o: &OuterOpts, kernel: &Path, initramfs: &Path, order: &[&str], tag: &
         .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
         .arg(format!("{}=/guest/vmlinux", kernel.display()))
         .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()))
+        // L1 runs the same kernel build as the guest; without this rig.sh would ask
+        // guest-kernel/build.sh for it (and build it if its cache is cold).
+        .env(
+            "RIG_KERNEL",
+            std::env::var_os("RIG_KERNEL").unwrap_or_else(|| kernel.as_os_str().to_owned()),
+        )
         .env(
             "RIG_TIMEOUT",
             (300 + per_boot * order.len() as u64).to_string(),

@@ -163,6 +163,13 @@ pub fn inner(o: &InnerOpts) -> usize {
                                 run::read_tail(&spec.stderr_path, 300)
                             ));
                         }
+                        // The guest console with arrival times, for diagnosis (rig console).
+                        for (t, text) in r.timeline.iter().rev().take(80).rev() {
+                            println!(
+                                "PERF-RIG-CONSOLE {c}#{i} +{:.1}ms {text}",
+                                t.as_secs_f64() * 1e3
+                            );
+                        }
                         l
                     }
                 }

@@ -44,6 +44,8 @@ pub struct RunResult {
     pub timed_out: bool,
     pub killed_after_marker: bool,
     pub output: Vec<u8>,
+    /// When each console line started arriving, for diagnostics.
+    pub timeline: Vec<(Duration, String)>,
 }
 
 impl RunResult {
@@ -75,6 +77,8 @@ struct ReaderOut {
     first_byte: Option<Instant>,
     marker: Option<Instant>,
     output: Vec<u8>,
+    /// (when, output length before this read) for every read.
+    chunks: Vec<(Instant, usize)>,
 }
 
 fn reader_thread(
@@ -86,6 +90,7 @@ fn reader_thread(
         first_byte: None,
         marker: None,
         output: Vec::with_capacity(4096),
+        chunks: Vec::new(),
     };
     let mut buf = [0u8; 4096];
     let mut marker_seen = false;
@@ -101,6 +106,7 @@ fn reader_thread(
                     .output
                     .len()
                     .saturating_sub(marker.as_ref().map_or(0, |m| m.len()));
+                out.chunks.push((now, out.output.len()));
                 out.output.extend_from_slice(&buf[..n]);
                 if let (false, Some(m)) = (marker_seen, &marker) {
                     if find(&out.output[scan_from..], m.as_bytes()) {
@@ -115,6 +121,26 @@ fn reader_thread(
         }
     }
     out
+}
+
+/// Splits the output into lines, each stamped with the read that brought its first byte.
+fn timeline(output: &[u8], chunks: &[(Instant, usize)], t0: Instant) -> Vec<(Duration, String)> {
+    let mut lines = Vec::new();
+    let mut start = 0;
+    while start < output.len() {
+        let end = output[start..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .map_or(output.len(), |i| start + i + 1);
+        let k = chunks.partition_point(|&(_, off)| off <= start);
+        let when = chunks
+            .get(k.wrapping_sub(1))
+            .map_or(Duration::ZERO, |&(t, _)| t.saturating_duration_since(t0));
+        let text = String::from_utf8_lossy(&output[start..end]);
+        lines.push((when, text.trim_end().to_string()));
+        start = end;
+    }
+    lines
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> bool {
@@ -233,6 +259,7 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
         first_byte: None,
         marker: None,
         output: Vec::new(),
+        chunks: Vec::new(),
     });
     // The exit can be reported before the reader's marker event: the reader's own record
     // of the marker is authoritative.
@@ -251,6 +278,7 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
         status,
         timed_out,
         killed_after_marker,
+        timeline: timeline(&out.output, &out.chunks, t0),
         output: out.output,
     })
 }
@@ -301,6 +329,9 @@ mod tests {
         assert!(ex >= Duration::from_millis(90));
         assert!(r.status.unwrap().success());
         assert_eq!(String::from_utf8_lossy(&r.output), "hello\nREADY\n");
+        assert_eq!(r.timeline.len(), 2);
+        assert_eq!(r.timeline[1].1, "READY");
+        assert!(r.timeline[0].0 >= Duration::from_millis(40));
     }
 
     #[test]

@@ -340,9 +340,32 @@ impl std::fmt::Debug for Mount {
 }
 
 impl Mount {
-    /// Unmounts and waits for the session to end.
+    /// Unmounts and waits for the session to end. If files are still open the mount is
+    /// detached lazily instead (it disappears from the namespace at once, the session
+    /// ends when the last file closes) so this never hangs.
     pub fn unmount(mut self) {
-        if let Some(s) = self.session.take() {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let Some(s) = self.session.take() else { return };
+        let c = match std::ffi::CString::new(self.mountpoint.as_os_str().as_encoded_bytes()) {
+            Ok(c) => c,
+            Err(_) => return,
+        };
+        // SAFETY: c is a valid NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            s.join();
+            return;
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EBUSY) {
+            warn!(mountpoint = %self.mountpoint.display(), "mount busy: detaching lazily");
+            // SAFETY: as above.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            drop(s);
+        } else {
+            // Already gone (unmounted from outside): the session thread has ended or will.
             s.join();
         }
     }
@@ -362,9 +385,7 @@ impl Mount {
 
 impl Drop for Mount {
     fn drop(&mut self) {
-        if let Some(s) = self.session.take() {
-            s.join();
-        }
+        self.shutdown();
     }
 }
 

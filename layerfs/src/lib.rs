@@ -14,4 +14,5 @@ pub mod cache;
 pub mod compose;
 pub mod fuse;
 pub mod overlay;
+pub mod sandbox;
 pub mod tarfmt;

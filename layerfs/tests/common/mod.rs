@@ -207,10 +207,15 @@ pub fn snapshot(root: &Path) -> BTreeMap<String, Rec> {
     let mut out = BTreeMap::new();
     walk(root, root, &mut out);
     // Replace inode numbers by the first path of each inode, so trees compare.
+    // Only hard links (nlink > 1) are grouped: overlayfs over mixed filesystems may
+    // repeat inode numbers of unrelated files.
     let mut first: BTreeMap<u64, u64> = BTreeMap::new();
     for (n, r) in out.values_mut().enumerate() {
-        let f = *first.entry(r.ino).or_insert(n as u64);
-        r.ino = f;
+        r.ino = if r.kind != "dir" && r.nlink > 1 {
+            *first.entry(r.ino).or_insert(n as u64)
+        } else {
+            n as u64
+        };
     }
     out
 }
@@ -265,7 +270,8 @@ fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>) {
                 .is_symlink()
                 .then(|| fs::read_link(&p).unwrap().to_str().unwrap().to_string()),
             xattrs,
-            ino: md.ino(),
+            // dev folded in so equal inode numbers on different filesystems stay apart.
+            ino: md.ino() ^ md.dev().rotate_left(48),
         };
         out.insert(rel, rec);
         if ft.is_dir() {

@@ -44,13 +44,13 @@ impl Artifacts {
 }
 
 /// Finds a helper binary: next to the current executable (or its parent, for test
-/// binaries in target/*/deps), then in $DSEC_HOME/bin, then in PATH.
+/// and example binaries in target/*/{deps,examples}), then in $DSEC_HOME/bin, then in PATH.
 pub fn find_binary(name: &str) -> Option<PathBuf> {
     let mut candidates = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
         if let Some(dir) = exe.parent() {
             candidates.push(dir.join(name));
-            if dir.ends_with("deps") {
+            if dir.ends_with("deps") || dir.ends_with("examples") {
                 if let Some(parent) = dir.parent() {
                     candidates.push(parent.join(name));
                 }

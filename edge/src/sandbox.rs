@@ -488,6 +488,13 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
             hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
         });
     }
+    let kvm = KvmStatus::detect();
+    if let Some(reason) = kvm.why_not_microvm() {
+        return Err(EdgeError::BackendUnavailable {
+            backend: "microvm",
+            reason: format!("{reason}; use --backend container (or auto)"),
+        });
+    }
     let vmm_bin = match &config.vmm_bin {
         Some(path) => path.clone(),
         None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {

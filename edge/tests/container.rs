@@ -285,6 +285,32 @@ async fn sandbox_is_isolated_from_host_and_agent_socket() {
         "agent socket visible inside the sandbox"
     );
 
+    // Commands run without the capabilities to mount, mknod or reach into the agent.
+    for (script, what) in [
+        ("mkdir -p /mnt/t && mount -t tmpfs none /mnt/t", "mount"),
+        ("mknod /tmp/disk b 8 0", "mknod a block device"),
+        (
+            "for f in /proc/1/fd/*; do readlink $f || exit 1; done",
+            "see the agent's fds",
+        ),
+        ("readlink /proc/1/exe", "resolve the agent's binary"),
+        ("cat /proc/1/environ", "read the agent's environment"),
+    ] {
+        let out = run(&sandbox, &["sh", "-c", script]).await;
+        assert_ne!(out.outcome.code, Some(0), "sandbox could {what}");
+    }
+    // Ordinary root work still succeeds.
+    let out = run(
+        &sandbox,
+        &[
+            "sh",
+            "-c",
+            "touch /tmp/f && chown nobody /tmp/f && chmod 600 /tmp/f",
+        ],
+    )
+    .await;
+    assert_eq!(out.outcome.code, Some(0), "{}", text(&out.stderr));
+
     // Only loopback networking.
     let out = run(&sandbox, &["ls", "/sys/class/net"]).await;
     assert_eq!(text(&out.stdout).trim(), "lo");

@@ -174,5 +174,8 @@ pub fn enter_root(
     std::env::set_current_dir("/").map_err(|e| setup_err("chdir /", e))?;
     nix::unistd::sethostname(hostname).map_err(|e| setup_err("sethostname", e))?;
     crate::init::loopback_up();
+    // Not dumpable: sandbox processes (same uid) cannot ptrace the agent or read its
+    // /proc/1/{mem,environ,fd}, so the control channel stays out of reach.
+    nix::sys::prctl::set_dumpable(false).map_err(|e| setup_err("prctl(PR_SET_DUMPABLE)", e))?;
     Ok(())
 }

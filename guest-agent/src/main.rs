@@ -148,7 +148,10 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
         .map_err(|e| AgentError::Listen(format!("register listener: {e}")))?;
     let server = tonic::transport::Server::builder()
         .add_service(AgentServer::new(agent::AgentService { mode }))
-        .add_service(ProcessServer::new(exec::ProcessService::new(reaper)))
+        .add_service(ProcessServer::new(exec::ProcessService::new(
+            reaper,
+            mode == Mode::Container,
+        )))
         .add_service(FilesServer::new(files::FilesService));
     init::announce_ready(mode);
     server

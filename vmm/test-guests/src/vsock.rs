@@ -124,7 +124,15 @@ impl Queue {
         // SAFETY: `vq` points to this queue's static VirtQueue and `i` < QSIZE; the device
         // does not read a descriptor before its head is published in the avail ring.
         unsafe {
-            write_volatile(addr_of_mut!((*self.vq).desc[i]), Desc { addr, len, flags, next });
+            write_volatile(
+                addr_of_mut!((*self.vq).desc[i]),
+                Desc {
+                    addr,
+                    len,
+                    flags,
+                    next,
+                },
+            );
         }
     }
 
@@ -274,7 +282,9 @@ impl core::fmt::Display for InitError {
             InitError::Version(v) => write!(f, "version {}, want 2", v),
             InitError::DeviceId(v) => write!(f, "device id {}, want 19", v),
             InitError::NoVersion1(v) => write!(f, "features {:#x} lack VIRTIO_F_VERSION_1", v),
-            InitError::FeaturesRejected(s) => write!(f, "FEATURES_OK not accepted (status {:#x})", s),
+            InitError::FeaturesRejected(s) => {
+                write!(f, "FEATURES_OK not accepted (status {:#x})", s)
+            }
             InitError::QueueMissing(q) => write!(f, "queue {} has QueueNumMax 0", q),
         }
     }
@@ -334,7 +344,10 @@ impl Vsock {
             let desc = vq as u64;
             // SAFETY: only field addresses inside the static queue are computed.
             let (avail, used) = unsafe {
-                (addr_of!((*vq).avail_flags) as u64, addr_of!((*vq).used_flags) as u64)
+                (
+                    addr_of!((*vq).avail_flags) as u64,
+                    addr_of!((*vq).used_flags) as u64,
+                )
             };
             mmio_write(0x038, size);
             mmio_write(0x080, desc as u32);
@@ -410,10 +423,13 @@ impl Vsock {
         let b = Self::rxbuf(i) as u64;
         let d = 2 * i;
         if self.single_desc {
-            self.rxq.set_desc(d, b, (HDR + RX_DATA) as u32, DESC_WRITE, 0);
+            self.rxq
+                .set_desc(d, b, (HDR + RX_DATA) as u32, DESC_WRITE, 0);
         } else {
-            self.rxq.set_desc(d, b, HDR as u32, DESC_WRITE | DESC_NEXT, (d + 1) as u16);
-            self.rxq.set_desc(d + 1, b + HDR as u64, RX_DATA as u32, DESC_WRITE, 0);
+            self.rxq
+                .set_desc(d, b, HDR as u32, DESC_WRITE | DESC_NEXT, (d + 1) as u16);
+            self.rxq
+                .set_desc(d + 1, b + HDR as u64, RX_DATA as u32, DESC_WRITE, 0);
         }
         self.rxq.push(d as u16);
     }
@@ -483,15 +499,21 @@ impl Vsock {
         // (callers chunk) and never aliases the tx buffers.
         unsafe {
             write_volatile(addr_of_mut!((*b).hdr), hdr);
-            core::ptr::copy_nonoverlapping(data.as_ptr(), addr_of_mut!((*b).data) as *mut u8, data.len());
+            core::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                addr_of_mut!((*b).data) as *mut u8,
+                data.len(),
+            );
         }
         let a = b as u64;
         let d = 2 * s;
         if self.single_desc || data.is_empty() {
             self.txq.set_desc(d, a, (HDR + data.len()) as u32, 0, 0);
         } else {
-            self.txq.set_desc(d, a, HDR as u32, DESC_NEXT, (d + 1) as u16);
-            self.txq.set_desc(d + 1, a + HDR as u64, data.len() as u32, 0, 0);
+            self.txq
+                .set_desc(d, a, HDR as u32, DESC_NEXT, (d + 1) as u16);
+            self.txq
+                .set_desc(d + 1, a + HDR as u64, data.len() as u32, 0, 0);
         }
         self.txq.push(d as u16);
         self.stats.tx_packets += 1;
@@ -522,9 +544,9 @@ impl Vsock {
     }
 
     fn find(&self, local: u32, peer: u32) -> Option<usize> {
-        self.conns.iter().position(|c| {
-            c.state != State::Free && c.local_port == local && c.peer_port == peer
-        })
+        self.conns
+            .iter()
+            .position(|c| c.state != State::Free && c.local_port == local && c.peer_port == peer)
     }
 
     /// Processes everything the device returned and sends batched notifications.
@@ -707,7 +729,11 @@ impl Vsock {
         let mut moved = 0;
         loop {
             let c = self.conns[id];
-            let n = c.len.min(RING - c.head).min(c.credit() as usize).min(TX_DATA);
+            let n = c
+                .len
+                .min(RING - c.head)
+                .min(c.credit() as usize)
+                .min(TX_DATA);
             if n == 0 {
                 if c.len > 0 && c.credit() == 0 {
                     self.stall(id);
@@ -750,6 +776,14 @@ impl Vsock {
             }
             State::Reset | State::Connecting => self.conns[id] = Conn::FREE,
             _ => {}
+        }
+    }
+
+    /// Resets connection `id` (sends RST) and frees its slot.
+    pub fn abort(&mut self, id: usize) {
+        if self.conns[id].state != State::Free {
+            self.send_ctrl(id, OP_RST, 0);
+            self.conns[id] = Conn::FREE;
         }
     }
 

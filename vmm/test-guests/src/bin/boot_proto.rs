@@ -10,9 +10,8 @@
 #![no_main]
 
 use dsec_test_guests::{
-    as_str, boot_info_or_finish, boot_regs, check, fail, finish, image_range, param,
-    param_num, pass, pattern_byte, peek, phys_slice, println, BootInfo, BootRegs, BOOT_LINUX64,
-    BOOT_PVH,
+    as_str, boot_info_or_finish, boot_regs, check, fail, finish, image_range, param, param_num,
+    pass, pattern_byte, peek, phys_slice, println, BootInfo, BootRegs, BOOT_LINUX64, BOOT_PVH,
 };
 
 const START_INFO_ADDR: u64 = 0x6000;
@@ -75,7 +74,12 @@ fn check_entry_regs(r: &BootRegs) {
     const PAE: u64 = 1 << 5;
     const LME: u64 = 1 << 8;
     const LMA: u64 = 1 << 10;
-    check!(r.rflags == 0x2, "entry-rflags", "EFLAGS {:#x}, want 0x2", r.rflags);
+    check!(
+        r.rflags == 0x2,
+        "entry-rflags",
+        "EFLAGS {:#x}, want 0x2",
+        r.rflags
+    );
     check!(r.cs == 0x08, "entry-cs", "CS {:#x}, want 0x08", r.cs);
     check!(
         r.ds == 0x10 && r.es == 0x10 && r.ss == 0x10,
@@ -86,13 +90,40 @@ fn check_entry_regs(r: &BootRegs) {
         r.ss
     );
     if r.kind == BOOT_PVH {
-        check!(r.rbx == START_INFO_ADDR, "entry-ebx", "EBX {:#x}, want {:#x}", r.rbx, START_INFO_ADDR);
-        check!(r.cr0 & (PE | PG) == PE, "entry-cr0", "CR0 {:#x}: want PE set, PG clear", r.cr0);
+        check!(
+            r.rbx == START_INFO_ADDR,
+            "entry-ebx",
+            "EBX {:#x}, want {:#x}",
+            r.rbx,
+            START_INFO_ADDR
+        );
+        check!(
+            r.cr0 & (PE | PG) == PE,
+            "entry-cr0",
+            "CR0 {:#x}: want PE set, PG clear",
+            r.cr0
+        );
         check!(r.cr4 == 0, "entry-cr4", "CR4 {:#x}, want 0", r.cr4);
-        check!(r.efer & (LME | LMA) == 0, "entry-efer", "EFER {:#x}: LME/LMA set", r.efer);
+        check!(
+            r.efer & (LME | LMA) == 0,
+            "entry-efer",
+            "EFER {:#x}: LME/LMA set",
+            r.efer
+        );
     } else {
-        check!(r.rsi == BOOT_PARAMS_ADDR, "entry-rsi", "RSI {:#x}, want {:#x}", r.rsi, BOOT_PARAMS_ADDR);
-        check!(r.cr0 & (PE | PG) == PE | PG, "entry-cr0", "CR0 {:#x}: want PE and PG", r.cr0);
+        check!(
+            r.rsi == BOOT_PARAMS_ADDR,
+            "entry-rsi",
+            "RSI {:#x}, want {:#x}",
+            r.rsi,
+            BOOT_PARAMS_ADDR
+        );
+        check!(
+            r.cr0 & (PE | PG) == PE | PG,
+            "entry-cr0",
+            "CR0 {:#x}: want PE and PG",
+            r.cr0
+        );
         check!(r.cr4 & PAE != 0, "entry-cr4", "CR4 {:#x}: PAE clear", r.cr4);
         check!(
             r.efer & (LME | LMA) == LME | LMA,
@@ -107,7 +138,13 @@ fn check_entry_regs(r: &BootRegs) {
 fn check_vmm_gdt(r: &BootRegs) {
     println!("entry gdt: base={:#x} limit={:#x}", r.gdt_base, r.gdt_limit);
     let ok_range = r.gdt_base != 0 && r.gdt_base < MIB && u64::from(r.gdt_limit) >= 0x17;
-    if !check!(ok_range, "vmm-gdt", "GDTR base {:#x} limit {:#x}", r.gdt_base, r.gdt_limit) {
+    if !check!(
+        ok_range,
+        "vmm-gdt",
+        "GDTR base {:#x} limit {:#x}",
+        r.gdt_base,
+        r.gdt_limit
+    ) {
         return;
     }
     // SAFETY: the GDT lies below 1 MiB (checked above), which is identity mapped.
@@ -145,9 +182,25 @@ fn check_start_info(addr: u64) {
     };
     check!(magic == 0x336e_c578, "start-info-magic", "{:#x}", magic);
     check!(version >= 1, "start-info-version", "version {}", version);
-    check!(addr == START_INFO_ADDR, "start-info-addr", "at {:#x}, want {:#x}", addr, START_INFO_ADDR);
-    check!(nr_modules <= 1, "start-info-modules", "nr_modules {}", nr_modules);
-    check!(memmap_entries > 0, "start-info-memmap", "memmap_entries {}", memmap_entries);
+    check!(
+        addr == START_INFO_ADDR,
+        "start-info-addr",
+        "at {:#x}, want {:#x}",
+        addr,
+        START_INFO_ADDR
+    );
+    check!(
+        nr_modules <= 1,
+        "start-info-modules",
+        "nr_modules {}",
+        nr_modules
+    );
+    check!(
+        memmap_entries > 0,
+        "start-info-memmap",
+        "memmap_entries {}",
+        memmap_entries
+    );
 }
 
 fn check_boot_params(addr: u64, bi: &BootInfo) {
@@ -166,9 +219,24 @@ fn check_boot_params(addr: u64, bi: &BootInfo) {
         "boot_params: boot_flag={:#x} header={:#x} version={:#x} type_of_loader={:#x}",
         boot_flag, header, version, loader
     );
-    check!(addr == BOOT_PARAMS_ADDR, "boot-params-addr", "at {:#x}", addr);
-    check!(boot_flag == 0xaa55, "boot-params-boot-flag", "{:#x}, want 0xaa55", boot_flag);
-    check!(header == 0x5372_6448, "boot-params-header", "{:#x}, want \"HdrS\"", header);
+    check!(
+        addr == BOOT_PARAMS_ADDR,
+        "boot-params-addr",
+        "at {:#x}",
+        addr
+    );
+    check!(
+        boot_flag == 0xaa55,
+        "boot-params-boot-flag",
+        "{:#x}, want 0xaa55",
+        boot_flag
+    );
+    check!(
+        header == 0x5372_6448,
+        "boot-params-header",
+        "{:#x}, want \"HdrS\"",
+        header
+    );
     check!(
         u64::from(cmd_line_ptr) == bi.cmdline_addr && cmd_line_ptr != 0,
         "boot-params-cmd-line-ptr",
@@ -228,12 +296,25 @@ fn check_vmm_page_tables(cr3: u64) {
 
 fn check_memmap(bi: &BootInfo, cmdline: &[u8]) {
     for e in bi.memmap() {
-        println!("memmap: {:#x}..{:#x} type {}", e.addr, e.addr + e.size, e.kind);
+        println!(
+            "memmap: {:#x}..{:#x} type {}",
+            e.addr,
+            e.addr + e.size,
+            e.kind
+        );
     }
     let map = bi.memmap();
     let sorted = map.windows(2).all(|w| w[0].addr + w[0].size <= w[1].addr);
-    check!(sorted, "memmap-sorted-disjoint", "entries out of order or overlapping");
-    check!(map.iter().all(|e| e.size > 0), "memmap-nonempty-entries", "zero-sized entry");
+    check!(
+        sorted,
+        "memmap-sorted-disjoint",
+        "entries out of order or overlapping"
+    );
+    check!(
+        map.iter().all(|e| e.size > 0),
+        "memmap-nonempty-entries",
+        "zero-sized entry"
+    );
     let expect_mem = param_num(cmdline, "expect_mem").unwrap_or(0);
     let want = [
         (0u64, 0x9fc00u64, 1u32),
@@ -245,7 +326,12 @@ fn check_memmap(bi: &BootInfo, cmdline: &[u8]) {
             .iter()
             .zip(want.iter())
             .all(|(e, w)| (e.addr, e.size, e.kind) == *w);
-    check!(exact, "memmap-layout", "want [0,0x9fc00) RAM, [0x9fc00,0xa0000) reserved, [1M,{:#x}) RAM", expect_mem);
+    check!(
+        exact,
+        "memmap-layout",
+        "want [0,0x9fc00) RAM, [0x9fc00,0xa0000) reserved, [1M,{:#x}) RAM",
+        expect_mem
+    );
     check!(
         bi.ram_end() == expect_mem,
         "memmap-ram-end",
@@ -256,7 +342,11 @@ fn check_memmap(bi: &BootInfo, cmdline: &[u8]) {
     let hole = map
         .iter()
         .any(|e| e.kind == 1 && overlaps((e.addr, e.addr + e.size), (0xa_0000, 0x10_0000)));
-    check!(!hole, "memmap-legacy-hole", "RAM declared in [0xa0000, 0x100000)");
+    check!(
+        !hole,
+        "memmap-legacy-hole",
+        "RAM declared in [0xa0000, 0x100000)"
+    );
     let (img_start, img_end) = image_range();
     check!(
         in_ram(bi, img_start, img_end),
@@ -269,7 +359,13 @@ fn check_memmap(bi: &BootInfo, cmdline: &[u8]) {
 
 fn check_cmdline(bi: &BootInfo, cmdline: &[u8]) {
     let addr = bi.cmdline_addr;
-    check!(addr == CMDLINE_ADDR, "cmdline-addr", "at {:#x}, want {:#x}", addr, CMDLINE_ADDR);
+    check!(
+        addr == CMDLINE_ADDR,
+        "cmdline-addr",
+        "at {:#x}, want {:#x}",
+        addr,
+        CMDLINE_ADDR
+    );
     let end = addr + cmdline.len() as u64 + 1;
     check!(
         in_ram(bi, addr, end) && !overlaps((addr, end), image_range()),
@@ -293,19 +389,45 @@ fn check_cmdline(bi: &BootInfo, cmdline: &[u8]) {
 fn check_initrd(bi: &BootInfo, cmdline: &[u8], info_addr: u64) {
     let want_size = param_num(cmdline, "initrd_size");
     let Some(want_size) = want_size else {
-        check!(bi.initrd.is_none(), "initrd-absent", "unexpected initrd {:?}", bi.initrd);
+        check!(
+            bi.initrd.is_none(),
+            "initrd-absent",
+            "unexpected initrd {:?}",
+            bi.initrd
+        );
         return;
     };
     let Some((addr, size)) = bi.initrd else {
-        fail("initrd-present", format_args!("no initrd in the boot structure"));
+        fail(
+            "initrd-present",
+            format_args!("no initrd in the boot structure"),
+        );
         return;
     };
     pass("initrd-present");
-    println!("initrd: {:#x}..{:#x} ({} bytes), RAM ends {:#x}", addr, addr + size, size, bi.ram_end());
-    check!(size == want_size, "initrd-size", "{} bytes, want {}", size, want_size);
+    println!(
+        "initrd: {:#x}..{:#x} ({} bytes), RAM ends {:#x}",
+        addr,
+        addr + size,
+        size,
+        bi.ram_end()
+    );
+    check!(
+        size == want_size,
+        "initrd-size",
+        "{} bytes, want {}",
+        size,
+        want_size
+    );
     check!(addr % 4096 == 0, "initrd-aligned", "address {:#x}", addr);
     let range = (addr, addr + size);
-    check!(in_ram(bi, range.0, range.1), "initrd-in-ram", "{:#x}..{:#x}", range.0, range.1);
+    check!(
+        in_ram(bi, range.0, range.1),
+        "initrd-in-ram",
+        "{:#x}..{:#x}",
+        range.0,
+        range.1
+    );
     let cmd = (bi.cmdline_addr, bi.cmdline_addr + cmdline.len() as u64 + 1);
     let info = (info_addr, info_addr + 4096);
     check!(
@@ -323,7 +445,10 @@ fn check_initrd(bi: &BootInfo, cmdline: &[u8], info_addr: u64) {
             .position(|(i, &b)| b != pattern_byte(seed, i as u64));
         match bad {
             None => pass("initrd-content"),
-            Some(i) => fail("initrd-content", format_args!("first mismatch at offset {}", i)),
+            Some(i) => fail(
+                "initrd-content",
+                format_args!("first mismatch at offset {}", i),
+            ),
         }
     }
 }
@@ -346,7 +471,10 @@ fn check_mp_table(cmdline: &[u8]) {
         a += 16;
     }
     let Some(fp) = fp else {
-        fail("mp-floating-pointer", format_args!("no _MP_ in [0x9fc00, 0xa0000)"));
+        fail(
+            "mp-floating-pointer",
+            format_args!("no _MP_ in [0x9fc00, 0xa0000)"),
+        );
         return;
     };
     // SAFETY: the 16-byte floating pointer structure lies below 0xa0000.
@@ -360,14 +488,30 @@ fn check_mp_table(cmdline: &[u8]) {
         checksum(fp, 16)
     );
     if cfg == 0 || cfg >= MIB {
-        fail("mp-config-table", format_args!("config table pointer {:#x}", cfg));
+        fail(
+            "mp-config-table",
+            format_args!("config table pointer {:#x}", cfg),
+        );
         return;
     }
     // SAFETY: `cfg` is non-null and below 1 MiB (checked).
-    let (sig, base_len, count) =
-        unsafe { (peek::<[u8; 4]>(cfg), u64::from(peek::<u16>(cfg + 4)), peek::<u16>(cfg + 34)) };
-    let ok = sig == *b"PCMP" && base_len >= 44 && cfg + base_len <= MIB && checksum(cfg, base_len) == 0;
-    if !check!(ok, "mp-config-table", "at {:#x}: sig {:?} length {}", cfg, sig, base_len) {
+    let (sig, base_len, count) = unsafe {
+        (
+            peek::<[u8; 4]>(cfg),
+            u64::from(peek::<u16>(cfg + 4)),
+            peek::<u16>(cfg + 34),
+        )
+    };
+    let ok =
+        sig == *b"PCMP" && base_len >= 44 && cfg + base_len <= MIB && checksum(cfg, base_len) == 0;
+    if !check!(
+        ok,
+        "mp-config-table",
+        "at {:#x}: sig {:?} length {}",
+        cfg,
+        sig,
+        base_len
+    ) {
         return;
     }
     let mut p = cfg + 44;
@@ -403,14 +547,32 @@ fn check_mp_table(cmdline: &[u8]) {
             }
             1 | 3 | 4 => p += 8,
             _ => {
-                fail("mp-entries", format_args!("unknown entry type {} at {:#x}", t, p));
+                fail(
+                    "mp-entries",
+                    format_args!("unknown entry type {} at {:#x}", t, p),
+                );
                 return;
             }
         }
     }
-    println!("mp: {} cpus, {} bsp, {} ioapic, {} entries", cpus, bsps, ioapics, count);
+    println!(
+        "mp: {} cpus, {} bsp, {} ioapic, {} entries",
+        cpus, bsps, ioapics, count
+    );
     check!(p <= end, "mp-entries", "entries run past the table end");
     let want = param_num(cmdline, "expect_vcpus").unwrap_or(1);
-    check!(cpus == want, "mp-cpu-count", "{} enabled processors, want {}", cpus, want);
-    check!(bsps == 1 && !dup, "mp-bsp", "{} BSP entries, duplicate APIC ids: {}", bsps, dup);
+    check!(
+        cpus == want,
+        "mp-cpu-count",
+        "{} enabled processors, want {}",
+        cpus,
+        want
+    );
+    check!(
+        bsps == 1 && !dup,
+        "mp-bsp",
+        "{} BSP entries, duplicate APIC ids: {}",
+        bsps,
+        dup
+    );
 }

@@ -5,8 +5,7 @@
 #![no_main]
 
 use dsec_test_guests::{
-    boot_info_or_finish, check, fail, finish, image_range, param_num, pattern_word, println,
-    rdtsc,
+    boot_info_or_finish, check, fail, finish, image_range, param_num, pattern_word, println, rdtsc,
 };
 
 #[no_mangle]
@@ -14,7 +13,13 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
     let bi = boot_info_or_finish(info_addr, kind);
     let cmdline = bi.cmdline();
     if let Some(want) = param_num(cmdline, "expect_mem") {
-        check!(bi.ram_end() == want, "memory-size", "RAM ends at {:#x}, want {:#x}", bi.ram_end(), want);
+        check!(
+            bi.ram_end() == want,
+            "memory-size",
+            "RAM ends at {:#x}, want {:#x}",
+            bi.ram_end(),
+            want
+        );
     }
     let (_, image_end) = image_range();
     let seed = rdtsc() | 1;
@@ -53,7 +58,12 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
                 let want = pattern_word(seed, base + i as u64);
                 if *w != want {
                     if bad < 4 {
-                        println!("mismatch at {:#x}: {:#x} != {:#x}", s + 8 * i as u64, *w, want);
+                        println!(
+                            "mismatch at {:#x}: {:#x} != {:#x}",
+                            s + 8 * i as u64,
+                            *w,
+                            want
+                        );
                     }
                     bad += 1;
                 }
@@ -71,11 +81,22 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
         }
     }
     let cycles = rdtsc() - t0;
-    println!("tested {} MiB above {:#x} in {} M TSC cycles", total >> 20, image_end, cycles / 1_000_000);
+    println!(
+        "tested {} MiB above {:#x} in {} M TSC cycles",
+        total >> 20,
+        image_end,
+        cycles / 1_000_000
+    );
     if total == 0 {
         fail("memory-pattern", format_args!("no RAM above the image"));
     } else {
-        check!(bad == 0, "memory-pattern", "{} bad words in {} bytes", bad, total);
+        check!(
+            bad == 0,
+            "memory-pattern",
+            "{} bad words in {} bytes",
+            bad,
+            total
+        );
     }
     finish()
 }

@@ -1,10 +1,10 @@
 //! Drives the virtio-mmio vsock device from CPL 3 (see `dsec_test_guests::vsock`).
 //!
 //! Sequence (the host side lives in vmm/tests/test_guests.rs):
-//! 1. probe + initialise the device, check the CID against `expect_cid=`, print `READY`;
+//! 1. probe + initialise the device, check the CID against `expect_cid=`;
 //! 2. guest-initiated: connect to host port 6000, send `hello from guest <cid>\n`, expect
 //!    `hello from host\n`, close; connect to port 6001 (nobody listens) and expect RST;
-//! 3. serve host-initiated connections until done:
+//! 3. print `READY` and serve host-initiated connections until done:
 //!    - port 5000 (bulk): the host sends a u64 length L and L bytes of pattern seed 1; the
 //!      guest verifies every word, then answers u64 hash, u64 mismatches, u64 L2 and L2 bytes
 //!      of pattern seed 2 (`bulk_out=`, default 100M). `bulk=0` skips this;
@@ -18,21 +18,27 @@
 
 use dsec_test_guests::vsock::{State, Vsock, NCONN};
 use dsec_test_guests::{
-    check, fail, finish, hash_word, param_num, pass, pattern_word, println, rdtsc,
-    boot_info_or_finish, HASH_INIT,
+    boot_info_or_finish, check, fail, finish, hash_word, param_num, pass, pattern_word, println,
+    rdtsc, HASH_INIT,
 };
 
 /// Generous TSC budgets (the frequency is not calibrated; assume at least ~1 GHz).
 const WAIT_CYCLES: u64 = 30_000_000_000;
-const TOTAL_CYCLES: u64 = 1_000_000_000_000;
+/// How long a closed connection may wait for the host's RST.
+const CLOSE_CYCLES: u64 = 5_000_000_000;
+const TOTAL_CYCLES: u64 = 250_000_000_000;
 
 const TAG_BULK: u32 = 1;
 const TAG_ECHO: u32 = 2;
 
-fn wait(v: &mut Vsock, mut done: impl FnMut(&Vsock) -> bool) -> bool {
+fn wait(v: &mut Vsock, done: impl FnMut(&Vsock) -> bool) -> bool {
+    wait_cycles(v, WAIT_CYCLES, done)
+}
+
+fn wait_cycles(v: &mut Vsock, budget: u64, mut done: impl FnMut(&Vsock) -> bool) -> bool {
     let t0 = rdtsc();
     while !done(v) {
-        if rdtsc() - t0 > WAIT_CYCLES {
+        if rdtsc() - t0 > budget {
             return false;
         }
         if !v.poll() {
@@ -65,7 +71,10 @@ fn read_exact(v: &mut Vsock, id: usize, out: &mut [u8]) -> bool {
 
 fn guest_initiated(v: &mut Vsock) {
     let Some(id) = v.connect(6000) else {
-        fail("vsock-guest-connect", format_args!("no free connection slot"));
+        fail(
+            "vsock-guest-connect",
+            format_args!("no free connection slot"),
+        );
         return;
     };
     let ok = wait(v, |v| v.conns[id].state != State::Connecting);
@@ -80,7 +89,10 @@ fn guest_initiated(v: &mut Vsock) {
         return;
     }
     let mut msg = [0u8; 64];
-    let mut w = Cursor { buf: &mut msg, len: 0 };
+    let mut w = Cursor {
+        buf: &mut msg,
+        len: 0,
+    };
     let _ = core::fmt::write(&mut w, format_args!("hello from guest {}\n", v.cid));
     let len = w.len;
     let sent = v.send(id, &msg[..len]);
@@ -94,13 +106,30 @@ fn guest_initiated(v: &mut Vsock) {
         len,
         core::str::from_utf8(&reply).unwrap_or("?")
     );
+    // We shut down both directions; the host must finish with RST (Linux waits 8 s, then
+    // resets on its own, which is what we do after CLOSE_CYCLES).
     v.close(id);
-    let closed = wait(v, |v| matches!(v.conns[id].state, State::Free | State::Reset));
-    check!(closed, "vsock-guest-close", "state {:?} after close", v.conns[id].state);
+    let t0 = rdtsc();
+    let closed = wait_cycles(v, CLOSE_CYCLES, |v| {
+        matches!(v.conns[id].state, State::Free | State::Reset)
+    });
+    check!(
+        closed,
+        "vsock-guest-close",
+        "no RST from the host {} M cycles after our SHUTDOWN(both); state {:?}",
+        (rdtsc() - t0) / 1_000_000,
+        v.conns[id].state
+    );
+    if !closed {
+        v.abort(id);
+    }
     v.forget(id);
 
     let Some(id) = v.connect(6001) else {
-        fail("vsock-connect-refused", format_args!("no free connection slot"));
+        fail(
+            "vsock-connect-refused",
+            format_args!("no free connection slot"),
+        );
         return;
     };
     let done = wait(v, |v| v.conns[id].state != State::Connecting);
@@ -277,7 +306,9 @@ impl Bulk {
                             return;
                         }
                         let off = self.sent % 8;
-                        let n = (self.out_len - self.sent).min(buf.len() as u64 - 8).min(credit);
+                        let n = (self.out_len - self.sent)
+                            .min(buf.len() as u64 - 8)
+                            .min(credit);
                         let k0 = self.sent / 8;
                         let words = (off + n).div_ceil(8) as usize;
                         for i in 0..words {
@@ -325,15 +356,21 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
     };
     pass("vsock-probe");
     if let Some(want) = param_num(cmdline, "expect_cid") {
-        check!(v.cid == want, "vsock-cid", "config guest_cid {}, want {}", v.cid, want);
+        check!(
+            v.cid == want,
+            "vsock-cid",
+            "config guest_cid {}, want {}",
+            v.cid,
+            want
+        );
     }
     v.listen(5000);
     v.listen(5001);
-    println!("READY");
-
     if param_num(cmdline, "guest_connect").unwrap_or(1) != 0 {
         guest_initiated(&mut v);
     }
+    // The host starts its connections now, so its timings measure only the transfers.
+    println!("READY");
 
     let mut bulk: Option<Bulk> = None;
     let mut bulk_done = !bulk_wanted;
@@ -377,7 +414,13 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
                             b.want,
                             b.mismatches
                         );
-                        check!(b.sent == b.out_len, "vsock-bulk-tx", "sent {} of {}", b.sent, b.out_len);
+                        check!(
+                            b.sent == b.out_len,
+                            "vsock-bulk-tx",
+                            "sent {} of {}",
+                            b.sent,
+                            b.out_len
+                        );
                         println!(
                             "bulk: rx {} bytes hash {:#018x} in {} M cycles, tx {} bytes in {} M cycles",
                             b.got,
@@ -406,7 +449,10 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
                 if tag == TAG_BULK && !bulk_done {
                     bulk_done = true;
                     let phase = bulk.as_ref().map(|b| b.phase);
-                    fail("vsock-bulk", format_args!("connection reset in phase {:?}", phase));
+                    fail(
+                        "vsock-bulk",
+                        format_args!("connection reset in phase {:?}", phase),
+                    );
                 }
             } else if echo_finished {
                 v.conns[id].tag = 0;
@@ -421,7 +467,10 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
         if rdtsc() - t0 > TOTAL_CYCLES {
             fail(
                 "vsock-timeout",
-                format_args!("bulk done {}, {} of {} echo streams", bulk_done, echo_done, streams),
+                format_args!(
+                    "bulk done {}, {} of {} echo streams",
+                    bulk_done, echo_done, streams
+                ),
             );
             break;
         }
@@ -434,16 +483,35 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
             echo_done,
             streams
         );
-        println!("echo: {} streams, {} bytes in {} M cycles", echo_done, echo_bytes, (rdtsc() - t_echo) / 1_000_000);
+        println!(
+            "echo: {} streams, {} bytes in {} M cycles",
+            echo_done,
+            echo_bytes,
+            (rdtsc() - t_echo) / 1_000_000
+        );
     }
     // Let the last RSTs reach the device.
-    wait(&mut v, |v| v.conns.iter().all(|c| c.state == State::Free || c.state == State::Closing));
+    wait(&mut v, |v| {
+        v.conns
+            .iter()
+            .all(|c| c.state == State::Free || c.state == State::Closing)
+    });
     let s = v.stats;
     println!(
         "stats: rx {} tx {} notifies {} credit_updates {} credit_requests {} events {} rst_unknown {}",
         s.rx_packets, s.tx_packets, s.notifies, s.credit_updates_sent, s.credit_requests_sent, s.events, s.rsts_for_unknown
     );
-    check!(s.credit_violations == 0, "vsock-peer-credit", "peer overran our credit {} times", s.credit_violations);
-    check!(s.bad_packets == 0, "vsock-packets", "{} malformed or misaddressed packets", s.bad_packets);
+    check!(
+        s.credit_violations == 0,
+        "vsock-peer-credit",
+        "peer overran our credit {} times",
+        s.credit_violations
+    );
+    check!(
+        s.bad_packets == 0,
+        "vsock-packets",
+        "{} malformed or misaddressed packets",
+        s.bad_packets
+    );
     finish()
 }

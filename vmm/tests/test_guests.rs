@@ -1,0 +1,918 @@
+//! Integration tests that boot the in-tree test guests (`vmm/test-guests`) through the real
+//! `dsec-vmm` binary and check what they report over the serial port, plus the VMM's handling
+//! of bad input and repeated create/destroy.
+//!
+//! The guests do their work at CPL 3, so these run in seconds even on the software PVM
+//! hypervisor. The guests are built once per test run with cargo (see `guests()`).
+//! Every test takes `SERIAL` so they run one at a time: the leak check counts this
+//! process's fds and threads, and the throughput figures are not skewed by other VMs.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Mutex, MutexGuard, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const VMM: &str = env!("CARGO_BIN_EXE_dsec-vmm");
+const GUEST_CID: u64 = 42;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial_lock() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Building the guests.
+
+/// Builds the guest crate once and returns the directory holding the guest binaries.
+fn guests() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("test-guests");
+        // <target>/<profile>/dsec-vmm -> <target>/test-guests
+        let target = Path::new(VMM)
+            .parent()
+            .and_then(Path::parent)
+            .expect("dsec-vmm lives in <target>/<profile>")
+            .join("test-guests");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        // Cargo reads test-guests/.cargo/config.toml (target flags, linker script) only when
+        // run from that directory; flags from the outer build must not leak in.
+        let out = Command::new(cargo)
+            .current_dir(&crate_dir)
+            .args(["build", "--release", "--target-dir"])
+            .arg(&target)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("CARGO_BUILD_RUSTFLAGS")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env_remove("CARGO_TARGET_DIR")
+            .output()
+            .expect("run cargo to build the test guests");
+        assert!(
+            out.status.success(),
+            "building the test guests failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        target.join("x86_64-unknown-linux-gnu").join("release")
+    })
+}
+
+fn guest(name: &str) -> PathBuf {
+    let p = guests().join(name);
+    assert!(p.exists(), "guest binary {} missing", p.display());
+    p
+}
+
+/// Writes a copy of `src` whose PT_NOTE headers are PT_NULL: without the PVH note the VMM
+/// boots the same image through the Linux 64-bit boot protocol (ELF entry point).
+fn without_pvh_note(src: &Path, dst: &Path) {
+    let mut elf = std::fs::read(src).expect("read guest ELF");
+    let u16_at = |b: &[u8], o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(elf[32..40].try_into().unwrap()) as usize;
+    let phentsize = u16_at(&elf, 54);
+    let phnum = u16_at(&elf, 56);
+    let mut found = false;
+    for i in 0..phnum {
+        let o = phoff + i * phentsize;
+        if elf[o..o + 4] == 4u32.to_le_bytes() {
+            elf[o..o + 4].copy_from_slice(&0u32.to_le_bytes());
+            found = true;
+        }
+    }
+    assert!(found, "{} has no PT_NOTE", src.display());
+    std::fs::write(dst, elf).expect("write ELF copy");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scratch directories, running the VMM, parsing results.
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "dsec-tg-{}-{}-{}",
+            std::process::id(),
+            name,
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[derive(Debug)]
+struct Run {
+    status: ExitStatus,
+    #[allow(dead_code)] // kept for debugging output
+    stdout: String,
+    stderr: String,
+    serial: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn describe(&self) -> String {
+        format!(
+            "status {:?} after {:?}\n--- stderr ---\n{}\n--- serial ---\n{}",
+            self.status, self.elapsed, self.stderr, self.serial
+        )
+    }
+
+    /// Asserts a clean reset (exit 0) and that the guest reported no failure.
+    fn assert_passed(&self) -> Vec<String> {
+        assert_eq!(self.status.code(), Some(0), "{}", self.describe());
+        let (oks, fails, done) = parse_results(&self.serial);
+        assert!(
+            fails.is_empty(),
+            "guest checks failed: {fails:#?}\n{}",
+            self.describe()
+        );
+        assert_eq!(
+            done,
+            Some((oks.len(), 0)),
+            "missing or inconsistent DONE line\n{}",
+            self.describe()
+        );
+        assert!(!oks.is_empty(), "guest ran no checks\n{}", self.describe());
+        oks
+    }
+}
+
+/// (ok check names, FAIL lines, DONE (ok, fail)).
+fn parse_results(serial: &str) -> (Vec<String>, Vec<String>, Option<(usize, usize)>) {
+    let mut oks = Vec::new();
+    let mut fails = Vec::new();
+    let mut done = None;
+    for line in serial.lines() {
+        if let Some(name) = line.strip_prefix("ok ") {
+            oks.push(name.to_string());
+        } else if line.starts_with("FAIL ") {
+            fails.push(line.to_string());
+        } else if let Some(rest) = line.strip_prefix("DONE ") {
+            let mut it = rest.split(' ').map(|n| n.parse::<usize>().ok());
+            if let (Some(Some(a)), Some(Some(b))) = (it.next(), it.next()) {
+                done = Some((a, b));
+            }
+        }
+    }
+    (oks, fails, done)
+}
+
+/// A running dsec-vmm with its output collected by threads.
+struct Vmm {
+    child: std::process::Child,
+    out: Option<thread::JoinHandle<(String, String)>>,
+    serial_log: PathBuf,
+    started: Instant,
+}
+
+impl Vmm {
+    fn spawn(args: &[String], serial_log: &Path) -> Vmm {
+        let mut child = Command::new(VMM)
+            .args(args)
+            .arg("--serial-log")
+            .arg(serial_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn dsec-vmm");
+        let mut so = child.stdout.take().unwrap();
+        let mut se = child.stderr.take().unwrap();
+        let out = thread::spawn(move || {
+            let err = thread::spawn(move || {
+                let mut s = String::new();
+                let _ = se.read_to_string(&mut s);
+                s
+            });
+            let mut o = String::new();
+            let _ = so.read_to_string(&mut o);
+            (o, err.join().unwrap_or_default())
+        });
+        Vmm {
+            child,
+            out: Some(out),
+            serial_log: serial_log.to_path_buf(),
+            started: Instant::now(),
+        }
+    }
+
+    fn serial(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.serial_log).unwrap_or_default()).into_owned()
+    }
+
+    /// Waits until the serial log contains `needle` (panics on exit or timeout).
+    fn wait_for_serial(&mut self, needle: &str, timeout: Duration) {
+        let t0 = Instant::now();
+        loop {
+            if self.serial().contains(needle) {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "dsec-vmm exited ({status}) before printing {needle:?}:\n{}",
+                    self.serial()
+                );
+            }
+            if t0.elapsed() > timeout {
+                panic!("no {needle:?} after {timeout:?}:\n{}", self.serial());
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits for the VMM to exit; kills it (and panics) after `timeout`.
+    fn wait(mut self, timeout: Duration) -> Run {
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait for dsec-vmm") {
+                break status;
+            }
+            if self.started.elapsed() > timeout {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                let (_, stderr) = self.out.take().unwrap().join().unwrap_or_default();
+                panic!(
+                    "dsec-vmm still running after {timeout:?}; killed\n--- stderr ---\n{stderr}\n--- serial ---\n{}",
+                    self.serial()
+                );
+            }
+            thread::sleep(Duration::from_millis(5));
+        };
+        let elapsed = self.started.elapsed();
+        let (stdout, stderr) = self.out.take().unwrap().join().unwrap_or_default();
+        Run {
+            status,
+            stdout,
+            stderr,
+            serial: self.serial(),
+            elapsed,
+        }
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        // Only reached with the child still running when a test panicked mid-way.
+        if self.out.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn run_guest(scratch: &Scratch, kernel: &Path, extra: &[&str], timeout: Duration) -> Run {
+    let mut a = vec!["--kernel".to_string(), kernel.display().to_string()];
+    a.extend(args(extra));
+    Vmm::spawn(&a, &scratch.path("serial.log")).wait(timeout)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The data pattern shared with the guests (vmm/test-guests/src/lib.rs).
+
+fn pattern_word(seed: u64, k: u64) -> u64 {
+    let mut z = seed
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(k.wrapping_mul(0xd1b5_4a32_d192_ed03));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn hash_word(h: u64, w: u64) -> u64 {
+    (h ^ w).wrapping_mul(0x0000_0100_0000_01b3)
+}
+
+const HASH_INIT: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// `len` bytes of pattern `seed` starting at byte 0.
+fn pattern_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 8);
+    for k in 0..len.div_ceil(8) as u64 {
+        v.extend_from_slice(&pattern_word(seed, k).to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Serial console, reset and crash.
+
+const SERIAL_TEXT: &str = "dsec test guest: serial\n\
+line 2: the quick brown fox jumps over the lazy dog 0123456789\n\
+line 3: no newline yet... done\n";
+
+#[test]
+fn serial_guest_output_is_exact_in_log() {
+    let _g = serial_lock();
+    let s = Scratch::new("serial");
+    let run = run_guest(&s, &guest("serial"), &[], Duration::from_secs(30));
+    assert_eq!(run.status.code(), Some(0), "{}", run.describe());
+    let want = format!("{SERIAL_TEXT}boot kind 1\nDONE 0 0\n");
+    assert_eq!(run.serial, want, "serial log differs\n{}", run.describe());
+    eprintln!("serial guest (PVH): {:?}", run.elapsed);
+}
+
+#[test]
+fn serial_guest_output_on_stdout_via_linux64_entry() {
+    let _g = serial_lock();
+    let s = Scratch::new("serial64");
+    let kernel = s.path("serial-nonote");
+    without_pvh_note(&guest("serial"), &kernel);
+    let out = Command::new(VMM)
+        .arg("--kernel")
+        .arg(&kernel)
+        .arg("--serial-stdout")
+        .output()
+        .expect("run dsec-vmm");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stderr: {}\nstdout: {stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Boot kind 2 proves the image was entered through the 64-bit boot protocol.
+    assert!(
+        stdout.contains(&format!("{SERIAL_TEXT}boot kind 2\nDONE 0 0\n")),
+        "stdout: {stdout}"
+    );
+}
+
+#[test]
+fn triple_fault_is_reported_as_crash() {
+    let _g = serial_lock();
+    let s = Scratch::new("triple");
+    let run = run_guest(&s, &guest("triple-fault"), &[], Duration::from_secs(30));
+    assert_eq!(run.status.code(), Some(3), "{}", run.describe());
+    assert!(
+        run.stderr.contains("triple fault"),
+        "stderr does not say \"triple fault\"\n{}",
+        run.describe()
+    );
+    assert!(
+        run.serial.contains("about to triple fault"),
+        "{}",
+        run.describe()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Boot protocol.
+
+const INITRD_SEED: u64 = 7;
+
+fn boot_proto(kind: &str, vcpus: u32, mem_mib: u64, initrd_len: Option<usize>, vsock: bool) {
+    let _g = serial_lock();
+    let s = Scratch::new("bootproto");
+    let kernel = if kind == "pvh" {
+        guest("boot-proto")
+    } else {
+        let k = s.path("boot-proto-nonote");
+        without_pvh_note(&guest("boot-proto"), &k);
+        k
+    };
+    let mut cmdline =
+        format!("expect_boot={kind} expect_mem={mem_mib}M expect_vcpus={vcpus} token=t0k3n-{kind}");
+    let mut a = vec![
+        "--kernel".to_string(),
+        kernel.display().to_string(),
+        "--vcpus".into(),
+        vcpus.to_string(),
+        "--mem-mib".into(),
+        mem_mib.to_string(),
+    ];
+    if let Some(len) = initrd_len {
+        let path = s.path("initrd.img");
+        std::fs::write(&path, pattern_bytes(INITRD_SEED, len)).unwrap();
+        a.extend(["--initrd".into(), path.display().to_string()]);
+        cmdline += &format!(" initrd_size={len} initrd_seed={INITRD_SEED}");
+    }
+    if vsock {
+        a.extend(["--vsock-uds".into(), s.path("v.sock").display().to_string()]);
+        cmdline += " expect_virtio_mmio=1";
+    }
+    a.extend(["--cmdline".into(), cmdline.clone()]);
+    let run = Vmm::spawn(&a, &s.path("serial.log")).wait(Duration::from_secs(60));
+    let oks = run.assert_passed();
+    // The command line must arrive unchanged (the VMM may only append).
+    let seen = run
+        .serial
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdline: "))
+        .unwrap_or_default();
+    assert!(
+        seen.starts_with(&cmdline),
+        "cmdline {seen:?} does not start with {cmdline:?}"
+    );
+    for must in [
+        "entry-cs",
+        "memmap-layout",
+        "cmdline-addr",
+        "mp-cpu-count",
+        "vmm-gdt-code",
+    ] {
+        assert!(
+            oks.iter().any(|o| o == must),
+            "check {must} did not run\n{}",
+            run.describe()
+        );
+    }
+    if initrd_len.is_some() {
+        assert!(
+            oks.iter().any(|o| o == "initrd-content"),
+            "{}",
+            run.describe()
+        );
+    }
+    if kind == "linux64" {
+        assert!(
+            oks.iter().any(|o| o == "boot-params-header"),
+            "{}",
+            run.describe()
+        );
+        assert!(
+            oks.iter().any(|o| o == "vmm-page-tables-identity-1g"),
+            "{}",
+            run.describe()
+        );
+    }
+    eprintln!(
+        "boot-proto {kind}: {} checks in {:?}",
+        oks.len(),
+        run.elapsed
+    );
+}
+
+#[test]
+fn boot_protocol_pvh_with_initrd_and_vsock() {
+    boot_proto("pvh", 2, 256, Some(1_000_003), true);
+}
+
+#[test]
+fn boot_protocol_linux64_with_initrd() {
+    boot_proto("linux64", 1, 128, Some(4096 * 3 + 17), false);
+}
+
+#[test]
+fn boot_protocol_pvh_no_initrd_four_vcpus() {
+    boot_proto("pvh", 4, 64, None, false);
+}
+
+#[test]
+fn boot_protocol_linux64_large_memory() {
+    boot_proto("linux64", 3, 3072, Some(64 << 20), false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory.
+
+fn memory(mem_mib: u64, timeout_s: u64) {
+    let _g = serial_lock();
+    let s = Scratch::new("memory");
+    let cmdline = format!("expect_mem={mem_mib}M");
+    let mib = mem_mib.to_string();
+    let run = run_guest(
+        &s,
+        &guest("memory"),
+        &["--mem-mib", &mib, "--cmdline", &cmdline],
+        Duration::from_secs(timeout_s),
+    );
+    let oks = run.assert_passed();
+    assert!(
+        oks.iter().any(|o| o == "memory-pattern"),
+        "{}",
+        run.describe()
+    );
+    let tested = run
+        .serial
+        .lines()
+        .find(|l| l.starts_with("tested"))
+        .unwrap_or_default();
+    eprintln!("memory {mem_mib} MiB: {tested}; {:?} total", run.elapsed);
+}
+
+#[test]
+fn memory_pattern_256m() {
+    memory(256, 60);
+}
+
+#[test]
+fn memory_pattern_1g() {
+    memory(1024, 120);
+}
+
+// ---------------------------------------------------------------------------------------------
+// vsock.
+
+/// Connects from the host side: `CONNECT <port>\n`, expects `OK <host port>\n`.
+fn vsock_connect(uds: &Path, port: u32) -> UnixStream {
+    let mut s = UnixStream::connect(uds).expect("connect to the vsock socket");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while b[0] != b'\n' {
+        s.read_exact(&mut b).expect("read the CONNECT reply");
+        line.push(b[0]);
+    }
+    let line = String::from_utf8_lossy(&line);
+    let port: Option<u32> = line.strip_prefix("OK ").and_then(|p| p.trim().parse().ok());
+    assert!(port.is_some(), "CONNECT reply {line:?}");
+    s
+}
+
+/// Port 5000: `len` bytes of pattern 1 to the guest, then its verdict and its own stream.
+/// The data is generated and checked outside the timed sections (this is a debug build).
+struct Bulk {
+    h2g_secs: f64,
+    g2h_secs: f64,
+    g2h_bytes: u64,
+    errors: Vec<String>,
+}
+
+fn vsock_bulk(uds: &Path, len: u64) -> Bulk {
+    let data = pattern_bytes(1, len as usize);
+    let want_hash = data.chunks_exact(8).fold(HASH_INIT, |h, c| {
+        hash_word(h, u64::from_le_bytes(c.try_into().unwrap()))
+    });
+    let s = vsock_connect(uds, 5000);
+    let mut w = s.try_clone().unwrap();
+    let t0 = Instant::now();
+    let writer = thread::spawn(move || {
+        w.write_all(&len.to_le_bytes())?;
+        w.write_all(&data)
+    });
+    let mut r = s;
+    let mut errors = Vec::new();
+    let mut verdict = [0u8; 24];
+    if let Err(e) = r.read_exact(&mut verdict) {
+        errors.push(format!("reading the guest's verdict: {e}"));
+    }
+    let h2g_secs = t0.elapsed().as_secs_f64();
+    if let Err(e) = writer.join().expect("bulk writer") {
+        errors.push(format!("sending to the guest: {e}"));
+    }
+    let word = |i: usize| u64::from_le_bytes(verdict[i * 8..i * 8 + 8].try_into().unwrap());
+    if word(1) != 0 {
+        errors.push(format!("guest saw {} mismatched words", word(1)));
+    }
+    if word(0) != want_hash {
+        errors.push(format!("guest hash {:#x}, host {want_hash:#x}", word(0)));
+    }
+    let out_len = word(2);
+    let mut back = vec![0u8; out_len.min(1 << 30) as usize];
+    let t1 = Instant::now();
+    if let Err(e) = r.read_exact(&mut back) {
+        errors.push(format!("reading the guest's {out_len}-byte stream: {e}"));
+    }
+    let g2h_secs = t1.elapsed().as_secs_f64();
+    if back != pattern_bytes(2, back.len()) {
+        errors.push("the guest's stream differs from pattern 2".into());
+    }
+    // Closing tells the guest (SHUTDOWN) that the exchange is over.
+    drop(r);
+    Bulk {
+        h2g_secs,
+        g2h_secs,
+        g2h_bytes: out_len,
+        errors,
+    }
+}
+
+/// Port 5001 echo: sends `len` bytes of pattern `seed` and checks they come back.
+fn vsock_echo(uds: &Path, seed: u64, len: usize) -> Result<(), String> {
+    let s = vsock_connect(uds, 5001);
+    let mut w = s.try_clone().unwrap();
+    let data = pattern_bytes(seed, len);
+    let sent = data.clone();
+    let writer = thread::spawn(move || w.write_all(&sent));
+    let mut back = vec![0u8; len];
+    let mut r = s;
+    r.read_exact(&mut back)
+        .map_err(|e| format!("stream {seed}: read: {e}"))?;
+    writer
+        .join()
+        .map_err(|_| "writer panicked".to_string())?
+        .map_err(|e| format!("stream {seed}: write: {e}"))?;
+    if back != data {
+        let at = back.iter().zip(&data).position(|(a, b)| a != b);
+        return Err(format!("stream {seed}: echo differs at {at:?}"));
+    }
+    Ok(())
+}
+
+/// Listens on `<uds>_6000` for the guest's own connection and answers its greeting.
+fn guest_port_listener(uds: &Path) -> mpsc::Receiver<Result<String, String>> {
+    let mut path = uds.as_os_str().to_owned();
+    path.push("_6000");
+    let listener = UnixListener::bind(PathBuf::from(path)).expect("bind <uds>_6000");
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let result = (|| {
+            let (s, _) = listener.accept().map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut r = BufReader::new(s.try_clone().map_err(|e| e.to_string())?);
+            let mut line = String::new();
+            r.read_line(&mut line).map_err(|e| e.to_string())?;
+            (&s).write_all(b"hello from host\n")
+                .map_err(|e| e.to_string())?;
+            // Wait for the guest to close its end.
+            let mut rest = Vec::new();
+            let _ = r.read_to_end(&mut rest);
+            Ok(line)
+        })();
+        let _ = tx.send(result);
+    });
+    rx
+}
+
+fn vsock_scenario(bulk_mib: u64, streams: usize, stream_len: usize, layout: u32) {
+    let _g = serial_lock();
+    let s = Scratch::new("vsock");
+    let uds = s.path("v.sock");
+    let greeting = guest_port_listener(&uds);
+    let cmdline = format!(
+        "expect_cid={GUEST_CID} streams={streams} bulk={} bulk_out={bulk_mib}M layout={layout}",
+        u8::from(bulk_mib > 0)
+    );
+    let a = vec![
+        "--kernel".to_string(),
+        guest("vsock").display().to_string(),
+        "--mem-mib".into(),
+        "256".into(),
+        "--vsock-uds".into(),
+        uds.display().to_string(),
+        "--vsock-cid".into(),
+        GUEST_CID.to_string(),
+        "--cmdline".into(),
+        cmdline,
+    ];
+    let mut vmm = Vmm::spawn(&a, &s.path("serial.log"));
+    vmm.wait_for_serial("READY\n", Duration::from_secs(30));
+    let t_ready = vmm.started.elapsed();
+
+    let bulk = (bulk_mib > 0).then(|| vsock_bulk(&uds, bulk_mib << 20));
+
+    let t_echo = Instant::now();
+    let workers: Vec<_> = (0..streams)
+        .map(|i| {
+            let uds = uds.clone();
+            thread::spawn(move || vsock_echo(&uds, 100 + i as u64, stream_len))
+        })
+        .collect();
+    let errors: Vec<String> = workers
+        .into_iter()
+        .filter_map(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err("echo thread panicked".into()))
+                .err()
+        })
+        .collect();
+    let t_echo = t_echo.elapsed();
+
+    let run = vmm.wait(Duration::from_secs(240));
+    eprintln!(
+        "vsock (layout {layout}): READY after {t_ready:?}, total {:?}",
+        run.elapsed
+    );
+    if let Some(b) = &bulk {
+        let mb = (bulk_mib << 20) as f64 / 1e6;
+        let g2h = b.g2h_bytes as f64 / 1e6;
+        eprintln!(
+            "  bulk host->guest {mb:.0} MB in {:.2} s ({:.1} MB/s); guest->host {g2h:.0} MB in {:.2} s ({:.1} MB/s)",
+            b.h2g_secs,
+            mb / b.h2g_secs,
+            b.g2h_secs,
+            g2h / b.g2h_secs
+        );
+    }
+    eprintln!(
+        "  {streams} echo streams x {stream_len} bytes in {t_echo:?}; guest {}",
+        run.serial
+            .lines()
+            .find(|l| l.starts_with("stats:"))
+            .unwrap_or_default()
+    );
+    if let Some(b) = &bulk {
+        assert!(
+            b.errors.is_empty(),
+            "bulk transfer: {:#?}\n{}",
+            b.errors,
+            run.describe()
+        );
+    }
+    assert!(
+        errors.is_empty(),
+        "echo streams failed: {errors:#?}\n{}",
+        run.describe()
+    );
+    let oks = run.assert_passed();
+    let hello = greeting
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the guest never connected to port 6000")
+        .expect("guest-initiated connection");
+    assert_eq!(hello, format!("hello from guest {GUEST_CID}\n"));
+    for must in [
+        "vsock-probe",
+        "vsock-cid",
+        "vsock-guest-exchange",
+        "vsock-connect-refused",
+        "vsock-bulk-rx",
+        "vsock-echo-streams",
+    ] {
+        if must == "vsock-bulk-rx" && bulk.is_none() || must == "vsock-echo-streams" && streams == 0
+        {
+            continue;
+        }
+        assert!(
+            oks.iter().any(|o| o == must),
+            "check {must} did not run\n{}",
+            run.describe()
+        );
+    }
+}
+
+#[test]
+fn vsock_both_directions_100mb_and_16_streams() {
+    vsock_scenario(100, 16, 1 << 20, 2);
+}
+
+#[test]
+fn vsock_single_descriptor_layout() {
+    vsock_scenario(8, 4, 256 << 10, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: each is refused with a message naming the problem.
+
+fn vmm_error(a: &[&str]) -> String {
+    let out = Command::new(VMM).args(a).output().expect("run dsec-vmm");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "dsec-vmm {a:?} succeeded; stderr: {stderr}"
+    );
+    assert_ne!(out.status.code(), Some(0));
+    stderr
+}
+
+#[test]
+fn bad_input_missing_kernel() {
+    let _g = serial_lock();
+    let e = vmm_error(&["--kernel", "/nonexistent/dsec/vmlinux"]);
+    assert!(
+        e.contains("kernel") && e.contains("/nonexistent/dsec/vmlinux"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_input_kernel_is_random_bytes() {
+    let _g = serial_lock();
+    let s = Scratch::new("badkernel");
+    let p = s.path("random.bin");
+    let mut bytes = vec![0u8; 256 * 1024];
+    let mut x = 0x1234_5678_9abc_def0u64;
+    for b in bytes.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    std::fs::write(&p, bytes).unwrap();
+    let e = vmm_error(&["--kernel", p.to_str().unwrap()]);
+    assert!(
+        e.contains("not a kernel") && e.contains("random.bin"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_input_more_memory_than_host() {
+    let _g = serial_lock();
+    let k = guest("serial");
+    let e = vmm_error(&["--kernel", k.to_str().unwrap(), "--mem-mib", "100000000"]);
+    assert!(e.contains("mem") && e.contains("100000000"), "{e}");
+}
+
+#[test]
+fn bad_input_zero_vcpus() {
+    let _g = serial_lock();
+    let k = guest("serial");
+    let e = vmm_error(&["--kernel", k.to_str().unwrap(), "--vcpus", "0"]);
+    assert!(e.contains("vcpus"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Repeated create/destroy leaks nothing.
+
+fn count_dir(p: &str) -> usize {
+    std::fs::read_dir(p).map(|d| d.count()).unwrap_or(0)
+}
+
+/// dsec-vmm processes (including zombies) whose parent is this test process.
+fn vmm_children() -> Vec<String> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let comm = &stat[stat.find('(').map_or(0, |i| i + 1)..close];
+        let mut rest = stat[close + 1..].split_whitespace();
+        let state = rest.next().unwrap_or("");
+        let ppid = rest.next().unwrap_or("");
+        if ppid == me && comm.starts_with("dsec-vmm") {
+            found.push(format!(
+                "{} {comm} {state}",
+                e.file_name().to_string_lossy()
+            ));
+        }
+    }
+    found
+}
+
+#[test]
+fn repeated_create_destroy_leaks_nothing() {
+    let _g = serial_lock();
+    let kernel = guest("serial");
+    let s = Scratch::new("repeat");
+    let uds = s.path("v.sock");
+    let run_once = |i: usize| {
+        let log = s.path(&format!("serial-{i}.log"));
+        let a = args(&[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--vsock-uds",
+            uds.to_str().unwrap(),
+        ]);
+        let run = Vmm::spawn(&a, &log).wait(Duration::from_secs(30));
+        assert_eq!(run.status.code(), Some(0), "run {i}: {}", run.describe());
+        assert!(
+            run.serial.ends_with("DONE 0 0\n"),
+            "run {i}: {}",
+            run.describe()
+        );
+        std::fs::remove_file(&log).unwrap();
+    };
+    // Warm up lazily created state (guest build, std's internals) before counting.
+    run_once(0);
+    let fds = count_dir("/proc/self/fd");
+    let tasks = count_dir("/proc/self/task");
+    let t0 = Instant::now();
+    const RUNS: usize = 20;
+    for i in 1..=RUNS {
+        run_once(i);
+    }
+    let per_run = t0.elapsed() / RUNS as u32;
+    assert_eq!(
+        count_dir("/proc/self/fd"),
+        fds,
+        "fds leaked across {RUNS} VMs"
+    );
+    // Output-collecting threads are joined; allow a moment for them to be reaped.
+    let t = Instant::now();
+    while count_dir("/proc/self/task") > tasks && t.elapsed() < Duration::from_secs(2) {
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        count_dir("/proc/self/task"),
+        tasks,
+        "threads leaked across {RUNS} VMs"
+    );
+    let children = vmm_children();
+    assert!(children.is_empty(), "dsec-vmm processes left: {children:?}");
+    let left: Vec<_> = std::fs::read_dir(&s.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(left.is_empty(), "files left behind by the VMM: {left:?}");
+    eprintln!("create/destroy: {per_run:?} per VM (serial guest, vsock device attached)");
+}

@@ -5,6 +5,8 @@
 //! Everything after the boot code runs at CPL 3 with IOPL 3, so port I/O works directly and
 //! normal code runs at native speed even on the software PVM hypervisor.
 #![no_std]
+// Index loops over fixed-size driver tables read more clearly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
 
 pub mod vsock;
 
@@ -136,6 +138,19 @@ pub unsafe fn phys_cstr(addr: u64, max: usize) -> &'static [u8] {
     let all = unsafe { phys_slice(addr, max) };
     let len = all.iter().position(|&b| b == 0).unwrap_or(max);
     &all[..len]
+}
+
+/// Masks IOAPIC input `pin` (the guest polls; interrupts it never takes would only make the
+/// hypervisor kick the vCPU). Three MMIO accesses.
+pub fn ioapic_mask(pin: u32) {
+    const IOAPIC: u64 = 0xfec0_0000;
+    // SAFETY: the IOAPIC window is identity mapped; IOREGSEL/IOWIN are aligned 32-bit
+    // registers emulated by KVM. Setting the mask bit of a redirection entry is harmless.
+    unsafe {
+        core::ptr::write_volatile(IOAPIC as *mut u32, 0x10 + 2 * pin);
+        let low = core::ptr::read_volatile((IOAPIC + 0x10) as *const u32);
+        core::ptr::write_volatile((IOAPIC + 0x10) as *mut u32, low | (1 << 16));
+    }
 }
 
 /// Current time stamp counter (for rough timings; its frequency is not calibrated).

@@ -15,6 +15,7 @@
 //! `guest_connect=0` skips step 2.
 #![no_std]
 #![no_main]
+#![allow(clippy::needless_range_loop)]
 
 use dsec_test_guests::vsock::{State, Vsock, NCONN};
 use dsec_test_guests::{
@@ -347,6 +348,9 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
     let bulk_wanted = param_num(cmdline, "bulk").unwrap_or(1) != 0;
     let bulk_out = param_num(cmdline, "bulk_out").unwrap_or(100 << 20);
 
+    if param_num(cmdline, "mask_irq").unwrap_or(1) != 0 {
+        dsec_test_guests::ioapic_mask(5);
+    }
     let mut v = match Vsock::init(single) {
         Ok(v) => v,
         Err(e) => {

@@ -1,0 +1,352 @@
+//! Snapshot, restore, diff snapshots and fork, driven through the real `dsec-vmm` binary and
+//! its control socket, with tiny guests assembled here (they boot through PVH: 32-bit, paging
+//! off, so they reach the vsock device's config space at 0xd000_0100 directly).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const VMM: &str = env!("CARGO_BIN_EXE_dsec-vmm");
+const COUNTER_ADDR: u64 = 0x30_0000;
+const CID_COPY_ADDR: u64 = 0x30_0008;
+
+/// 32-bit guest: forever { eax = vsock config guest_cid; [0x300008] = eax; [0x300000] += 1 }.
+fn counter_guest_code() -> Vec<u8> {
+    let mut code = vec![0xa1];
+    code.extend_from_slice(&0xd000_0100u32.to_le_bytes()); // mov eax, [cid]
+    code.push(0xa3);
+    code.extend_from_slice(&(CID_COPY_ADDR as u32).to_le_bytes()); // mov [copy], eax
+    code.extend_from_slice(&[0xff, 0x05]);
+    code.extend_from_slice(&(COUNTER_ADDR as u32).to_le_bytes()); // inc dword [counter]
+    code.extend_from_slice(&[0xeb, 0xee]); // jmp back 18 bytes
+    code
+}
+
+/// A minimal ELF64 with one PT_LOAD at 2 MiB and a PVH entry note pointing at it.
+fn pvh_elf(code: &[u8]) -> Vec<u8> {
+    let load: u64 = 0x20_0000;
+    let note: Vec<u8> = [4u32, 4, 18]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .chain(*b"Xen\0")
+        .chain((load as u32).to_le_bytes())
+        .collect();
+    let phoff = 64u64;
+    let note_off = phoff + 2 * 56;
+    let code_off = (note_off + note.len() as u64 + 15) & !15;
+    let mut e = Vec::new();
+    e.extend_from_slice(b"\x7fELF\x02\x01\x01");
+    e.resize(16, 0);
+    e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    e.extend_from_slice(&1u32.to_le_bytes());
+    e.extend_from_slice(&load.to_le_bytes()); // entry
+    e.extend_from_slice(&phoff.to_le_bytes());
+    e.extend_from_slice(&0u64.to_le_bytes());
+    e.extend_from_slice(&0u32.to_le_bytes());
+    for v in [64u16, 56, 2, 64, 0, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    let phdr = |e: &mut Vec<u8>, kind: u32, flags: u32, off: u64, addr: u64, size: u64, align: u64| {
+        e.extend_from_slice(&kind.to_le_bytes());
+        e.extend_from_slice(&flags.to_le_bytes());
+        for v in [off, addr, addr, size, size, align] {
+            e.extend_from_slice(&v.to_le_bytes());
+        }
+    };
+    phdr(&mut e, 1, 5, code_off, load, code.len() as u64, 0x1000);
+    phdr(&mut e, 4, 4, note_off, 0, note.len() as u64, 4);
+    e.extend_from_slice(&note);
+    e.resize(code_off as usize, 0);
+    e.extend_from_slice(code);
+    e
+}
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("dsec-snap-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A dsec-vmm child that is killed if the test fails.
+struct Vmm {
+    child: Child,
+    api: PathBuf,
+}
+
+impl Vmm {
+    fn spawn(args: &[&str], api: &Path) -> Vmm {
+        let child = Command::new(VMM)
+            .args(args)
+            .arg("--api-sock")
+            .arg(api)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn dsec-vmm");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !api.exists() {
+            assert!(Instant::now() < deadline, "control socket never appeared");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Vmm {
+            child,
+            api: api.to_owned(),
+        }
+    }
+
+    fn request(&self, req: serde_json::Value) -> serde_json::Value {
+        let mut s = UnixStream::connect(&self.api).unwrap();
+        s.write_all(format!("{req}\n").as_bytes()).unwrap();
+        let mut line = String::new();
+        BufReader::new(s).read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap()
+    }
+
+    fn ok(&self, req: serde_json::Value) -> serde_json::Value {
+        let r = self.request(req.clone());
+        assert_eq!(r["ok"], true, "{req} -> {r}");
+        r
+    }
+
+    fn stop(mut self) {
+        self.ok(serde_json::json!({"op": "stop"}));
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "dsec-vmm exited with {status}");
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_u64(file: &Path, offset: u64) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(file).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    let mut b = [0u8; 8];
+    f.read_exact(&mut b).unwrap();
+    u64::from_le_bytes(b)
+}
+
+fn counter(snapshot: &Path) -> u64 {
+    read_u64(&snapshot.join("memory"), COUNTER_ADDR) & 0xffff_ffff
+}
+
+fn boot_counter(s: &Scratch) -> Vmm {
+    let kernel = s.path("counter.elf");
+    std::fs::write(&kernel, pvh_elf(&counter_guest_code())).unwrap();
+    let uds = s.path("vsock.sock");
+    Vmm::spawn(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem-mib",
+            "32",
+            "--vsock-uds",
+            uds.to_str().unwrap(),
+            "--vsock-cid",
+            "7",
+        ],
+        &s.path("api.sock"),
+    )
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn restored_guest_continues_where_it_stopped() {
+    let s = Scratch::new("continue");
+    let vm = boot_counter(&s);
+    std::thread::sleep(Duration::from_millis(200));
+    let snap = s.path("snap");
+    let r = vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+    assert_eq!(r["diff"], false);
+    vm.stop();
+    let at_snapshot = counter(&snap);
+    assert!(at_snapshot > 0, "guest never ran before the snapshot");
+    assert_eq!(read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff, 7);
+
+    // Restore paused: state must be exactly the snapshot's.
+    let restored = Vmm::spawn(
+        &["--restore", snap.to_str().unwrap(), "--paused"],
+        &s.path("api2.sock"),
+    );
+    assert_eq!(restored.ok(serde_json::json!({"op": "status"}))["state"], "paused");
+    let same = s.path("same");
+    restored.ok(serde_json::json!({"op": "snapshot", "path": same}));
+    assert_eq!(counter(&same), at_snapshot, "a paused restore changed guest memory");
+    // Running, it keeps counting from there.
+    restored.ok(serde_json::json!({"op": "resume"}));
+    let later = s.path("later");
+    wait_until("the restored guest to count on", || {
+        let _ = std::fs::remove_dir_all(&later);
+        restored.ok(serde_json::json!({"op": "snapshot", "path": later}));
+        counter(&later) > at_snapshot + 10
+    });
+    restored.stop();
+}
+
+#[test]
+fn diff_snapshot_chain_restores_identical_memory() {
+    let s = Scratch::new("diff");
+    let vm = boot_counter(&s);
+    std::thread::sleep(Duration::from_millis(100));
+    let full = s.path("full");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": full}));
+    std::thread::sleep(Duration::from_millis(100));
+    let diff1 = s.path("diff1");
+    let r = vm.ok(serde_json::json!({"op": "snapshot", "path": diff1, "diff": true}));
+    assert_eq!(r["diff"], true);
+    assert!(r["pages_written"].as_u64().unwrap() < 8, "diff wrote too much: {r}");
+    std::thread::sleep(Duration::from_millis(100));
+    // Pause, then take the diff and a full reference at the same instant.
+    vm.ok(serde_json::json!({"op": "pause"}));
+    let diff2 = s.path("diff2");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": diff2, "diff": true}));
+    let reference = s.path("reference");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": reference}));
+    vm.stop();
+    assert!(counter(&diff2) > counter(&full));
+
+    let restored = Vmm::spawn(
+        &["--restore", diff2.to_str().unwrap(), "--paused"],
+        &s.path("api2.sock"),
+    );
+    let out = s.path("out");
+    restored.ok(serde_json::json!({"op": "snapshot", "path": out}));
+    restored.stop();
+    let a = std::fs::read(reference.join("memory")).unwrap();
+    let b = std::fs::read(out.join("memory")).unwrap();
+    assert_eq!(a.len(), b.len());
+    assert!(a == b, "memory restored through the diff chain differs from the reference");
+}
+
+#[test]
+fn forks_get_their_own_identity_and_private_memory() {
+    const CHILDREN: u64 = 20;
+    let s = Scratch::new("fork");
+    let vm = boot_counter(&s);
+    std::thread::sleep(Duration::from_millis(100));
+    let base = s.path("base");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
+    vm.stop();
+    let base_memory = std::fs::read(base.join("memory")).unwrap();
+
+    let mut children = Vec::new();
+    for i in 0..CHILDREN {
+        let uds = s.path(&format!("child{i}.vsock"));
+        let cid = (100 + i).to_string();
+        let child = Vmm::spawn(
+            &[
+                "--restore",
+                base.to_str().unwrap(),
+                "--vsock-uds",
+                uds.to_str().unwrap(),
+                "--vsock-cid",
+                &cid,
+            ],
+            &s.path(&format!("child{i}.api")),
+        );
+        children.push((i, uds, child));
+    }
+    for (i, uds, child) in children {
+        assert!(uds.exists(), "child {i} has no vsock socket of its own");
+        let snap = s.path(&format!("child{i}.snap"));
+        wait_until("the child to see its own CID", || {
+            let _ = std::fs::remove_dir_all(&snap);
+            child.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+            read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff == 100 + i
+        });
+        child.stop();
+    }
+    // Children wrote to their copies only.
+    assert!(std::fs::read(base.join("memory")).unwrap() == base_memory);
+}
+
+#[test]
+fn damaged_snapshots_fail_cleanly() {
+    let s = Scratch::new("damaged");
+    let vm = boot_counter(&s);
+    std::thread::sleep(Duration::from_millis(50));
+    let good = s.path("good");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": good}));
+    // An existing directory is never overwritten.
+    let r = vm.request(serde_json::json!({"op": "snapshot", "path": good}));
+    assert_eq!(r["ok"], false);
+    assert!(r["error"].as_str().unwrap().contains("already exists"), "{r}");
+    vm.stop();
+
+    let copy = |name: &str| {
+        let dir = s.path(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["state", "memory"] {
+            std::fs::copy(good.join(f), dir.join(f)).unwrap();
+        }
+        dir
+    };
+    let state = std::fs::read(good.join("state")).unwrap();
+    let truncated = copy("truncated");
+    std::fs::write(truncated.join("state"), &state[..state.len() / 2]).unwrap();
+    let corrupted = copy("corrupted");
+    let mut bad = state.clone();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x01;
+    std::fs::write(corrupted.join("state"), &bad).unwrap();
+    let foreign = copy("foreign");
+    let mut other = state.clone();
+    other[8..12].copy_from_slice(&2u32.to_le_bytes());
+    std::fs::write(foreign.join("state"), &other).unwrap();
+    let no_memory = copy("no-memory");
+    std::fs::remove_file(no_memory.join("memory")).unwrap();
+    let short_memory = copy("short-memory");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(short_memory.join("memory"))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+
+    for (dir, expect) in [
+        (truncated, "truncated"),
+        (corrupted, "checksum"),
+        (foreign, "format version 2"),
+        (no_memory, "memory"),
+        (short_memory, "truncated"),
+        (s.path("missing"), "cannot read snapshot"),
+    ] {
+        let out = Command::new(VMM)
+            .arg("--restore")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{}: {stderr}", dir.display());
+        assert!(stderr.contains(expect), "{}: expected '{expect}' in: {stderr}", dir.display());
+    }
+}

@@ -183,13 +183,15 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 fn restored_guest_continues_where_it_stopped() {
     let s = Scratch::new("continue");
     let vm = boot_counter(&s);
-    std::thread::sleep(Duration::from_millis(200));
     let snap = s.path("snap");
-    let r = vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
-    assert_eq!(r["diff"], false);
+    wait_until("the guest to start counting", || {
+        let _ = std::fs::remove_dir_all(&snap);
+        let r = vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+        assert_eq!(r["diff"], false);
+        counter(&snap) > 0
+    });
     vm.stop();
     let at_snapshot = counter(&snap);
-    assert!(at_snapshot > 0, "guest never ran before the snapshot");
     assert_eq!(read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff, 7);
 
     // Restore paused: state must be exactly the snapshot's.

@@ -121,7 +121,6 @@ impl Drop for Scratch {
 #[derive(Debug)]
 struct Run {
     status: ExitStatus,
-    #[allow(dead_code)] // kept for debugging output
     stdout: String,
     stderr: String,
     serial: String,
@@ -180,16 +179,24 @@ fn parse_results(serial: &str) -> (Vec<String>, Vec<String>, Option<(usize, usiz
 struct Vmm {
     child: std::process::Child,
     out: Option<thread::JoinHandle<(String, String)>>,
-    serial_log: PathBuf,
+    serial_log: Option<PathBuf>,
     started: Instant,
 }
 
 impl Vmm {
     fn spawn(args: &[String], serial_log: &Path) -> Vmm {
-        let mut child = Command::new(VMM)
-            .args(args)
-            .arg("--serial-log")
-            .arg(serial_log)
+        Self::spawn_with(args, Some(serial_log))
+    }
+
+    /// `serial_log: None` sends the console to the VMM's stdout instead.
+    fn spawn_with(args: &[String], serial_log: Option<&Path>) -> Vmm {
+        let mut cmd = Command::new(VMM);
+        cmd.args(args);
+        match serial_log {
+            Some(log) => cmd.arg("--serial-log").arg(log),
+            None => cmd.arg("--serial-stdout"),
+        };
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -210,13 +217,18 @@ impl Vmm {
         Vmm {
             child,
             out: Some(out),
-            serial_log: serial_log.to_path_buf(),
+            serial_log: serial_log.map(Path::to_path_buf),
             started: Instant::now(),
         }
     }
 
     fn serial(&self) -> String {
-        String::from_utf8_lossy(&std::fs::read(&self.serial_log).unwrap_or_default()).into_owned()
+        let bytes = self
+            .serial_log
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok())
+            .unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// Waits until the serial log contains `needle` (panics on exit or timeout).
@@ -340,23 +352,21 @@ fn serial_guest_output_on_stdout_via_linux64_entry() {
     let s = Scratch::new("serial64");
     let kernel = s.path("serial-nonote");
     without_pvh_note(&guest("serial"), &kernel);
-    let out = Command::new(VMM)
-        .arg("--kernel")
-        .arg(&kernel)
-        .arg("--serial-stdout")
-        .output()
-        .expect("run dsec-vmm");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let a = args(&["--kernel", kernel.to_str().unwrap()]);
+    let run = Vmm::spawn_with(&a, None).wait(Duration::from_secs(30));
     assert_eq!(
-        out.status.code(),
+        run.status.code(),
         Some(0),
-        "stderr: {}\nstdout: {stdout}",
-        String::from_utf8_lossy(&out.stderr)
+        "{}\nstdout: {}",
+        run.describe(),
+        run.stdout
     );
     // Boot kind 2 proves the image was entered through the 64-bit boot protocol.
     assert!(
-        stdout.contains(&format!("{SERIAL_TEXT}boot kind 2\nDONE 0 0\n")),
-        "stdout: {stdout}"
+        run.stdout
+            .contains(&format!("{SERIAL_TEXT}boot kind 2\nDONE 0 0\n")),
+        "stdout: {}",
+        run.stdout
     );
 }
 

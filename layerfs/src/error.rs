@@ -43,7 +43,8 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An I/O error on `path` while doing `what`.
+    pub fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             what,
             path: path.into(),

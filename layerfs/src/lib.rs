@@ -15,5 +15,6 @@ pub mod compose;
 pub mod fuse;
 pub mod oci;
 pub mod overlay;
+pub mod prefetch;
 pub mod sandbox;
 pub mod tarfmt;

@@ -544,6 +544,58 @@ mod tests {
     }
 
     #[test]
+    fn gc_keeps_what_live_images_use() {
+        use crate::build::{LayerBuilder, Meta};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), StoreConfig::default()).unwrap();
+        let layer = |files: &[(&str, &[u8])]| {
+            let mut b = LayerBuilder::new(&store);
+            for (p, d) in files {
+                b.add_file(
+                    p,
+                    Meta {
+                        mode: 0o644,
+                        ..Default::default()
+                    },
+                    &mut &d[..],
+                    None,
+                )
+                .unwrap();
+            }
+            b.finish().unwrap().0
+        };
+        let shared = layer(&[("shared", b"shared bytes")]);
+        let only_a = layer(&[("a", b"only in a")]);
+        let only_b = layer(&[("b", b"only in b")]);
+        for (name, top) in [("a", only_a), ("b", only_b)] {
+            store
+                .put_image(&ImageRecord {
+                    name: name.into(),
+                    layers: vec![shared, top],
+                    diff_ids: vec![],
+                    config: None,
+                    hot_list: None,
+                    created: 0,
+                })
+                .unwrap();
+        }
+        // Within the grace period nothing goes, even unreferenced.
+        store.remove_image("a").unwrap();
+        assert_eq!(
+            store
+                .gc(std::time::Duration::from_secs(3600))
+                .unwrap()
+                .layers_removed,
+            0
+        );
+        let r = store.gc(std::time::Duration::ZERO).unwrap();
+        assert_eq!((r.layers_removed, r.chunks_removed), (1, 1));
+        assert!(store.get_layer(&shared).is_ok() && store.get_layer(&only_b).is_ok());
+        assert!(store.get_chunk(&Digest::of(b"shared bytes"), 12).is_ok());
+        assert!(store.get_chunk(&Digest::of(b"only in a"), 9).is_err());
+    }
+
+    #[test]
     fn image_names() {
         assert_eq!(
             encode_name("library/busybox:1.36").unwrap(),

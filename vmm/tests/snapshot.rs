@@ -172,10 +172,12 @@ fn boot_counter(s: &Scratch) -> Vmm {
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    // Generous: under a loaded CI machine emulated guest code crawls, and every probe
+    // here is a snapshot that pauses the guest.
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !f() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(250));
     }
 }
 

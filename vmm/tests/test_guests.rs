@@ -683,6 +683,19 @@ fn vsock_scenario(bulk_mib: u64, streams: usize, stream_len: usize, layout: u32)
     vmm.wait_for_serial("READY\n", Duration::from_secs(30));
     let t_ready = vmm.started.elapsed();
 
+    // A port the guest does not listen on: the guest answers RST, the host sees EOF, no OK.
+    let refused = {
+        let mut s = UnixStream::connect(&uds).expect("connect to the vsock socket");
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"CONNECT 5999\n").unwrap();
+        let mut reply = Vec::new();
+        let r = s.read_to_end(&mut reply);
+        (
+            r.map_err(|e| e.to_string()),
+            String::from_utf8_lossy(&reply).into_owned(),
+        )
+    };
+
     let bulk = (bulk_mib > 0).then(|| vsock_bulk(&uds, bulk_mib << 20));
 
     let t_echo = Instant::now();
@@ -737,6 +750,10 @@ fn vsock_scenario(bulk_mib: u64, streams: usize, stream_len: usize, layout: u32)
         errors.is_empty(),
         "echo streams failed: {errors:#?}\n{}",
         run.describe()
+    );
+    assert!(
+        matches!(&refused, (Ok(_), reply) if reply.is_empty()),
+        "CONNECT to a port nobody listens on: {refused:?}"
     );
     let oks = run.assert_passed();
     let hello = greeting

@@ -70,7 +70,14 @@ fn handle_client(vm: &Vm, stream: UnixStream) {
             Ok(_) => {}
             Err(_) => return,
         }
-        let response = match serde_json::from_str::<Request>(line.trim()) {
+        let request = serde_json::from_str::<Request>(line.trim());
+        if let Ok(Request::Stop) = request {
+            // Answer first: the process ends as soon as the exit is requested.
+            let _ = reply(&mut writer, &json!({"ok": true}));
+            vm.request_exit(VmExitReason::Stopped);
+            return;
+        }
+        let response = match request {
             Ok(request) => execute(vm, request),
             Err(e) => error(&format!("bad request: {e}")),
         };
@@ -78,6 +85,12 @@ fn handle_client(vm: &Vm, stream: UnixStream) {
             return;
         }
     }
+}
+
+/// `stop` is answered before it is executed (see `handle_client`); kept total for safety.
+fn unreachable_stop(vm: &Vm) -> Result<Value, String> {
+    vm.request_exit(VmExitReason::Stopped);
+    Ok(json!({}))
 }
 
 fn reply(w: &mut UnixStream, v: &Value) -> std::io::Result<()> {
@@ -121,10 +134,7 @@ fn execute(vm: &Vm, request: Request) -> Value {
             }
             result
         }
-        Request::Stop => {
-            vm.request_exit(VmExitReason::Stopped);
-            Ok(json!({}))
-        }
+        Request::Stop => unreachable_stop(vm),
     };
     match result {
         Ok(Value::Object(mut map)) => {

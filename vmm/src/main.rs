@@ -163,13 +163,14 @@ fn build_and_run(args: &Args) -> (Result<RunReport, String>, u64) {
     };
     let loaded_ns = dsec_vmm::vm::now_ns();
     let uds = vm.config().vsock.as_ref().map(|v| v.uds_path.clone());
+    // Start before serving requests: a request must never see the VM mid-start.
+    if !args.paused {
+        vm.start();
+    }
     if let Some(sock) = &args.api_sock {
         if let Err(e) = dsec_vmm::control::serve(vm.clone(), sock) {
             return (Err(e.to_string()), loaded_ns);
         }
-    }
-    if !args.paused {
-        vm.start();
     }
     let report = vm.wait();
     // Device threads die with the process: remove the sockets they own here.

@@ -133,7 +133,13 @@ impl VcpuHandle {
         self.control.changed.notify_all();
     }
 
+    /// Whether a pause was requested (the thread may still be on its way to parking).
     pub fn is_paused(&self) -> bool {
+        self.control.pause_requested.load(Ordering::SeqCst)
+    }
+
+    /// Whether the thread is parked and will not touch guest state.
+    pub fn is_parked(&self) -> bool {
         *lock(&self.control.parked)
     }
 }

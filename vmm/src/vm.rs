@@ -412,7 +412,7 @@ impl Vm {
     /// Writes a snapshot of a paused VM into `dest` (which must not exist). With `diff`, only
     /// pages written since the previous snapshot of this VM go into the memory file.
     pub fn snapshot(&self, dest: &Path, diff: bool) -> Result<SnapshotSummary, VmError> {
-        if !self.is_paused() {
+        if !self.vcpus.iter().all(VcpuHandle::is_parked) {
             return Err(VmError::State(
                 "pause the VM before taking a snapshot".into(),
             ));

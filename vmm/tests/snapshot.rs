@@ -49,13 +49,14 @@ fn pvh_elf(code: &[u8]) -> Vec<u8> {
     for v in [64u16, 56, 2, 64, 0, 0] {
         e.extend_from_slice(&v.to_le_bytes());
     }
-    let phdr = |e: &mut Vec<u8>, kind: u32, flags: u32, off: u64, addr: u64, size: u64, align: u64| {
-        e.extend_from_slice(&kind.to_le_bytes());
-        e.extend_from_slice(&flags.to_le_bytes());
-        for v in [off, addr, addr, size, size, align] {
-            e.extend_from_slice(&v.to_le_bytes());
-        }
-    };
+    let phdr =
+        |e: &mut Vec<u8>, kind: u32, flags: u32, off: u64, addr: u64, size: u64, align: u64| {
+            e.extend_from_slice(&kind.to_le_bytes());
+            e.extend_from_slice(&flags.to_le_bytes());
+            for v in [off, addr, addr, size, size, align] {
+                e.extend_from_slice(&v.to_le_bytes());
+            }
+        };
     phdr(&mut e, 1, 5, code_off, load, code.len() as u64, 0x1000);
     phdr(&mut e, 4, 4, note_off, 0, note.len() as u64, 4);
     e.extend_from_slice(&note);
@@ -194,17 +195,27 @@ fn restored_guest_continues_where_it_stopped() {
     });
     vm.stop();
     let at_snapshot = counter(&snap);
-    assert_eq!(read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff, 7);
+    assert_eq!(
+        read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff,
+        7
+    );
 
     // Restore paused: state must be exactly the snapshot's.
     let restored = Vmm::spawn(
         &["--restore", snap.to_str().unwrap(), "--paused"],
         &s.path("api2.sock"),
     );
-    assert_eq!(restored.ok(serde_json::json!({"op": "status"}))["state"], "paused");
+    assert_eq!(
+        restored.ok(serde_json::json!({"op": "status"}))["state"],
+        "paused"
+    );
     let same = s.path("same");
     restored.ok(serde_json::json!({"op": "snapshot", "path": same}));
-    assert_eq!(counter(&same), at_snapshot, "a paused restore changed guest memory");
+    assert_eq!(
+        counter(&same),
+        at_snapshot,
+        "a paused restore changed guest memory"
+    );
     // Running, it keeps counting from there.
     restored.ok(serde_json::json!({"op": "resume"}));
     let later = s.path("later");
@@ -227,7 +238,10 @@ fn diff_snapshot_chain_restores_identical_memory() {
     let diff1 = s.path("diff1");
     let r = vm.ok(serde_json::json!({"op": "snapshot", "path": diff1, "diff": true}));
     assert_eq!(r["diff"], true);
-    assert!(r["pages_written"].as_u64().unwrap() < 8, "diff wrote too much: {r}");
+    assert!(
+        r["pages_written"].as_u64().unwrap() < 8,
+        "diff wrote too much: {r}"
+    );
     std::thread::sleep(Duration::from_millis(100));
     // Pause, then take the diff and a full reference at the same instant.
     vm.ok(serde_json::json!({"op": "pause"}));
@@ -248,7 +262,10 @@ fn diff_snapshot_chain_restores_identical_memory() {
     let a = std::fs::read(reference.join("memory")).unwrap();
     let b = std::fs::read(out.join("memory")).unwrap();
     assert_eq!(a.len(), b.len());
-    assert!(a == b, "memory restored through the diff chain differs from the reference");
+    assert!(
+        a == b,
+        "memory restored through the diff chain differs from the reference"
+    );
 }
 
 #[test]
@@ -303,7 +320,10 @@ fn damaged_snapshots_fail_cleanly() {
     // An existing directory is never overwritten.
     let r = vm.request(serde_json::json!({"op": "snapshot", "path": good}));
     assert_eq!(r["ok"], false);
-    assert!(r["error"].as_str().unwrap().contains("already exists"), "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("already exists"),
+        "{r}"
+    );
     vm.stop();
 
     let copy = |name: &str| {
@@ -351,6 +371,10 @@ fn damaged_snapshots_fail_cleanly() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{}: {stderr}", dir.display());
-        assert!(stderr.contains(expect), "{}: expected '{expect}' in: {stderr}", dir.display());
+        assert!(
+            stderr.contains(expect),
+            "{}: expected '{expect}' in: {stderr}",
+            dir.display()
+        );
     }
 }

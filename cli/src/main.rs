@@ -185,6 +185,12 @@ async fn run_in_sandbox(
             eprintln!("dsec: interrupted; sandbox torn down");
             return Ok(130);
         }
+        // Our stdout was closed (`dsec run -- yes | head`): end quietly, as a shell would.
+        Some(Err(EdgeError::Io { source, .. }))
+            if source.kind() == std::io::ErrorKind::BrokenPipe =>
+        {
+            return Ok(128 + 13);
+        }
         Some(outcome) => outcome?,
     };
     if let Err(err) = destroyed {

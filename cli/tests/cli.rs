@@ -260,3 +260,28 @@ fn info_json_describes_the_host() {
         assert_eq!(info["default_backend"], "container");
     }
 }
+
+#[test]
+fn closed_stdout_ends_the_run_quietly() {
+    let run = RunDir::new("epipe");
+    let mut child = run
+        .dsec()
+        .args(["run", "--", "yes"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 4];
+    std::io::Read::read_exact(&mut stdout, &mut first).unwrap();
+    assert_eq!(&first, b"y\ny\n");
+    drop(stdout);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(141), "{}", stderr_of(&out));
+    assert!(
+        !stderr_of(&out).contains("Broken pipe"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert_eq!(run.leftovers(), 0);
+}

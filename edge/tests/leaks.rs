@@ -46,11 +46,14 @@ fn processes_mentioning(needle: &str) -> Vec<String> {
     found
 }
 
-fn mount_count() -> usize {
+/// Host mounts under `dir` (other work on the host may mount elsewhere meanwhile).
+fn mounts_under(dir: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
-        .count()
+        .filter(|line| line.contains(dir))
+        .map(str::to_string)
+        .collect()
 }
 
 #[tokio::test]
@@ -59,7 +62,6 @@ async fn repeated_create_destroy_leaks_nothing() {
     // Warm up: first use creates the state dir, runtime threads, lazily opened fds.
     node.sandbox().await.destroy().await.unwrap();
     let fds = open_fds();
-    let mounts = mount_count();
     let sleepers = processes_mentioning("sleep 1717").len();
 
     for round in 0..20 {
@@ -98,7 +100,18 @@ async fn repeated_create_destroy_leaks_nothing() {
         sleepers,
         "background processes of sandboxes survived their sandbox"
     );
-    assert_eq!(mount_count(), mounts, "host mounts changed");
+    let state_dir = node.config.state_dir.to_string_lossy().into_owned();
+    let rootfs = node.rootfs.to_string_lossy().into_owned();
+    assert_eq!(
+        mounts_under(&state_dir),
+        Vec::<String>::new(),
+        "sandbox mounts leaked to the host"
+    );
+    assert_eq!(
+        mounts_under(&rootfs),
+        Vec::<String>::new(),
+        "image mounts leaked to the host"
+    );
     // Allow a couple of fds for runtime internals that open lazily.
     let now = open_fds();
     assert!(

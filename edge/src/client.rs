@@ -177,6 +177,25 @@ impl AgentClient {
         O: AsyncWrite + Unpin,
         E: AsyncWrite + Unpin,
     {
+        self.exec_with_signals(spec, stdin, stdout, stderr, None)
+            .await
+    }
+
+    /// Like [`AgentClient::exec`]; signal numbers received on `signals` are sent to the
+    /// command's process group while it runs.
+    pub async fn exec_with_signals<I, O, E>(
+        &self,
+        spec: &ExecSpec,
+        stdin: Option<I>,
+        stdout: &mut O,
+        stderr: &mut E,
+        signals: Option<mpsc::Receiver<i32>>,
+    ) -> Result<ExecOutcome>
+    where
+        I: AsyncRead + Unpin + Send + 'static,
+        O: AsyncWrite + Unpin,
+        E: AsyncWrite + Unpin,
+    {
         if spec.argv.is_empty() {
             return Err(EdgeError::InvalidSpec("no command given".into()));
         }
@@ -197,6 +216,19 @@ impl AgentClient {
         .await
         .map_err(|_| EdgeError::Protocol("exec request stream closed".into()))?;
         let feeder = stdin.map(|input| tokio::spawn(feed_stdin(input, tx.clone())));
+        let signaller = signals.map(|mut signals| {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                while let Some(number) = signals.recv().await {
+                    let message = ExecRequest {
+                        kind: Some(exec_request::Kind::Signal(number)),
+                    };
+                    if tx.send(message).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        });
         drop(tx);
 
         let mut responses = ProcessClient::new(self.channel.clone())
@@ -231,8 +263,8 @@ impl AgentClient {
                 Some(exec_response::Kind::Started(_)) | None => {}
             }
         };
-        if let Some(feeder) = feeder {
-            feeder.abort();
+        for task in feeder.into_iter().chain(signaller) {
+            task.abort();
         }
         result
     }

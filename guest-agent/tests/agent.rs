@@ -238,3 +238,38 @@ async fn files_write_read_and_errors() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn signals_reach_the_process_group() {
+    use tokio::io::AsyncBufReadExt;
+    let agent = Agent::start("signal").await;
+    let (signal_tx, signal_rx) = tokio::sync::mpsc::channel(1);
+    let (writer, reader) = tokio::io::duplex(4096);
+    let client = agent.client.clone();
+    let exec = tokio::spawn(async move {
+        let mut writer = writer;
+        let script = "trap 'echo got-term; exit 5' TERM; echo ready; while :; do sleep 0.05; done";
+        client
+            .exec_with_signals(
+                &spec(&["sh", "-c", script]),
+                None::<tokio::io::Empty>,
+                &mut writer,
+                &mut tokio::io::sink(),
+                Some(signal_rx),
+            )
+            .await
+    });
+    let mut lines = tokio::io::BufReader::new(reader).lines();
+    assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("ready"));
+    signal_tx.send(15).await.unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(5), exec)
+        .await
+        .expect("command did not end after SIGTERM")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        lines.next_line().await.unwrap().as_deref(),
+        Some("got-term")
+    );
+    assert_eq!(outcome.code, Some(5));
+}

@@ -50,6 +50,7 @@ KERN=$K
 run uname-pvh 0 "$want_release" uname -r
 run exit-status 7 "" sh -c 'exit 7'
 run stdout-stderr-apart 0 "out" sh -c 'echo out; echo err >&2'
+grep -qx err /tmp/stdout-stderr-apart.err && ok stderr-delivered || bad stderr-delivered "stderr lacks the line 'err'"
 KERN=/guest/bzImage
 [ -f $KERN ] && run uname-bzimage 0 "$want_release" uname -r
 

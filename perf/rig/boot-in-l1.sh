@@ -9,6 +9,7 @@
 : "${PERF_ORDER:=ours,qemu}"
 : "${PERF_MEM_MIB:=256}"
 : "${PERF_TIMEOUT_S:=120}"
+: "${PERF_CMDLINE_EXTRA:=}"
 
 missing=0
 for f in /bin/dsec-perf /bin/dsec-vmm /usr/bin/qemu-system-x86_64 /guest/vmlinux /guest/initramfs.cpio; do
@@ -19,7 +20,8 @@ if [ $missing = 1 ]; then echo "0 passed, 1 failed"; exit 1; fi
 echo "PERF-RIG-INFO uptime=$(cut -d' ' -f1 /proc/uptime) vhost_vsock=$([ -e /dev/vhost-vsock ] && echo yes || echo no)"
 dsec-perf rig-inner --order "$PERF_ORDER" --vmm /bin/dsec-vmm \
     --qemu /usr/bin/qemu-system-x86_64 --kernel /guest/vmlinux \
-    --initrd /guest/initramfs.cpio --mem-mib "$PERF_MEM_MIB" --timeout-s "$PERF_TIMEOUT_S"
+    --initrd /guest/initramfs.cpio --mem-mib "$PERF_MEM_MIB" --timeout-s "$PERF_TIMEOUT_S" \
+    --cmdline-extra "$PERF_CMDLINE_EXTRA"
 failed=$?
 n=$(echo "$PERF_ORDER" | tr ',' '\n' | wc -l)
 echo "$((n - failed)) passed, $failed failed"

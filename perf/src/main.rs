@@ -92,6 +92,10 @@ struct BootArgs {
     /// Per-boot timeout inside L1.
     #[arg(long, default_value_t = 120)]
     rig_boot_timeout_s: u64,
+    /// Appended to the guest kernel cmdline of both VMMs in the rig (experiments, e.g.
+    /// "i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd").
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    rig_cmdline_extra: String,
     /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
     #[arg(long)]
     keep_workdir: bool,
@@ -116,6 +120,8 @@ struct RigInnerArgs {
     timeout_s: u64,
     #[arg(long, default_value = "/tmp/dsec-perf")]
     workdir: PathBuf,
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    cmdline_extra: String,
 }
 
 /// The repository root: upward from the current directory, else where this was built.
@@ -247,6 +253,7 @@ fn boot(a: BootArgs) -> Result<(), String> {
         mem_mib: a.rig_mem_mib,
         boot_timeout: Duration::from_secs(a.rig_boot_timeout_s),
         workdir: workdir.join("rig"),
+        cmdline_extra: a.rig_cmdline_extra.clone(),
     };
     let rig = rig::bench(&rig_opts);
     println!();
@@ -294,6 +301,7 @@ fn main() -> ExitCode {
                 mem_mib: a.mem_mib,
                 timeout: Duration::from_secs(a.timeout_s),
                 workdir: a.workdir,
+                cmdline_extra: a.cmdline_extra,
             });
             ExitCode::from(failed.min(255) as u8)
         }

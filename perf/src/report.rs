@@ -13,6 +13,8 @@ pub struct Metric {
     pub key: &'static str,
     pub label: &'static str,
     pub unit: &'static str,
+    /// Whether ours/baseline ratios make sense for it (not for rig-health figures).
+    pub compare: bool,
 }
 
 /// One VMM configuration being measured.
@@ -47,6 +49,8 @@ pub struct Scenario {
     pub samples: Vec<Sample>,
     /// Why the scenario did not run at all.
     pub skipped: Option<String>,
+    /// Footnotes printed under the table and kept in the JSON.
+    pub notes: Vec<String>,
 }
 
 impl Scenario {
@@ -128,6 +132,9 @@ impl Scenario {
                 );
             }
         }
+        for n in &self.notes {
+            let _ = writeln!(o, "   note: {n}");
+        }
         let failures: Vec<&Sample> = self.samples.iter().filter(|s| s.error.is_some()).collect();
         if !failures.is_empty() {
             let _ = writeln!(o, "   failed runs:");
@@ -149,7 +156,7 @@ impl Scenario {
 
     fn ratios(&self) -> Vec<RatioRow> {
         let mut rows = Vec::new();
-        for m in &self.metrics {
+        for m in self.metrics.iter().filter(|m| m.compare) {
             for (ours, base) in &self.comparisons {
                 let (a, b) = (self.summary(ours, m.key), self.summary(base, m.key));
                 let (Some(a), Some(b)) = (a, b) else { continue };
@@ -222,6 +229,7 @@ impl Scenario {
             "title": self.title,
             "method": self.method,
             "skipped": self.skipped,
+            "notes": self.notes,
             "metrics": metrics,
             "contenders": contenders,
             "ratios": ratios,
@@ -276,6 +284,7 @@ mod tests {
                 key: "t",
                 label: "time",
                 unit: "ms",
+                compare: true,
             }],
             contenders: ["a", "b"]
                 .iter()
@@ -294,6 +303,7 @@ mod tests {
                 sample("a", 2, 1000.0, true),
             ],
             skipped: None,
+            notes: vec![],
         };
         assert_eq!(sc.summary("a", "t").unwrap().p50, 2.0);
         assert_eq!(sc.counts("a"), (2, 1));

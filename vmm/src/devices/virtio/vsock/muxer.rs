@@ -34,7 +34,7 @@ impl Default for MuxerLimits {
         MuxerLimits {
             max_connections: 1024,
             buf_alloc: 256 * 1024,
-            host_buffer: 64 * 1024,
+            host_buffer: 256 * 1024,
         }
     }
 }
@@ -422,7 +422,7 @@ impl Muxer {
             return;
         };
         if events.contains(EventSet::IN) || events.contains(EventSet::HANG_UP) {
-            let mut chunk = [0u8; 16 * 1024];
+            let mut chunk = [0u8; 64 * 1024];
             while !conn.host_eof && conn.from_host.len() < host_buffer {
                 let room = (host_buffer - conn.from_host.len()).min(chunk.len());
                 match conn.stream.read(&mut chunk[..room]) {
@@ -469,7 +469,7 @@ impl Muxer {
             if conn.guest_done_sending {
                 let _ = conn.stream.shutdown(std::net::Shutdown::Write);
             }
-            if conn.close_after_flush {
+            if conn.close_after_flush && conn.control.is_empty() {
                 self.remove_conn(key);
             }
         }

@@ -109,6 +109,8 @@ fn execute(vm: &Vm, request: Request) -> Value {
             "state": if vm.is_paused() { "paused" } else { "running" },
             "vcpus": vm.config().vcpus,
             "mem_mib": vm.config().mem_mib,
+            "lazy_faults": vm.lazy_stats().map(|s| s.0),
+            "lazy_prefetched": vm.lazy_stats().map(|s| s.1),
         })),
         Request::Pause => vm.pause().map(|_| json!({})).map_err(|e| e.to_string()),
         Request::Resume => {

@@ -10,8 +10,9 @@ pub mod control;
 pub mod devices;
 pub mod memory;
 pub mod snapshot;
+pub mod uffd;
 pub mod vcpu;
 pub mod vm;
 
 pub use config::{SerialOutput, VmConfig, VsockConfig};
-pub use vm::{run, RestoreOverrides, RunReport, Vm, VmError, VmExitReason};
+pub use vm::{run, LazyRestore, RestoreOverrides, RunReport, Vm, VmError, VmExitReason};

@@ -28,6 +28,16 @@ struct Args {
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    /// With --restore: fill memory lazily through userfaultfd instead of MAP_PRIVATE.
+    #[arg(long, requires = "restore")]
+    lazy: bool,
+    /// With --lazy: load the snapshot's recorded working set in the background.
+    #[arg(long, requires = "lazy")]
+    prefetch: bool,
+    /// With --lazy: record the pages touched in the first MS milliseconds as the
+    /// snapshot's working set (for --prefetch next time).
+    #[arg(long, requires = "lazy", value_name = "MS")]
+    record_working_set: Option<u64>,
     /// Do not start the vCPUs until a `resume` arrives on the control socket.
     #[arg(long, requires = "api_sock")]
     paused: bool,
@@ -147,6 +157,12 @@ fn overrides(args: &Args) -> RestoreOverrides {
             (None, true) => Some(SerialOutput::Stdout),
             (None, false) => None,
         },
+        lazy: args.lazy.then(|| dsec_vmm::LazyRestore {
+            prefetch: args.prefetch,
+            record: args
+                .record_working_set
+                .map(std::time::Duration::from_millis),
+        }),
     }
 }
 

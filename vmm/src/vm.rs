@@ -25,6 +25,7 @@ use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::vsock::Vsock;
 use crate::memory::{self, DumpPages, GuestMemory, RegionLayout, PAGE_SIZE};
 use crate::snapshot::{self, DevicesState, MemoryState, Persist, SnapshotError, VmState};
+use crate::uffd::{self, UffdHandler};
 use crate::vcpu::{self, VcpuHandle, VcpuStats};
 
 /// Why the VM stopped.
@@ -164,13 +165,28 @@ fn serial_sink(output: &SerialOutput, times: &Arc<BootTimes>) -> Result<SerialSi
     }))
 }
 
-/// Host-side settings a restored VM takes instead of the snapshot's (a fork's identity).
+/// Host-side settings a restored VM takes instead of the snapshot's (a fork's identity),
+/// and how its memory is brought back.
 #[derive(Clone, Debug, Default)]
 pub struct RestoreOverrides {
     pub vsock_uds: Option<PathBuf>,
     pub vsock_cid: Option<u64>,
     pub serial: Option<SerialOutput>,
+    /// Fill memory lazily through userfaultfd instead of mapping the file MAP_PRIVATE.
+    pub lazy: Option<LazyRestore>,
 }
+
+/// Lazy (userfaultfd) restore settings.
+#[derive(Clone, Debug, Default)]
+pub struct LazyRestore {
+    /// Load the snapshot's recorded working set (`<dir>/working-set`) in the background.
+    pub prefetch: bool,
+    /// Record the pages touched in this window after start into `<dir>/working-set`.
+    pub record: Option<Duration>,
+}
+
+/// Where a recorded working set lives in a snapshot directory.
+pub const WORKING_SET_FILE: &str = "working-set";
 
 pub struct Vm {
     config: VmConfig,
@@ -190,6 +206,8 @@ pub struct Vm {
     /// Set once a full snapshot exists: later snapshots may be diffs against it.
     dirty_logging: AtomicBool,
     last_snapshot: Mutex<Option<PathBuf>>,
+    /// Serves page faults of a lazily restored VM; stops when the VM is dropped.
+    uffd: Option<UffdHandler>,
 }
 
 struct Devices {
@@ -301,6 +319,7 @@ impl Vm {
             times,
             dirty_logging: AtomicBool::new(false),
             last_snapshot: Mutex::new(None),
+            uffd: None,
         }
     }
 
@@ -337,7 +356,13 @@ impl Vm {
         }
         let kvm = open_kvm()?;
         let fd = create_vm_fd(&kvm)?;
-        let mem = restore_memory(dir, &state)?;
+        let (mem, uffd) = match &overrides.lazy {
+            None => (restore_memory(dir, &state)?, None),
+            Some(lazy) => {
+                let (mem, handler) = restore_memory_lazily(dir, &state, lazy)?;
+                (mem, Some(handler))
+            }
+        };
         memory::register(&fd, &mem, false)?;
         let (exit_tx, exit_rx) = channel();
         let times = Arc::new(BootTimes::default());
@@ -358,6 +383,7 @@ impl Vm {
         let mut vm = Vm::assemble(
             config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
         );
+        vm.uffd = uffd;
         if state.vcpus.len() != usize::from(vm.config.vcpus) {
             return Err(VmError::State(
                 "snapshot vCPU count does not match its config".into(),
@@ -523,6 +549,16 @@ impl Vm {
         let _ = self.exit_tx.send(reason);
     }
 
+    /// Page-fault counters of a lazily restored VM.
+    pub fn lazy_stats(&self) -> Option<(u64, u64)> {
+        self.uffd.as_ref().map(|u| {
+            (
+                u.stats.faults.load(Ordering::Relaxed),
+                u.stats.prefetched.load(Ordering::Relaxed),
+            )
+        })
+    }
+
     /// Reads guest memory (tests and the control socket's status use it).
     pub fn read_guest_u64(&self, addr: u64) -> Option<u64> {
         self.mem.read_obj(GuestAddress(addr)).ok()
@@ -556,6 +592,58 @@ fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemorySta
     }
     chain.reverse();
     Ok(chain)
+}
+
+/// Empty memory whose pages a userfaultfd handler fills from the snapshot chain on demand.
+fn restore_memory_lazily(
+    dir: &Path,
+    state: &VmState,
+    lazy: &LazyRestore,
+) -> Result<(GuestMemory, UffdHandler), VmError> {
+    let chain = snapshot_chain(dir, state)?;
+    let open = |d: &Path| {
+        let path = d.join(snapshot::MEMORY_FILE);
+        File::open(&path).map_err(|source| SnapshotError::Read { path, source })
+    };
+    let file_size: u64 = state
+        .memory
+        .regions
+        .iter()
+        .map(|r| r.file_offset + r.size)
+        .max()
+        .unwrap_or(0);
+    let base = open(&chain[0].0)?;
+    let actual = base.metadata().map(|m| m.len()).unwrap_or(0);
+    if actual < file_size {
+        return Err(memory::MemoryError::FileSize {
+            expected: file_size,
+            actual,
+        }
+        .into());
+    }
+    let mut source = uffd::PageSource::new(base);
+    for (diff_dir, diff) in &chain[1..] {
+        source.push_diff(open(diff_dir)?, &diff.pages);
+    }
+    let layout = memory::layout_for(state.config.mem_mib << 20);
+    if layout != state.memory.regions {
+        return Err(VmError::State(
+            "snapshot memory layout does not match its config".into(),
+        ));
+    }
+    let mem = memory::anonymous(state.config.mem_mib << 20)?;
+    let working_set = dir.join(WORKING_SET_FILE);
+    let options = uffd::LazyOptions {
+        prefetch: if lazy.prefetch {
+            uffd::read_working_set(&working_set, file_size / PAGE_SIZE as u64)
+        } else {
+            Vec::new()
+        },
+        record: lazy.record.map(|window| (working_set, window)),
+    };
+    let handler =
+        uffd::start(&mem, &layout, source, options).map_err(|e| VmError::State(e.to_string()))?;
+    Ok((mem, handler))
 }
 
 /// Maps the full snapshot's memory MAP_PRIVATE, then applies each diff in order.

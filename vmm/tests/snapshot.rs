@@ -378,3 +378,75 @@ fn damaged_snapshots_fail_cleanly() {
         );
     }
 }
+
+#[test]
+fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
+    let s = Scratch::new("lazy");
+    let vm = boot_counter(&s);
+    let base = s.path("base");
+    wait_until("the guest to start counting", || {
+        let _ = std::fs::remove_dir_all(&base);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
+        counter(&base) > 0
+    });
+    vm.stop();
+    let at_snapshot = counter(&base);
+
+    // First lazy restore: pages arrive on demand; record what the guest touches.
+    let first = Vmm::spawn(
+        &[
+            "--restore",
+            base.to_str().unwrap(),
+            "--lazy",
+            "--record-working-set",
+            "300",
+        ],
+        &s.path("api1.sock"),
+    );
+    wait_until("the working set to be recorded", || {
+        base.join("working-set").exists()
+    });
+    let status = first.ok(serde_json::json!({"op": "status"}));
+    let faults = status["lazy_faults"].as_u64().unwrap();
+    assert!(
+        faults >= 2,
+        "a running guest must fault in its code and data: {status}"
+    );
+    let out = s.path("out1");
+    first.ok(serde_json::json!({"op": "snapshot", "path": out}));
+    first.stop();
+    assert!(
+        counter(&out) > at_snapshot,
+        "lazily restored guest did not continue"
+    );
+    let recorded: Vec<u64> =
+        serde_json::from_slice(&std::fs::read(base.join("working-set")).unwrap()).unwrap();
+    assert!(recorded.contains(&(COUNTER_ADDR / 4096)), "{recorded:?}");
+
+    // Second: the recorded pages are loaded before the guest asks for them.
+    let second = Vmm::spawn(
+        &[
+            "--restore",
+            base.to_str().unwrap(),
+            "--lazy",
+            "--prefetch",
+            "--paused",
+        ],
+        &s.path("api2.sock"),
+    );
+    wait_until("the prefetch to finish", || {
+        second.ok(serde_json::json!({"op": "status"}))["lazy_prefetched"].as_u64()
+            == Some(recorded.len() as u64)
+    });
+    second.ok(serde_json::json!({"op": "resume"}));
+    std::thread::sleep(Duration::from_millis(200));
+    let status = second.ok(serde_json::json!({"op": "status"}));
+    assert_eq!(
+        status["lazy_faults"], 0,
+        "prefetched pages faulted again: {status}"
+    );
+    let out = s.path("out2");
+    second.ok(serde_json::json!({"op": "snapshot", "path": out}));
+    second.stop();
+    assert!(counter(&out) > at_snapshot, "prefetched guest did not run");
+}

@@ -142,8 +142,10 @@ build_l1() {
         [[ -e $root/usr/share/qemu/bios-microvm.bin ]] || die "/usr/share/qemu/bios-microvm.bin missing: apt-get install qemu-system-x86"
     fi
     mkdir -p "$CACHE"
-    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$TMP/l1.cpio"
-    mv "$TMP/l1.cpio" "$out"
+    # Written next to its final name, then renamed: concurrent builds never see half a file.
+    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$out.$$" \
+        || { rm -f "$out.$$"; die "cpio failed writing $out"; }
+    mv "$out.$$" "$out"
     log "L1 initramfs built: $out ($(du -h "$out" | cut -f1))"
     echo "$out"
 }
@@ -155,13 +157,15 @@ run_l1() {
     need "$QEMU" "apt-get install qemu-system-x86"
     parse_files "$@"
     local kernel base
-    kernel=$(l1_kernel)
-    base=$(build_l1)
+    # die() inside $(...) only ends the subshell: propagate by hand.
+    kernel=$(l1_kernel) || exit 2
+    base=$(build_l1) || exit 2
     # The script travels as a second cpio appended to the cached base one.
     mkdir -p "$TMP/script/rig"
     cp "$script" "$TMP/script/rig/test.sh"
-    (cd "$TMP/script" && printf 'rig\nrig/test.sh\n' | cpio --quiet -o -H newc -R 0:0) >"$TMP/script.cpio"
-    cat "$base" "$TMP/script.cpio" >"$TMP/initramfs.cpio"
+    (cd "$TMP/script" && printf 'rig\nrig/test.sh\n' | cpio --quiet -o -H newc -R 0:0) >"$TMP/script.cpio" \
+        || die "cpio failed packing $script"
+    cat "$base" "$TMP/script.cpio" >"$TMP/initramfs.cpio" || die "cannot write $TMP/initramfs.cpio (disk full?)"
 
     local logf=${RIG_LOG:-$TMP/serial.log}
     : >"$logf"
@@ -235,26 +239,26 @@ guest_initramfs() {
     mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || true
     cp "$HERE/guest-init" "$root/init"; chmod 755 "$root/init"
     mkdir -p "$CACHE"
-    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$TMP/guest.cpio"
-    mv "$TMP/guest.cpio" "$out"
+    (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$out.$$" \
+        || { rm -f "$out.$$"; die "cpio failed writing $out"; }
+    mv "$out.$$" "$out"
     echo "$out"
 }
 
 cmd=${1:-}
 [[ $# -gt 0 ]] && shift
 case $cmd in
-    build) parse_files "$@"; build_l1 ;;
+    build) parse_files "$@"; build_l1 || exit 2 ;;
     run)
         [[ $# -ge 1 ]] || die "usage: rig.sh run SCRIPT [--qemu] [FILE...]"
-        set +e; run_l1 "$@"; rc=$?; set -e
+        rc=0; run_l1 "$@" || rc=$?
         exit "$rc" ;;
-    guest-initramfs) guest_initramfs ;;
+    guest-initramfs) guest_initramfs || exit 2 ;;
     smoke)
-        gi=${1:-$(guest_initramfs)}
+        if [[ $# -ge 1 ]]; then gi=$1; else gi=$(guest_initramfs) || exit 2; fi
         kdir=$("$REPO/guest-kernel/build.sh") || die "guest-kernel/build.sh failed"
-        set +e
-        run_l1 "$HERE/tests/smoke.sh" --qemu "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" "$gi=/guest/initramfs"
-        rc=$?; set -e
+        rc=0
+        run_l1 "$HERE/tests/smoke.sh" --qemu "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" "$gi=/guest/initramfs" || rc=$?
         exit "$rc" ;;
     ""|-h|--help|help) sed -n '2,23p' "$0"; exit 0 ;;
     *) die "unknown subcommand '$cmd' (build, run, guest-initramfs, smoke)" ;;

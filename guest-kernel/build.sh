@@ -56,15 +56,36 @@ if [[ $FORCE == 0 && -f $OUT/vmlinux && -f $OUT/bzImage && -f $OUT/version && -f
     exit 0
 fi
 
-for tool in make gcc flex bison bc cpio rsync xz gzip sha256sum; do
+for tool in make gcc flex bison bc cpio rsync xz gzip sha256sum flock setsid readelf; do
     command -v "$tool" >/dev/null || die "'$tool' missing: run setup.sh (or apt-get install build-essential flex bison bc cpio rsync xz-utils libelf-dev libssl-dev dwarves)"
 done
 
 mkdir -p "$CACHE_ROOT"
-WORK=$(mktemp -d "$CACHE_ROOT/.build-$HASH.XXXXXX")
-cleanup() { rm -rf "$WORK"; }
+# One builder per hash: a concurrent caller waits here, then finds the cache hit.
+exec 9>"$CACHE_ROOT/.lock-$HASH"
+if ! flock -n 9; then
+    log "another build of $HASH is running; waiting for it"
+    flock 9
+fi
+if [[ $FORCE == 0 && -f $OUT/vmlinux && -f $OUT/bzImage && -f $OUT/version && -f $OUT/config ]]; then
+    log "cache hit after waiting: $OUT"
+    echo "$OUT"
+    exit 0
+fi
+# Fixed path (not mktemp): nothing path-dependent may differ between two builds.
+WORK=$CACHE_ROOT/.build-$HASH
+MAKE_PID=
+cleanup() {
+    # bash defers traps while a foreground child runs, so make runs in the
+    # background and is killed (with its whole job) here on any exit.
+    [[ -n $MAKE_PID ]] && kill -TERM -- -"$MAKE_PID" 2>/dev/null
+    [[ -n $MAKE_PID ]] && wait "$MAKE_PID" 2>/dev/null
+    rm -rf "$WORK"
+}
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+trap 'exit 130' INT TERM HUP
+rm -rf "$WORK"
+mkdir -p "$WORK"
 
 START=$(date +%s)
 log "cache miss: building $SRC_PKG $PKG_VERSION into $OUT (-j$JOBS)"
@@ -105,8 +126,12 @@ if [[ ${#missing[@]} -gt 0 ]]; then
 fi
 
 log "config ok ($(grep -c '=y' "$KSRC/.config") options =y); compiling"
-nice -n 10 "${MK[@]}" -j"$JOBS" vmlinux bzImage >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log" >&2; die "kernel build failed (log above)"; }
+# setsid: make and its compilers form one process group cleanup() can kill.
+setsid nice -n 10 "${MK[@]}" -j"$JOBS" vmlinux bzImage >"$WORK/build.log" 2>&1 &
+MAKE_PID=$!
+rc=0; wait "$MAKE_PID" || rc=$?
+MAKE_PID=
+[[ $rc == 0 ]] || { tail -40 "$WORK/build.log" >&2; die "kernel build failed (log above)"; }
 
 # PVH entry is what lets our VMM (and QEMU -kernel) boot the ELF directly.
 readelf -n "$KSRC/vmlinux" | grep -q 'Xen.*0x00000012' \
@@ -118,6 +143,7 @@ cp "$KSRC/vmlinux" "$STAGE/vmlinux"
 cp "$KSRC/arch/x86/boot/bzImage" "$STAGE/bzImage"
 cp "$KSRC/.config" "$STAGE/config"
 "${MK[@]}" kernelrelease >"$STAGE/version"
+cp "$WORK/build.log" "$STAGE/build.log"
 # Publish atomically: a half-written cache entry must never look like a hit.
 rm -rf "$OUT"
 mv "$STAGE" "$OUT"

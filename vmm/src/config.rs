@@ -36,6 +36,108 @@ pub struct VsockConfig {
     pub guest_cid: u64,
 }
 
+/// A virtio-blk disk: a raw image file (sparse files stay sparse: discard punches holes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriveConfig {
+    pub path: PathBuf,
+    /// The guest sees a read-only disk and every write is refused.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+impl std::str::FromStr for DriveConfig {
+    type Err = String;
+    /// `PATH[,ro]`
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (path, read_only) = match s.rsplit_once(',') {
+            Some((p, "ro")) => (p, true),
+            Some((p, "rw")) => (p, false),
+            Some((_, other)) => {
+                return Err(format!(
+                    "unknown drive option `{other}`; use PATH or PATH,ro"
+                ))
+            }
+            None => (s, false),
+        };
+        if path.is_empty() {
+            return Err("empty drive path; use PATH or PATH,ro".into());
+        }
+        Ok(DriveConfig {
+            path: path.into(),
+            read_only,
+        })
+    }
+}
+
+/// A virtio-net device on a host tap interface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// Tap interface name (created if missing; usually pre-created in the sandbox's netns).
+    pub tap: String,
+    /// Guest MAC `aa:bb:cc:dd:ee:ff`; default: a locally administered one from the tap name.
+    #[serde(default)]
+    pub mac: Option<String>,
+}
+
+impl NetConfig {
+    /// The guest's MAC address (validate() has checked the string).
+    pub fn mac_bytes(&self) -> [u8; 6] {
+        match self.mac.as_deref().and_then(parse_mac) {
+            Some(m) => m,
+            None => {
+                // FNV-1a of the name; 0x06 = locally administered, unicast.
+                let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+                for b in self.tap.bytes() {
+                    h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+                }
+                let b = h.to_le_bytes();
+                [0x06, b[0], b[1], b[2], b[3], b[4]]
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for NetConfig {
+    type Err = String;
+    /// `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut tap = None;
+        let mut mac = None;
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("tap", v)) => tap = Some(v.to_string()),
+                Some(("mac", v)) => mac = Some(v.to_string()),
+                _ => {
+                    return Err(format!(
+                        "unknown net option `{part}`; use tap=NAME[,mac=AA:BB:CC:DD:EE:FF]"
+                    ))
+                }
+            }
+        }
+        let tap = tap.ok_or("missing tap=NAME; use tap=NAME[,mac=AA:BB:CC:DD:EE:FF]")?;
+        Ok(NetConfig { tap, mac })
+    }
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut out {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
+/// Most virtio-mmio devices one VM may have (IRQs 5..=20 stay below the IOAPIC's 24 pins).
+pub const MAX_VIRTIO_DEVICES: usize = 16;
+
 fn default_cid() -> u64 {
     MIN_GUEST_CID
 }
@@ -64,6 +166,15 @@ pub struct VmConfig {
     /// Serial console destination.
     #[serde(default)]
     pub serial: SerialOutput,
+    /// virtio-rng device (entropy from the host's getrandom).
+    #[serde(default)]
+    pub rng: bool,
+    /// virtio-blk disks; the guest sees them in this order (vda, vdb, ...).
+    #[serde(default)]
+    pub drives: Vec<DriveConfig>,
+    /// virtio-net device on a tap.
+    #[serde(default)]
+    pub net: Option<NetConfig>,
 }
 
 /// Default command line for a Linux guest: quiet console (each byte costs VM exits),
@@ -115,6 +226,18 @@ pub enum ConfigError {
     VsockDir(PathBuf),
     #[error("field `cmdline`: contains a NUL byte or non-printable character")]
     Cmdline,
+    #[error("field `drives`: {path} does not exist or cannot be opened{mode} ({source})")]
+    Drive {
+        path: PathBuf,
+        mode: &'static str,
+        source: std::io::Error,
+    },
+    #[error("field `net.tap`: `{0}` is not a valid interface name (1-15 bytes, no `/`, `:` or whitespace)")]
+    TapName(String),
+    #[error("field `net.mac`: `{0}` is not a unicast MAC address like 06:00:ac:10:00:02")]
+    Mac(String),
+    #[error("too many virtio devices ({0}); a VM has at most {MAX_VIRTIO_DEVICES} (vsock + rng + drives + net)")]
+    TooManyDevices(usize),
 }
 
 impl VmConfig {
@@ -128,6 +251,9 @@ impl VmConfig {
             mem_mib: default_mem_mib(),
             vsock: None,
             serial: SerialOutput::default(),
+            rng: false,
+            drives: Vec::new(),
+            net: None,
         }
     }
 
@@ -180,6 +306,44 @@ impl VmConfig {
         }
         if self.cmdline.bytes().any(|b| !(0x20..0x7f).contains(&b)) {
             return Err(ConfigError::Cmdline);
+        }
+        for d in &self.drives {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(!d.read_only)
+                .open(&d.path)
+                .map_err(|source| ConfigError::Drive {
+                    path: d.path.clone(),
+                    mode: if d.read_only {
+                        ""
+                    } else {
+                        " for writing (add ,ro?)"
+                    },
+                    source,
+                })?;
+        }
+        if let Some(net) = &self.net {
+            let t = &net.tap;
+            if t.is_empty()
+                || t.len() > 15
+                || t.bytes()
+                    .any(|b| b == b'/' || b == b':' || !b.is_ascii_graphic())
+            {
+                return Err(ConfigError::TapName(t.clone()));
+            }
+            if let Some(mac) = &net.mac {
+                match parse_mac(mac) {
+                    Some(m) if m[0] & 1 == 0 && m != [0; 6] => {}
+                    _ => return Err(ConfigError::Mac(mac.clone())),
+                }
+            }
+        }
+        let n = usize::from(self.vsock.is_some())
+            + usize::from(self.rng)
+            + self.drives.len()
+            + usize::from(self.net.is_some());
+        if n > MAX_VIRTIO_DEVICES {
+            return Err(ConfigError::TooManyDevices(n));
         }
         Ok(())
     }
@@ -238,6 +402,34 @@ mod tests {
             guest_cid: 2,
         });
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn drive_and_net_flags_parse() {
+        let d: DriveConfig = "/a/b.img,ro".parse().unwrap();
+        assert_eq!(d.path, PathBuf::from("/a/b.img"));
+        assert!(d.read_only);
+        assert!(!"/x".parse::<DriveConfig>().unwrap().read_only);
+        assert!("/x,rx".parse::<DriveConfig>().is_err());
+        let n: NetConfig = "tap=tap0,mac=06:00:00:00:00:02".parse().unwrap();
+        assert_eq!(n.mac_bytes(), [6, 0, 0, 0, 0, 2]);
+        assert!("mac=06:00:00:00:00:02".parse::<NetConfig>().is_err());
+        let n: NetConfig = "tap=tap0".parse().unwrap();
+        assert_eq!(n.mac_bytes()[0], 0x06);
+        let mut c = valid();
+        c.net = Some("tap=tap0,mac=01:00:00:00:00:02".parse().unwrap());
+        assert!(c.validate().unwrap_err().to_string().contains("net.mac"));
+        c.net = Some("tap=a/b".parse().unwrap());
+        assert!(c.validate().unwrap_err().to_string().contains("net.tap"));
+        c.net = None;
+        c.drives.push("/nonexistent.img".parse().unwrap());
+        assert!(c.validate().unwrap_err().to_string().contains("`drives`"));
+    }
+
+    #[test]
+    fn old_configs_without_device_fields_load() {
+        let c: VmConfig = serde_json::from_str(r#"{"kernel":"/k"}"#).unwrap();
+        assert!(!c.rng && c.drives.is_empty() && c.net.is_none());
     }
 
     #[test]

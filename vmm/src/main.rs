@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use dsec_vmm::config::{SerialOutput, VmConfig, VsockConfig};
+use dsec_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
 use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
 
 #[derive(Parser, Debug)]
@@ -23,7 +23,7 @@ struct Args {
     config: Option<PathBuf>,
     /// Restore from a snapshot directory instead of booting (vsock and serial flags
     /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib"])]
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "net"])]
     restore: Option<PathBuf>,
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
@@ -62,6 +62,16 @@ struct Args {
     /// Guest vsock context id (default 3).
     #[arg(long)]
     vsock_cid: Option<u64>,
+    /// Add a virtio-rng device (entropy from the host's getrandom).
+    #[arg(long)]
+    rng: bool,
+    /// Add a virtio-blk disk: raw image PATH, `,ro` for read-only. Repeat for more disks;
+    /// the guest sees them in this order. Replaces the config file's drives.
+    #[arg(long = "drive", value_name = "PATH[,ro]")]
+    drives: Vec<DriveConfig>,
+    /// Add a virtio-net device on a tap: `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`.
+    #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
+    net: Option<NetConfig>,
     /// Append the serial console to this file.
     #[arg(long, conflicts_with = "serial_stdout")]
     serial_log: Option<PathBuf>,
@@ -99,6 +109,15 @@ fn build_config(args: &Args) -> Result<VmConfig, String> {
             uds_path: uds.clone(),
             guest_cid: args.vsock_cid.unwrap_or(dsec_vmm::config::MIN_GUEST_CID),
         });
+    }
+    if args.rng {
+        config.rng = true;
+    }
+    if !args.drives.is_empty() {
+        config.drives = args.drives.clone();
+    }
+    if let Some(net) = &args.net {
+        config.net = Some(net.clone());
     }
     if let Some(path) = &args.serial_log {
         config.serial = SerialOutput::File(path.clone());

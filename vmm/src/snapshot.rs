@@ -77,6 +77,9 @@ pub struct MemoryState {
 pub struct DevicesState {
     pub serial: crate::devices::legacy::SerialState,
     pub vsock: Option<crate::devices::virtio::mmio::TransportState>,
+    /// Every other virtio device, keyed by MMIO slot (absent in older snapshots).
+    #[serde(default)]
+    pub virtio: Vec<crate::devices::virtio::slots::SlotState>,
 }
 
 /// Everything needed to bring a VM back.

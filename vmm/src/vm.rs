@@ -13,7 +13,7 @@ use kvm_bindings::{
     kvm_irqchip, kvm_pit_config, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
     KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY,
 };
-use kvm_ioctls::{IoEventAddress, Kvm, VmFd};
+use kvm_ioctls::{Kvm, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -22,7 +22,7 @@ use crate::config::{ConfigError, SerialOutput, VmConfig};
 use crate::devices::bus::{lock, Bus};
 use crate::devices::legacy::{Cmos, Serial, SerialSink, I8042};
 use crate::devices::virtio::mmio::MmioTransport;
-use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::slots;
 use crate::memory::{self, DumpPages, GuestMemory, RegionLayout, PAGE_SIZE};
 use crate::snapshot::{self, DevicesState, MemoryState, Persist, SnapshotError, VmState};
 use crate::uffd::{self, UffdHandler};
@@ -196,6 +196,7 @@ pub struct Vm {
     regions: Vec<RegionLayout>,
     serial: Arc<Mutex<Serial>>,
     vsock: Option<Arc<Mutex<MmioTransport>>>,
+    virtio: Vec<Arc<Mutex<MmioTransport>>>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     vcpus: Vec<VcpuHandle>,
@@ -213,6 +214,8 @@ pub struct Vm {
 struct Devices {
     serial: Arc<Mutex<Serial>>,
     vsock: Option<Arc<Mutex<MmioTransport>>>,
+    /// Every virtio device (vsock included) in slot order.
+    virtio: Vec<Arc<Mutex<MmioTransport>>>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
 }
@@ -310,6 +313,7 @@ impl Vm {
             regions,
             serial: devices.serial,
             vsock: devices.vsock,
+            virtio: devices.virtio,
             pio: devices.pio,
             mmio: devices.mmio,
             vcpus: Vec::new(),
@@ -420,15 +424,15 @@ impl Vm {
         for vcpu in &self.vcpus {
             vcpu.pause(Duration::from_secs(5)).map_err(VmError::State)?;
         }
-        if let Some(vsock) = &self.vsock {
-            lock(vsock).pause_device().map_err(VmError::State)?;
+        for device in &self.virtio {
+            lock(device).pause_device().map_err(VmError::State)?;
         }
         Ok(())
     }
 
     pub fn resume(&self) {
-        if let Some(vsock) = &self.vsock {
-            lock(vsock).resume_device();
+        for device in &self.virtio {
+            lock(device).resume_device();
         }
         for vcpu in &self.vcpus {
             vcpu.resume();
@@ -482,6 +486,7 @@ impl Vm {
         let devices = DevicesState {
             serial: lock(&self.serial).save(),
             vsock: self.vsock.as_ref().map(|t| lock(t).save()),
+            virtio: slots::save(&self.config, &self.virtio),
         };
 
         let mut mem_file = pending.memory_file()?;
@@ -695,13 +700,7 @@ fn restore_memory(dir: &Path, state: &VmState) -> Result<GuestMemory, VmError> {
 
 fn kernel_cmdline(config: &VmConfig) -> String {
     let mut cmdline = config.cmdline.clone();
-    if config.vsock.is_some() {
-        cmdline.push_str(&format!(
-            " virtio_mmio.device=4K@{:#x}:{}",
-            layout::VIRTIO_MMIO_BASE,
-            layout::VIRTIO_IRQ_BASE
-        ));
-    }
+    cmdline.push_str(&slots::cmdline(config));
     cmdline
 }
 
@@ -731,36 +730,22 @@ fn build_devices(
         .map_err(overlap)?;
 
     let mut mmio = Bus::default();
-    let mut vsock = None;
-    if let Some(vsock_config) = &config.vsock {
-        let base = layout::VIRTIO_MMIO_BASE;
-        let irq = layout::VIRTIO_IRQ_BASE;
-        let device = Vsock::new(vsock_config.guest_cid, vsock_config.uds_path.clone())
-            .map_err(VmError::Vsock)?;
-        let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| dev_err("vsock irq", e))?;
-        vm.register_irqfd(&irqfd, irq)
-            .map_err(kvm_err("wire the vsock interrupt"))?;
-        let transport = match saved.and_then(|s| s.vsock.as_ref()) {
-            Some(state) => MmioTransport::restore((Box::new(device), mem.clone(), irqfd), state)
-                .map_err(VmError::State)?,
-            None => MmioTransport::new(Box::new(device), mem.clone(), irqfd)
-                .map_err(|e| dev_err("vsock transport", e))?,
-        };
-        for (index, event) in transport.queue_events().iter().enumerate() {
-            // Queue kicks go straight to the device thread without a userspace exit.
-            let addr = IoEventAddress::Mmio(base + 0x50);
-            if let Err(e) = vm.register_ioevent(event, &addr, index as u32) {
-                tracing::debug!("ioeventfd unavailable, kicks take the slow path: {e}");
-            }
-        }
-        let transport = Arc::new(Mutex::new(transport));
-        mmio.insert(base, layout::VIRTIO_MMIO_SIZE, transport.clone())
-            .map_err(overlap)?;
-        vsock = Some(transport);
-    }
+    let attached = slots::attach(
+        config,
+        vm,
+        mem,
+        &mut mmio,
+        saved.and_then(|s| s.vsock.as_ref()),
+        saved.map_or(&[][..], |s| &s.virtio[..]),
+    )
+    .map_err(|e| match e {
+        slots::AttachError::Vsock(e) => VmError::Vsock(e),
+        e => VmError::Device(e.to_string()),
+    })?;
     Ok(Devices {
         serial,
-        vsock,
+        vsock: attached.vsock,
+        virtio: attached.all,
         pio: Arc::new(pio),
         mmio: Arc::new(mmio),
     })

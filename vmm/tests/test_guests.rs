@@ -534,6 +534,29 @@ fn memory_pattern_1g() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// virtio-rng.
+
+#[test]
+fn rng_guest_gets_entropy_and_survives_hostile_buffers() {
+    let _g = serial_lock();
+    let s = Scratch::new("rng");
+    // vsock takes slot 0, so the guest must find the rng in slot 1.
+    let uds = s.path("v.sock").display().to_string();
+    let run = run_guest(
+        &s,
+        &guest("rng"),
+        &["--rng", "--vsock-uds", &uds, "--cmdline", "rng_rounds=256"],
+        Duration::from_secs(60),
+    );
+    let oks = run.assert_passed();
+    for must in ["rng-4k", "rng-capped", "rng-outside-ram", "rng-rounds"] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    let line = run.serial.lines().find(|l| l.starts_with("rng:"));
+    eprintln!("rng: {line:?}; {:?} total", run.elapsed);
+}
+
+// ---------------------------------------------------------------------------------------------
 // vsock.
 
 /// Connects from the host side: `CONNECT <port>\n`, expects `OK <host port>\n`.

@@ -8,6 +8,7 @@
 // Index loops over fixed-size driver tables read more clearly than zipped iterators.
 #![allow(clippy::needless_range_loop)]
 
+pub mod virtio;
 pub mod vsock;
 
 use core::fmt::{self, Write};

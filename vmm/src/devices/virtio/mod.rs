@@ -1,7 +1,13 @@
 //! Virtio devices and their MMIO transport.
 
+pub mod block;
 pub mod mmio;
+pub mod net;
+pub mod rng;
+pub mod slots;
+pub mod testing;
 pub mod vsock;
+pub mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

@@ -12,6 +12,8 @@
 #   rig.sh run SCRIPT [--qemu] [FILE...]   boot a fresh L1, run SCRIPT, exit with its status
 #   rig.sh guest-initramfs                 build (or reuse) a tiny busybox guest initramfs; prints its path
 #   rig.sh smoke [GUEST_INITRAMFS]         QEMU-KVM inside L1 boots the guest kernel (proves the rig)
+#   rig.sh direct SCRIPT [--qemu] [FILE...] hosts with hardware KVM: run SCRIPT on this host's
+#                                          /dev/kvm in a chroot laid out like L1 (no nesting)
 #
 # FILE is SRC or SRC=DEST (DEST absolute inside L1). Without DEST, ELF programs
 # go to /bin/, anything else to /guest/. Dynamically linked programs bring
@@ -224,6 +226,40 @@ run_l1() {
     return "$code"
 }
 
+# Hosts with hardware virtualization need no L1: the same script runs in a
+# private mount namespace, chrooted into the unpacked L1 initramfs, with the
+# host's /dev (and its /dev/kvm), /proc and /sys.
+run_direct() {
+    local script=$1; shift
+    [[ -r $script ]] || die "test script '$script' not readable"
+    [[ -c /dev/kvm ]] || die "/dev/kvm missing: use 'rig.sh run' (nested KVM under QEMU TCG) instead"
+    if [[ -d /sys/module/kvm_pvm && -z ${RIG_DIRECT_FORCE:-} ]]; then
+        die "this /dev/kvm is the software PVM hypervisor, which cannot run Linux guests: use 'rig.sh run'"
+    fi
+    [[ -d /sys/module/kvm_amd || -d /sys/module/kvm_intel || -n ${RIG_DIRECT_FORCE:-} ]] \
+        || die "no kvm_amd/kvm_intel loaded: this host has no hardware KVM; use 'rig.sh run'"
+    need unshare "apt-get install util-linux"
+    parse_files "$@"
+    local base root
+    base=$(build_l1) || exit 2
+    root=$TMP/direct
+    mkdir -p "$root/rig"
+    (cd "$root" && cpio --quiet -id <"$base") || die "cannot unpack $base"
+    cp "$script" "$root/rig/test.sh"
+    log "running $(basename "$script") directly on this host's /dev/kvm (chroot $root)"
+    local rc=0
+    unshare -m --propagation private sh -c '
+        set -e
+        r=$1
+        for d in dev proc sys; do mount --rbind "/$d" "$r/$d"; done
+        mount -t tmpfs tmp "$r/tmp"
+        mount -t tmpfs run "$r/run"
+        exec chroot "$r" /bin/sh -c "cd /tmp && PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root sh /rig/test.sh"
+    ' rig-direct "$root" || rc=$?
+    echo "RIG-EXIT $rc"
+    return "$rc"
+}
+
 # Tiny guest initramfs: static busybox + an /init that prints a marker and powers off.
 guest_initramfs() {
     need busybox "apt-get install busybox-static"
@@ -254,12 +290,16 @@ case $cmd in
         rc=0; run_l1 "$@" || rc=$?
         exit "$rc" ;;
     guest-initramfs) guest_initramfs || exit 2 ;;
+    direct)
+        [[ $# -ge 1 ]] || die "usage: rig.sh direct SCRIPT [--qemu] [FILE...]"
+        rc=0; run_direct "$@" || rc=$?
+        exit "$rc" ;;
     smoke)
         if [[ $# -ge 1 ]]; then gi=$1; else gi=$(guest_initramfs) || exit 2; fi
         kdir=$("$REPO/guest-kernel/build.sh") || die "guest-kernel/build.sh failed"
         rc=0
         run_l1 "$HERE/tests/smoke.sh" --qemu "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" "$gi=/guest/initramfs" || rc=$?
         exit "$rc" ;;
-    ""|-h|--help|help) sed -n '2,23p' "$0"; exit 0 ;;
-    *) die "unknown subcommand '$cmd' (build, run, guest-initramfs, smoke)" ;;
+    ""|-h|--help|help) sed -n '2,25p' "$0"; exit 0 ;;
+    *) die "unknown subcommand '$cmd' (build, run, direct, guest-initramfs, smoke)" ;;
 esac

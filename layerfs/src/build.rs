@@ -190,9 +190,8 @@ impl<'a> LayerBuilder<'a> {
                 break;
             }
             let data = &self.buf[..n];
-            let existed = self.store.has_chunk(&Digest::of(data));
-            let d = self.store.put_chunk(data)?;
-            if !existed {
+            let (d, new) = self.store.put_chunk_new(data)?;
+            if new {
                 self.stats.new_chunks += 1;
             }
             self.stats.chunks += 1;

@@ -65,15 +65,46 @@ pub struct NodeCache {
     state: Mutex<State>,
     cv: Condvar,
     layers: Mutex<HashMap<Digest, Arc<LayerIndex>>>,
+    /// Open files of recently read chunks: a read then costs no open/close.
+    fds: Mutex<FdCache>,
     pub stats: CacheStats,
     tmp_seq: AtomicU64,
+}
+
+const FD_CACHE: usize = 256;
+
+#[derive(Debug, Default)]
+struct FdCache {
+    map: HashMap<Digest, Arc<File>>,
+    order: std::collections::VecDeque<Digest>,
+}
+
+impl FdCache {
+    fn get(&self, d: &Digest) -> Option<Arc<File>> {
+        self.map.get(d).cloned()
+    }
+    fn insert(&mut self, d: Digest, f: Arc<File>) {
+        if self.map.insert(d, f).is_none() {
+            self.order.push_back(d);
+        }
+        while self.order.len() > FD_CACHE {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
+    fn remove(&mut self, d: &Digest) {
+        if self.map.remove(d).is_some() {
+            self.order.retain(|x| x != d);
+        }
+    }
 }
 
 /// A cached chunk held open and pinned (not evictable) while this lives.
 pub struct Pinned<'a> {
     cache: &'a NodeCache,
     digest: Digest,
-    file: File,
+    file: Arc<File>,
 }
 
 impl Pinned<'_> {
@@ -165,6 +196,7 @@ impl NodeCache {
             state: Mutex::new(st),
             cv: Condvar::new(),
             layers: Mutex::new(HashMap::new()),
+            fds: Mutex::new(FdCache::default()),
             stats: CacheStats::default(),
             tmp_seq: AtomicU64::new(0),
         };
@@ -182,6 +214,10 @@ impl NodeCache {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panicking reader must not take the cache down with it: the state stays valid.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn fd_cache(&self) -> MutexGuard<'_, FdCache> {
+        self.fds.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn chunk_path(&self, d: &Digest) -> PathBuf {
@@ -215,6 +251,7 @@ impl NodeCache {
             let size = st.map.remove(&d).map(|s| s.size).unwrap_or(0);
             st.lru.remove(&tick);
             st.used -= size;
+            self.fd_cache().remove(&d);
             let _ = fs::remove_file(self.chunk_path(&d));
             self.stats.evictions.fetch_add(1, Ordering::Relaxed);
         }
@@ -229,8 +266,19 @@ impl NodeCache {
                 st.map.get_mut(&d).expect("present").pins += 1;
                 Self::touch(&mut st, &d);
                 drop(st);
+                let cached = self.fd_cache().get(&d);
+                if let Some(file) = cached {
+                    self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Pinned {
+                        cache: self,
+                        digest: d,
+                        file,
+                    });
+                }
                 match File::open(self.chunk_path(&d)) {
                     Ok(file) => {
+                        let file = Arc::new(file);
+                        self.fd_cache().insert(d, file.clone());
                         self.stats.hits.fetch_add(1, Ordering::Relaxed);
                         return Ok(Pinned {
                             cache: self,
@@ -265,6 +313,8 @@ impl NodeCache {
         self.cv.notify_all();
         match res {
             Ok(file) => {
+                let file = Arc::new(file);
+                self.fd_cache().insert(d, file.clone());
                 st.tick += 1;
                 let tick = st.tick;
                 st.lru.insert(tick, d);
@@ -384,8 +434,27 @@ impl NodeCache {
             p.read_at(&mut out[at..at + n], within)
                 .map_err(|e| Error::io("reading cached chunk", self.chunk_path(&c.digest), e))?;
             pos += n as u64;
+            // Sequential reader in the second half of a chunk: ask the kernel to start
+            // reading the next cached chunk file now (each chunk is its own file, so the
+            // page cache's own readahead stops at chunk ends).
+            if pos == end && within + n as u64 >= cs / 2 {
+                if let Some(next) = chunks.get(ci + 1) {
+                    self.advise_willneed(&next.digest);
+                }
+            }
         }
         Ok(out)
+    }
+
+    fn advise_willneed(&self, d: &Digest) {
+        if !self.lock().map.contains_key(d) {
+            return;
+        }
+        if let Some(f) = self.fd_cache().get(d) {
+            use std::os::fd::AsRawFd;
+            // SAFETY: f is an open file descriptor owned by the Arc for this call.
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        }
     }
 
     /// Fetches chunks in the background order given, stopping after `max_bytes`.

@@ -389,6 +389,24 @@ impl Drop for Mount {
     }
 }
 
+/// FUSE starts with the kernel's 128 KiB readahead whatever the daemon asks; raising the
+/// mount's bdi readahead to a chunk lets sequential readers keep several requests in
+/// flight. Best effort: needs root and sysfs.
+fn raise_readahead(mountpoint: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    if let Ok(md) = std::fs::metadata(mountpoint) {
+        let dev = md.dev();
+        let p = format!(
+            "/sys/class/bdi/{}:{}/read_ahead_kb",
+            libc::major(dev),
+            libc::minor(dev)
+        );
+        if let Err(e) = std::fs::write(&p, "1024") {
+            debug!("could not raise readahead via {p}: {e}");
+        }
+    }
+}
+
 /// Mounts `tree` read-only at `mountpoint`. `record_hot` keeps the access order for a hot
 /// list. Device nodes and setuid bits work (this is a root filesystem); the kernel checks
 /// permissions from the modes (default_permissions).
@@ -420,6 +438,7 @@ pub fn mount(
             ),
         )
     })?;
+    raise_readahead(mountpoint);
     debug!(mountpoint = %mountpoint.display(), "layerfs mounted");
     Ok(Mount {
         session: Some(session),

@@ -157,10 +157,15 @@ impl Store {
 
     /// Stores one chunk (deduplicated by content) and returns its digest.
     pub fn put_chunk(&self, data: &[u8]) -> Result<Digest> {
+        self.put_chunk_new(data).map(|(d, _)| d)
+    }
+
+    /// Like `put_chunk`, also telling whether the chunk was new to the store.
+    pub fn put_chunk_new(&self, data: &[u8]) -> Result<(Digest, bool)> {
         let d = Digest::of(data);
         let path = self.chunk_path(&d);
         if path.exists() {
-            return Ok(d);
+            return Ok((d, false));
         }
         // Compress only where it pays: incompressible data (already-compressed files) is
         // stored raw so reads skip the decompression.
@@ -168,12 +173,12 @@ impl Store {
             if let Ok(z) = zstd::bulk::compress(data, level) {
                 if z.len() + z.len() / 8 < data.len() {
                     self.write_atomic(&path, &[&[CODEC_ZSTD], &z])?;
-                    return Ok(d);
+                    return Ok((d, true));
                 }
             }
         }
         self.write_atomic(&path, &[&[CODEC_RAW], data])?;
-        Ok(d)
+        Ok((d, true))
     }
 
     pub fn has_chunk(&self, d: &Digest) -> bool {

@@ -176,15 +176,24 @@ fn default_guest(root: &Path) -> PathBuf {
     guest
 }
 
-fn default_kernel(root: &Path) -> Option<PathBuf> {
-    let out = Command::new(root.join("guest-kernel/build.sh"))
+/// guest-kernel/build.sh's cached vmlinux (never builds it), or why there is none.
+fn default_kernel(root: &Path) -> Result<PathBuf, String> {
+    let script = root.join("guest-kernel/build.sh");
+    let out = Command::new(&script)
         .arg("--print-dir")
         .stderr(std::process::Stdio::null())
         .output()
-        .ok()?;
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
     let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let k = Path::new(&dir).join("vmlinux");
-    (out.status.success() && k.is_file()).then_some(k)
+    if out.status.success() && k.is_file() {
+        Ok(k)
+    } else {
+        Err(format!(
+            "guest kernel not built: no {} (run guest-kernel/build.sh, ~7 min, or pass --guest-kernel)",
+            k.display()
+        ))
+    }
 }
 
 fn default_initramfs(root: &Path) -> Option<PathBuf> {
@@ -243,7 +252,10 @@ fn boot(a: BootArgs) -> Result<(), String> {
             .rig
             .clone()
             .unwrap_or_else(|| root.join("tests/rig/rig.sh")),
-        kernel: a.guest_kernel.clone().or_else(|| default_kernel(&root)),
+        kernel: match a.guest_kernel.clone() {
+            Some(k) => Ok(k),
+            None => default_kernel(&root),
+        },
         initramfs: a
             .guest_initramfs
             .clone()

@@ -207,7 +207,8 @@ pub struct OuterOpts {
     /// One L1 for all boots (strictly alternating) instead of a fresh L1 per boot.
     pub shared_l1: bool,
     pub rig: PathBuf,
-    pub kernel: Option<PathBuf>,
+    /// The guest (and L1) kernel, or why there is none.
+    pub kernel: Result<PathBuf, String>,
     pub initramfs: Option<PathBuf>,
     pub vmm: PathBuf,
     pub qemu: PathBuf,
@@ -331,9 +332,7 @@ fn check_inputs(o: &OuterOpts) -> Result<(PathBuf, PathBuf), String> {
     if !o.rig.is_file() {
         return Err(format!("rig script {} not found", o.rig.display()));
     }
-    let kernel = o.kernel.clone().ok_or_else(|| {
-        "guest kernel not built (guest-kernel/build.sh has no cached vmlinux; run it, ~7 min, or pass --guest-kernel)".to_string()
-    })?;
+    let kernel = o.kernel.clone()?;
     if !kernel.is_file() {
         return Err(format!("guest kernel {} not found", kernel.display()));
     }

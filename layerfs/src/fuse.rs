@@ -136,6 +136,26 @@ fn to_fuse(a: &Attr) -> FileAttr {
     }
 }
 
+fn negative_entry() -> FileAttr {
+    FileAttr {
+        ino: 0,
+        size: 0,
+        blocks: 0,
+        atime: UNIX_EPOCH,
+        mtime: UNIX_EPOCH,
+        ctime: UNIX_EPOCH,
+        crtime: UNIX_EPOCH,
+        kind: FileType::RegularFile,
+        perm: 0,
+        nlink: 0,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
 impl Filesystem for LayerFs {
     fn init(
         &mut self,
@@ -154,7 +174,9 @@ impl Filesystem for LayerFs {
             .and_then(|ino| self.tree.attr(ino));
         match found {
             Some(a) => reply.entry(&TTL, &to_fuse(&a), 0),
-            None => reply.error(libc::ENOENT),
+            // A negative entry (node id 0) the kernel may cache: the tree never changes, and
+            // language runtimes probe many paths that do not exist.
+            None => reply.entry(&TTL, &negative_entry(), 0),
         }
     }
 

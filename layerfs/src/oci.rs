@@ -263,6 +263,12 @@ pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullRepo
     };
     for (i, l) in layers.iter().enumerate() {
         let d = desc_digest(&url, l)?;
+        // Same uncompressed layer already imported (another image shares it): no download.
+        if let Some(id) = store.layer_for_diff_id(&diff_ids[i]) {
+            info!(layer = %id.short(), "layer already in the store");
+            report.image.layers.push(id);
+            continue;
+        }
         let mt = l["mediaType"].as_str().unwrap_or("");
         if !(mt.contains("tar") || mt.is_empty()) {
             return Err(reg_err(
@@ -297,6 +303,7 @@ pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullRepo
         report.compressed_bytes += imp.blob_size;
         report.file_bytes += imp.stats.file_bytes;
         report.new_chunks += imp.stats.new_chunks;
+        store.record_diff_id(&imp.diff_id, &imp.layer)?;
         report.image.layers.push(imp.layer);
     }
     store.put_image(&report.image)?;

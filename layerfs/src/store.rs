@@ -7,6 +7,7 @@
 //! layers/<64 hex>.json      a layer index; its name is the sha256 of the file's bytes
 //! blobs/<64 hex>            other blobs by digest (OCI image configs, hot lists)
 //! images/<name>.json        image record: ordered layer ids + config
+//! diffids/<64 hex>          OCI diff_id -> layer id, to skip layers already imported
 //! tmp/                      temporary files, renamed into place when complete
 //! ```
 //! Every write goes to `tmp/` first and is renamed into place, so a reader on another node
@@ -85,7 +86,7 @@ impl Store {
     /// Opens (creating if needed) a store rooted at `root`.
     pub fn open(root: impl Into<PathBuf>, config: StoreConfig) -> Result<Store> {
         let root = root.into();
-        for sub in ["chunks", "layers", "blobs", "images", "tmp"] {
+        for sub in ["chunks", "layers", "blobs", "images", "diffids", "tmp"] {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|e| Error::io("creating store directory", &p, e))?;
         }
@@ -286,6 +287,20 @@ impl Store {
     pub fn remove_layer(&self, id: &Digest) -> Result<()> {
         let p = self.layer_path(id);
         fs::remove_file(&p).map_err(|e| Error::io("removing layer index", &p, e))
+    }
+
+    /// Remembers which layer an OCI diff_id imported to, so a pull can skip layers the store
+    /// already has.
+    pub fn record_diff_id(&self, diff_id: &Digest, layer: &Digest) -> Result<()> {
+        let p = self.root.join("diffids").join(diff_id.hex());
+        self.write_atomic(&p, &[layer.hex().as_bytes()])
+    }
+
+    /// The layer a diff_id imported to, if its index is still in the store.
+    pub fn layer_for_diff_id(&self, diff_id: &Digest) -> Option<Digest> {
+        let s = fs::read_to_string(self.root.join("diffids").join(diff_id.hex())).ok()?;
+        let id = Digest::parse(s.trim()).ok()?;
+        self.layer_path(&id).exists().then_some(id)
     }
 
     pub fn put_blob(&self, data: &[u8]) -> Result<Digest> {

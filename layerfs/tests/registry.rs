@@ -203,6 +203,12 @@ fn pull_run_push_pull_round_trip() {
     // Push, pull back, push again: same layers, same manifest bytes.
     let r1 = oci::push(&env.store, "busybox", &reg.reference("test/roundtrip:1")).unwrap();
     let b = oci::pull(&env.store, &reg.reference("test/roundtrip:1"), "roundtrip").unwrap();
+    // A pull of an image whose layers the store already has downloads no layer blob.
+    let again = oci::pull(&env.store, &src, "busybox-again").unwrap();
+    assert_eq!(
+        (again.compressed_bytes, again.image.layers.clone()),
+        (0, a.image.layers.clone())
+    );
     assert_eq!(
         a.image.layers, b.image.layers,
         "layers changed through the registry"

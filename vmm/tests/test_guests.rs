@@ -557,6 +557,112 @@ fn rng_guest_gets_entropy_and_survives_hostile_buffers() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// virtio-blk.
+
+fn allocated_bytes(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).unwrap().blocks() * 512
+}
+
+#[test]
+fn block_two_disks_read_write_discard_and_bounds() {
+    let _g = serial_lock();
+    let s = Scratch::new("blk");
+    // disk0: 64 MiB sparse, pattern seed 1 over its first 4 MiB; disk1: 1 MiB + 100 bytes
+    // (capacity rounds down), pattern seed 2, read-only.
+    let d0 = s.path("disk0.img");
+    let f = std::fs::File::create(&d0).unwrap();
+    f.set_len(64 << 20).unwrap();
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&pattern_bytes(1, 4 << 20), 0).unwrap();
+    drop(f);
+    let d1 = s.path("disk1.img");
+    std::fs::write(&d1, pattern_bytes(2, (1 << 20) + 100)).unwrap();
+    let before = allocated_bytes(&d0);
+    let drive0 = d0.display().to_string();
+    let drive1 = format!("{},ro", d1.display());
+    let cmdline = format!(
+        "cap0={} cap1={} seq_mib=32",
+        (64 << 20) / 512,
+        (1 << 20) / 512
+    );
+    let run = run_guest(
+        &s,
+        &guest("block"),
+        &[
+            "--drive",
+            &drive0,
+            "--drive",
+            &drive1,
+            "--rng",
+            "--cmdline",
+            &cmdline,
+        ],
+        Duration::from_secs(120),
+    );
+    let oks = run.assert_passed();
+    for must in [
+        "blk-write-readback",
+        "blk-discard",
+        "blk-zeroed-reads-zero",
+        "blk-get-id",
+    ] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    // The guest's write landed at sector 2048; its discard freed host blocks.
+    let disk = std::fs::read(&d0).unwrap();
+    assert_eq!(
+        &disk[1 << 20..(1 << 20) + 65536],
+        &pattern_bytes(3, 65536)[..]
+    );
+    assert!(disk[2 << 20..3 << 20].iter().all(|&b| b == 0));
+    let after = allocated_bytes(&d0);
+    assert!(
+        after < before,
+        "discard did not punch a hole: {before} -> {after} bytes"
+    );
+    assert_eq!(
+        std::fs::read(&d1).unwrap(),
+        pattern_bytes(2, (1 << 20) + 100)
+    );
+    let line = run.serial.lines().find(|l| l.starts_with("blk:"));
+    eprintln!(
+        "blk: {line:?}; allocated {before} -> {after} bytes; {:?} total",
+        run.elapsed
+    );
+}
+
+#[test]
+fn block_bad_drive_is_refused_with_the_field_named() {
+    let _g = serial_lock();
+    let s = Scratch::new("blkbad");
+    let missing = s.path("missing.img").display().to_string();
+    let err = vmm_error(&[
+        "--kernel",
+        &guest("serial").display().to_string(),
+        "--drive",
+        &missing,
+    ]);
+    assert!(
+        err.contains("`drives`") && err.contains("missing.img"),
+        "{err}"
+    );
+    // The same writable image twice: the second open finds the lock.
+    let img = s.path("a.img");
+    std::fs::write(&img, vec![0u8; 4096]).unwrap();
+    let a = img.display().to_string();
+    let err = vmm_error(&[
+        "--kernel",
+        &guest("serial").display().to_string(),
+        "--drive",
+        &a,
+        "--drive",
+        &a,
+    ]);
+    assert!(err.contains("in use by another VM"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
 // vsock.
 
 /// Connects from the host side: `CONNECT <port>\n`, expects `OK <host port>\n`.

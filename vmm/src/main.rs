@@ -137,7 +137,11 @@ fn main() -> ExitCode {
         )
         .init();
     let args = Args::parse();
-    let (result, loaded_ns) = build_and_run(&args);
+    // Blocked here, before any thread exists, so every thread inherits the mask and only the
+    // signal thread receives them: SIGTERM/SIGINT end the VM cleanly (sockets removed,
+    // metrics written) instead of killing the process mid-write.
+    let stop_signals = block_stop_signals();
+    let (result, loaded_ns) = build_and_run(&args, stop_signals);
     let report = match result {
         Ok(r) => r,
         Err(e) => {
@@ -187,7 +191,36 @@ fn overrides(args: &Args) -> RestoreOverrides {
 
 /// Builds (or restores) the VM, serves the control socket, runs until the VM stops.
 /// Also returns when the VM was ready to run (ns since the epoch) for the metrics.
-fn build_and_run(args: &Args) -> (Result<RunReport, String>, u64) {
+fn block_stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it, and
+    // pthread_sigmask only changes this thread's mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+/// Waits for SIGTERM/SIGINT and turns it into a clean stop of the VM.
+fn watch_stop_signals(vm: Arc<Vm>, set: libc::sigset_t) {
+    let spawned = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            let mut signal = 0;
+            // SAFETY: `set` is an initialised signal set; sigwait writes one int.
+            if unsafe { libc::sigwait(&set, &mut signal) } == 0 {
+                vm.request_exit(VmExitReason::Stopped);
+            }
+        });
+    if let Err(e) = spawned {
+        eprintln!("dsec-vmm: cannot watch for SIGTERM ({e}); it will kill the VMM outright");
+    }
+}
+
+fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport, String>, u64) {
     let vm: Result<Vm, String> = match &args.restore {
         Some(dir) => Vm::restore(dir, &overrides(args)).map_err(|e| e.to_string()),
         None => build_config(args).and_then(|c| Vm::new(c).map_err(|e| e.to_string())),
@@ -197,6 +230,7 @@ fn build_and_run(args: &Args) -> (Result<RunReport, String>, u64) {
         Err(e) => return (Err(e), 0),
     };
     let loaded_ns = dsec_vmm::vm::now_ns();
+    watch_stop_signals(vm.clone(), stop_signals);
     let uds = vm.config().vsock.as_ref().map(|v| v.uds_path.clone());
     // Start before serving requests: a request must never see the VM mid-start.
     if !args.paused {

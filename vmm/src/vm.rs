@@ -39,7 +39,7 @@ pub enum VmExitReason {
     TripleFault { vcpu: u8 },
     /// A vCPU stopped on an error KVM reported.
     VcpuError { vcpu: u8, message: String },
-    /// The VMM was told to stop (control socket).
+    /// The VMM was told to stop (control socket `stop`, SIGTERM or SIGINT).
     Stopped,
 }
 
@@ -53,7 +53,7 @@ impl std::fmt::Display for VmExitReason {
                 "guest crashed: triple fault on vCPU {vcpu} (KVM_EXIT_SHUTDOWN); check the serial log"
             ),
             VmExitReason::VcpuError { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
-            VmExitReason::Stopped => write!(f, "stopped by the control socket"),
+            VmExitReason::Stopped => write!(f, "stopped on request (control socket or SIGTERM)"),
         }
     }
 }

@@ -663,6 +663,115 @@ fn block_bad_drive_is_refused_with_the_field_named() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// virtio-net.
+
+/// A network namespace holding a persistent tap with the host address 10.77.0.1/24;
+/// removed (tap first) on drop.
+struct NetNs {
+    name: String,
+    tap: String,
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+impl NetNs {
+    fn new(tag: &str) -> Option<NetNs> {
+        let ns = NetNs {
+            name: format!("dsec-{tag}-{}", std::process::id()),
+            tap: "dsectap0".into(),
+        };
+        let (n, t) = (ns.name.as_str(), ns.tap.as_str());
+        let ok = ip(&["netns", "add", n])
+            && ip(&["-n", n, "tuntap", "add", "dev", t, "mode", "tap"])
+            && ip(&["-n", n, "addr", "add", "10.77.0.1/24", "dev", t])
+            && ip(&["-n", n, "link", "set", t, "up"])
+            && ip(&["-n", n, "link", "set", "lo", "up"]);
+        ok.then_some(ns)
+    }
+}
+
+/// Moves the calling thread (and the processes it spawns) into network namespace `name`.
+fn enter_netns(name: &str) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/var/run/netns/{name}")).unwrap();
+    // SAFETY: setns on a namespace fd we own; it only changes this thread's namespace.
+    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        ip(&["-n", &self.name, "link", "del", &self.tap]);
+        ip(&["netns", "del", &self.name]);
+    }
+}
+
+#[test]
+fn net_arp_icmp_and_udp_echo_through_a_tap() {
+    let _g = serial_lock();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/net/tun").exists() {
+        eprintln!("skipped: needs root and /dev/net/tun");
+        return;
+    }
+    let s = Scratch::new("net");
+    let ns = NetNs::new("nt").expect("create netns + tap (needs root and iproute2)");
+    // The test runs on its own thread: entering the namespace affects this thread and the
+    // VMM it spawns only; the thread ends with the test.
+    let (n, t) = (ns.name.clone(), ns.tap.clone());
+    let serial = s.path("serial.log");
+    let kernel = guest("net").display().to_string();
+    let worker = thread::spawn(move || {
+        enter_netns(&n);
+        let net = format!("tap={t},mac=06:00:0a:4d:00:02");
+        let a = args(&[
+            "--kernel",
+            &kernel,
+            "--net",
+            &net,
+            "--cmdline",
+            "udp_echo=4",
+        ]);
+        let mut vmm = Vmm::spawn(&a, &serial);
+        vmm.wait_for_serial("READY", Duration::from_secs(60));
+        let sock = std::net::UdpSocket::bind("10.77.0.1:0").unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let t0 = Instant::now();
+        let mut echoed = 0;
+        for i in 0..4u8 {
+            let msg = vec![i; 100 + usize::from(i) * 300];
+            sock.send_to(&msg, "10.77.0.2:7777").unwrap();
+            let mut buf = [0u8; 2048];
+            let (len, from) = sock.recv_from(&mut buf).expect("UDP echo from the guest");
+            assert_eq!(from.to_string(), "10.77.0.2:7777");
+            assert_eq!(&buf[..len], &msg[..]);
+            echoed += 1;
+        }
+        (vmm.wait(Duration::from_secs(60)), echoed, t0.elapsed())
+    });
+    let (run, echoed, rtt) = worker.join().expect("net test thread");
+    let oks = run.assert_passed();
+    for must in ["net-arp", "net-icmp-echo", "net-udp-echo"] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    assert!(
+        run.serial.contains("mac: 06:00:0a:4d:00:02"),
+        "{}",
+        run.describe()
+    );
+    eprintln!(
+        "net: {echoed} UDP echoes in {rtt:?}; {:?} total",
+        run.elapsed
+    );
+    drop(ns);
+}
+
+// ---------------------------------------------------------------------------------------------
 // vsock.
 
 /// Connects from the host side: `CONNECT <port>\n`, expects `OK <host port>\n`.

@@ -109,12 +109,15 @@ fn file_type(k: FileKind) -> FileType {
 }
 
 fn to_fuse(a: &Attr) -> FileAttr {
+    // Times come from layer input: out-of-range values clamp to the epoch, never panic.
     let t = if a.mtime >= 0 {
-        UNIX_EPOCH + Duration::new(a.mtime as u64, a.mtime_nsec)
+        UNIX_EPOCH.checked_add(Duration::new(a.mtime as u64, a.mtime_nsec.min(999_999_999)))
     } else {
-        UNIX_EPOCH - Duration::from_secs(a.mtime.unsigned_abs())
-            + Duration::from_nanos(a.mtime_nsec as u64)
-    };
+        UNIX_EPOCH
+            .checked_sub(Duration::from_secs(a.mtime.unsigned_abs()))
+            .and_then(|t| t.checked_add(Duration::from_nanos(a.mtime_nsec as u64)))
+    }
+    .unwrap_or(UNIX_EPOCH);
     let (major, minor) = (libc::major(a.rdev), libc::minor(a.rdev));
     FileAttr {
         ino: a.ino,

@@ -214,6 +214,9 @@ impl LayerIndex {
                     None => return Err(Error::entry(&e.path, "parent directory missing")),
                 }
             }
+            if e.mtime_nsec >= 1_000_000_000 {
+                return Err(Error::entry(&e.path, "mtime nanoseconds out of range"));
+            }
             if e.mode & !0o7777 != 0 {
                 return Err(Error::entry(&e.path, "mode has bits outside 0o7777"));
             }

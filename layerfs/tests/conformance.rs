@@ -312,3 +312,32 @@ fn fuse_view_equals_kernel_overlayfs() {
     );
     m.unmount();
 }
+
+#[test]
+fn damaged_or_hostile_index_in_the_store_is_refused() {
+    let env = Env::new();
+    let put_raw = |bytes: &[u8]| {
+        let id = Digest::of(bytes);
+        fs::write(env.store.layer_path(&id), bytes).unwrap();
+        id
+    };
+    let cases: [&[u8]; 5] = [
+        b"not json",
+        br#"{"version":1,"chunk_size":65536,"entries":[{"path":"","type":"dir","mode":493,"uid":0,"gid":0,"mtime":0},{"path":"a/b","type":"fifo","mode":420,"uid":0,"gid":0,"mtime":0}]}"#,
+        br#"{"version":1,"chunk_size":65536,"entries":[{"path":"","type":"dir","mode":493,"uid":0,"gid":0,"mtime":0},{"path":"../x","type":"fifo","mode":420,"uid":0,"gid":0,"mtime":0}]}"#,
+        br#"{"version":1,"chunk_size":65536,"entries":[{"path":"","type":"dir","mode":493,"uid":0,"gid":0,"mtime":0},{"path":"f","type":"file","size":10,"chunks":[],"mode":420,"uid":0,"gid":0,"mtime":0}]}"#,
+        br#"{"version":1,"chunk_size":65536,"entries":[{"path":"","type":"dir","mode":493,"uid":0,"gid":0,"mtime":0},{"path":"z","type":"fifo","mode":420,"uid":0,"gid":0,"mtime":0},{"path":"a","type":"fifo","mode":420,"uid":0,"gid":0,"mtime":0}]}"#,
+    ];
+    for bytes in cases {
+        let id = put_raw(bytes);
+        let err = env.cache.layer(&id).unwrap_err().to_string();
+        assert!(err.contains("invalid"), "{err}");
+    }
+    // A file whose name does not match its content is refused too.
+    let good = env.import(Tar::new().file("f", b"x").bytes());
+    let p = env.store.layer_path(&good);
+    let mut bytes = fs::read(&p).unwrap();
+    bytes.push(b' ');
+    fs::write(&p, bytes).unwrap();
+    assert!(env.store.get_layer(&good).is_err());
+}

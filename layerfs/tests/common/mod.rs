@@ -204,8 +204,15 @@ pub struct Rec {
 /// Snapshot of a tree, keyed by relative path. Directory nlink and size are left out:
 /// overlayfs reports nlink=1 for merged directories.
 pub fn snapshot(root: &Path) -> BTreeMap<String, Rec> {
+    snapshot_opts(root, false)
+}
+
+/// Like `snapshot`; with `skip_ghosts`, names readdir lists but lstat cannot find are left
+/// out. Kernel overlayfs lists a whiteout inside a directory that only one layer provides
+/// (nothing below to merge), yet hides it on lookup; layerfs never lists such a name.
+pub fn snapshot_opts(root: &Path, skip_ghosts: bool) -> BTreeMap<String, Rec> {
     let mut out = BTreeMap::new();
-    walk(root, root, &mut out);
+    walk(root, root, &mut out, skip_ghosts);
     // Replace inode numbers by the first path of each inode, so trees compare.
     // Only hard links (nlink > 1) are grouped: overlayfs over mixed filesystems may
     // repeat inode numbers of unrelated files.
@@ -220,7 +227,7 @@ pub fn snapshot(root: &Path) -> BTreeMap<String, Rec> {
     out
 }
 
-fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>) {
+fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>, skip_ghosts: bool) {
     let mut names: Vec<_> = fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name())
@@ -229,7 +236,11 @@ fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>) {
     for n in names {
         let p = dir.join(&n);
         let rel = p.strip_prefix(root).unwrap().to_str().unwrap().to_string();
-        let md = fs::symlink_metadata(&p).unwrap();
+        let md = match fs::symlink_metadata(&p) {
+            Ok(md) => md,
+            Err(e) if skip_ghosts && e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => panic!("lstat {}: {e}", p.display()),
+        };
         let ft = md.file_type();
         let kind = if ft.is_dir() {
             "dir"
@@ -275,7 +286,7 @@ fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>) {
         };
         out.insert(rel, rec);
         if ft.is_dir() {
-            walk(root, &p, out);
+            walk(root, &p, out, skip_ghosts);
         }
     }
 }

@@ -95,7 +95,7 @@ fn os(v: &[&str]) -> Vec<OsString> {
     v.iter().map(OsString::from).collect()
 }
 
-fn shell_words(program: &Path, args: &[OsString]) -> String {
+pub fn shell_words(program: &Path, args: &[OsString]) -> String {
     std::iter::once(program.as_os_str())
         .chain(args.iter().map(|a| a.as_os_str()))
         .map(|a| {
@@ -163,11 +163,11 @@ fn plans(o: &DirectOpts) -> Vec<Plan> {
     v
 }
 
-fn ms(d: Duration) -> f64 {
+pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn ns_after(t: u64, spawn_ns: u64) -> Option<f64> {
+pub fn ns_after(t: u64, spawn_ns: u64) -> Option<f64> {
     (t != 0 && t >= spawn_ns).then(|| (t - spawn_ns) as f64 / 1e6)
 }
 
@@ -181,6 +181,9 @@ fn one(plan: &Plan, o: &DirectOpts, index: usize) -> Sample {
         timeout: o.timeout,
         marker: Some(o.done_marker.clone()),
         kill_after_marker: false,
+        ready_path: None,
+        stop_signal: libc::SIGKILL,
+        stop_delay: Duration::ZERO,
     };
     let mut values = BTreeMap::new();
     let mut errors = Vec::new();

@@ -1,11 +1,15 @@
 //! dsec-perf: DSec's benchmark harness. `dsec-perf boot` measures boot latency of our VMM
-//! beside QEMU `-M microvm`, alternating between them, and reports percentiles and ratios.
+//! beside QEMU `-M microvm`, alternating between them, and reports percentiles and ratios;
+//! `dsec-perf snapshot` measures restore, fork and the memory of forked children.
 
 mod direct;
+mod fleet;
+mod guest;
 mod machine;
 mod report;
 mod rig;
 mod run;
+mod snapshot;
 mod stats;
 
 use std::path::{Path, PathBuf};
@@ -26,6 +30,9 @@ struct Cli {
 enum Cmd {
     /// Boot latency: our VMM vs QEMU microvm, directly (test guest) and in the rig (Linux).
     Boot(BootArgs),
+    /// Snapshot restore latency (MAP_PRIVATE, lazy, lazy + prefetch) vs a cold boot, fork
+    /// latency for batches of children, host memory of forked children vs independent VMs.
+    Snapshot(SnapArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -97,6 +104,51 @@ struct BootArgs {
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     rig_cmdline_extra: String,
     /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct SnapArgs {
+    /// Restore samples per contender (contenders alternate every sample).
+    #[arg(long, default_value_t = 20)]
+    samples: usize,
+    /// Discarded restore runs per contender first.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Rounds of fork batches + cold fleet (each round: every batch size, then the
+    /// memory comparison); 0 skips fork and memory.
+    #[arg(long, default_value_t = 2)]
+    fleet_samples: usize,
+    /// Fork batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    children: Vec<usize>,
+    /// VMs on each side of the memory comparison (the fork batch of this size is the
+    /// forked side).
+    #[arg(long, default_value_t = 100)]
+    memory_vms: usize,
+    /// Guest memory.
+    #[arg(long, default_value_t = 64)]
+    mem_mib: u32,
+    /// Memory the guest touches (from 4 MiB up) before it prints READY and halts.
+    #[arg(long, default_value_t = 32)]
+    touch_mib: u32,
+    /// Window of the one `--record-working-set` run before the samples.
+    #[arg(long, default_value_t = 200)]
+    record_ms: u64,
+    /// Pause after a fleet is ready, before its memory is read and it is stopped.
+    #[arg(long, default_value_t = 500)]
+    settle_ms: u64,
+    /// Per-VM readiness timeout (a cold fleet gets 4x).
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Our VMM binary [default: dsec-vmm next to this binary, else target/release, else PATH].
+    #[arg(long, value_name = "PATH")]
+    vmm: Option<PathBuf>,
+    /// Keep the scratch directory (snapshot, stderr of every VMM).
     #[arg(long)]
     keep_workdir: bool,
 }
@@ -293,10 +345,77 @@ fn boot(a: BootArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir).map_err(|e| format!("create {}: {e}", workdir.display()))?;
+    let vmm = a.vmm.clone().unwrap_or_else(|| default_vmm(&root));
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    eprintln!(
+        "dsec-perf: kvm={} cpu={:?} vmm={}",
+        machine["kvm_kind"].as_str().unwrap_or("?"),
+        machine["cpu_model"].as_str().unwrap_or("?"),
+        vmm.display()
+    );
+    let opts = snapshot::SnapOpts {
+        vmm,
+        samples: a.samples,
+        warmup: a.warmup,
+        fleet_samples: a.fleet_samples,
+        children: a.children.clone(),
+        memory_vms: a.memory_vms,
+        mem_mib: a.mem_mib,
+        touch_mib: a.touch_mib,
+        record_ms: a.record_ms,
+        timeout: Duration::from_secs(a.timeout_s),
+        settle: Duration::from_millis(a.settle_ms),
+        workdir: workdir.clone(),
+    };
+    let r = snapshot::bench(&opts);
+    print!("{}", r.restore.table());
+    println!();
+    print!("{}", r.fork.table());
+    println!();
+    print!("{}", r.memory.table());
+    if let Some(path) = &a.json {
+        let doc = json!({
+            "tool": "dsec-perf",
+            "scenario": "snapshot",
+            "version": env!("CARGO_PKG_VERSION"),
+            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+            "machine": machine,
+            "options": {
+                "samples": a.samples, "warmup": a.warmup, "fleet_samples": a.fleet_samples,
+                "children": a.children, "memory_vms": a.memory_vms, "mem_mib": a.mem_mib,
+                "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
+            },
+            "restore": r.restore.to_json(),
+            "fork": r.fork.to_json(),
+            "memory": r.memory.to_json(),
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
+        eprintln!("dsec-perf: wrote {}", path.display());
+    }
+    if a.keep_workdir {
+        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&workdir);
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Boot(a) => match boot(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dsec-perf: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Cmd::Snapshot(a) => match snapshot_cmd(a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dsec-perf: {e}");

@@ -153,6 +153,9 @@ pub fn inner(o: &InnerOpts) -> usize {
                     timeout: o.timeout,
                     marker: Some(READY_LINE.into()),
                     kill_after_marker: true,
+                    ready_path: None,
+                    stop_signal: libc::SIGKILL,
+                    stop_delay: Duration::ZERO,
                 };
                 match run::run(&spec) {
                     Err(e) => format!("contender={c} index={i} ok=0 error=spawn: {e}"),

@@ -30,6 +30,14 @@ pub struct RunSpec {
     /// Kill the child (SIGKILL) as soon as the marker is seen (a VM that never exits by
     /// itself, e.g. an agent waiting for work).
     pub kill_after_marker: bool,
+    /// Readiness is this path appearing (polled every 200 us, e.g. a control socket) when
+    /// there is no console marker to wait for; reported as the marker time.
+    pub ready_path: Option<PathBuf>,
+    /// The signal `kill_after_marker` sends: SIGKILL, or SIGTERM for a clean stop (a VMM
+    /// then still writes its metrics).
+    pub stop_signal: libc::c_int,
+    /// How long to wait after the marker before that signal.
+    pub stop_delay: Duration,
 }
 
 /// Timestamps are offsets from the instant just before `spawn()`.
@@ -214,6 +222,21 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
                 let _ = tx.send(ev);
             })?;
     }
+    let ready_done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(path) = spec.ready_path.clone() {
+        let (tx, done) = (tx.clone(), ready_done.clone());
+        thread::Builder::new()
+            .name("ready-poller".into())
+            .spawn(move || {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    if path.exists() {
+                        let _ = tx.send(Event::Marker(Instant::now()));
+                        return;
+                    }
+                    thread::sleep(Duration::from_micros(200));
+                }
+            })?;
+    }
     drop(tx);
 
     let deadline = t0 + spec.timeout;
@@ -226,9 +249,11 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
         match rx.recv_timeout(left) {
             Ok(Event::Marker(t)) => {
                 marker_at = Some(t);
-                if spec.kill_after_marker {
+                if spec.kill_after_marker && !killed_after_marker {
                     killed_after_marker = true;
-                    let _ = child.kill();
+                    thread::sleep(spec.stop_delay);
+                    // SAFETY: `pid` is our unreaped child (the waiter uses WNOWAIT).
+                    unsafe { libc::kill(pid, spec.stop_signal) };
                 }
             }
             Ok(Event::Exited(t)) => {
@@ -254,6 +279,7 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
             break;
         }
     }
+    ready_done.store(true, std::sync::atomic::Ordering::Relaxed);
     let status = child.wait().ok();
     let out = reader.join().unwrap_or(ReaderOut {
         first_byte: None,
@@ -311,6 +337,9 @@ mod tests {
             timeout: Duration::from_millis(timeout_ms),
             marker: marker.map(str::to_string),
             kill_after_marker: kill,
+            ready_path: None,
+            stop_signal: libc::SIGKILL,
+            stop_delay: Duration::ZERO,
         }
     }
 
@@ -354,6 +383,36 @@ mod tests {
         .unwrap();
         assert!(t.elapsed() < Duration::from_secs(5));
         assert!(r.killed_after_marker && r.marker.is_some() && r.exit.is_none());
+    }
+
+    #[test]
+    fn ready_path_then_sigterm() {
+        let dir = std::env::temp_dir().join(format!("dsec-perf-ready-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let flag = dir.join("up");
+        let mut s = spec(
+            &format!(
+                "trap 'echo TERM; exit 7' TERM; sleep 0.05; touch {}; while :; do sleep 0.01; done",
+                flag.display()
+            ),
+            None,
+            true,
+            10_000,
+        );
+        s.ready_path = Some(flag);
+        s.stop_signal = libc::SIGTERM;
+        s.stop_delay = Duration::from_millis(20);
+        let r = run(&s).unwrap();
+        assert!(
+            r.marker.unwrap() >= Duration::from_millis(40),
+            "{:?}",
+            r.marker
+        );
+        assert!(r.killed_after_marker && !r.timed_out);
+        assert_eq!(r.status.unwrap().code(), Some(7), "trap ran: clean stop");
+        assert_eq!(String::from_utf8_lossy(&r.output), "TERM\n");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -1,0 +1,882 @@
+//! `dsec-perf snapshot`: restore latency (MAP_PRIVATE, lazy, lazy + prefetch) against a cold
+//! boot, fork latency for batches of children, and the host memory of idle forked children
+//! against independently booted VMs. All with the guest from `guest.rs`: it touches
+//! `touch_mib` MiB, prints READY and halts, so after a restore only the VMM works.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::direct::{ms, shell_words};
+use crate::fleet::{self, Fleet, Ready};
+use crate::guest;
+use crate::report::{Contender, Metric, Sample, Scenario};
+use crate::run::{self, RunSpec};
+
+#[derive(Debug, Clone)]
+pub struct SnapOpts {
+    pub vmm: PathBuf,
+    /// Restore samples per contender.
+    pub samples: usize,
+    pub warmup: usize,
+    /// Rounds of (fork batches, cold fleet).
+    pub fleet_samples: usize,
+    /// Fork batch sizes.
+    pub children: Vec<usize>,
+    /// VMs in the memory comparison (forked children vs cold boots).
+    pub memory_vms: usize,
+    pub mem_mib: u32,
+    pub touch_mib: u32,
+    /// `--record-working-set` window of the recording run.
+    pub record_ms: u64,
+    pub timeout: Duration,
+    /// Pause between "all ready" and the memory reading / the stop.
+    pub settle: Duration,
+    pub workdir: PathBuf,
+}
+
+const GIVE_UP_AFTER: usize = 3;
+
+fn metric(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
+    Metric {
+        key,
+        label,
+        unit,
+        compare: true,
+    }
+}
+
+/// A metric shown in the table but left out of the ratios (a breakdown).
+fn detail(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
+    Metric {
+        compare: false,
+        ..metric(key, label, unit)
+    }
+}
+
+fn os(v: &[&str]) -> Vec<OsString> {
+    v.iter().map(OsString::from).collect()
+}
+
+fn p(path: &Path) -> OsString {
+    path.as_os_str().to_owned()
+}
+
+/// One request on a VMM control socket.
+fn control(api: &Path, req: &serde_json::Value) -> Result<serde_json::Value, String> {
+    let mut s = UnixStream::connect(api).map_err(|e| format!("connect {}: {e}", api.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .map_err(|e| e.to_string())?;
+    s.write_all(format!("{req}\n").as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(s)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let r: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("{e}: {line}"))?;
+    if r["ok"] != true {
+        return Err(format!("{req} -> {r}"));
+    }
+    Ok(r)
+}
+
+/// Bytes of data (not holes) in a file.
+fn allocated_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
+
+struct Prepared {
+    guest: PathBuf,
+    snap: PathBuf,
+    working_set_pages: Option<usize>,
+    snapshot_data_mib: f64,
+}
+
+/// Boots the guest, waits for READY, snapshots it, records a working set.
+fn prepare(o: &SnapOpts) -> Result<Prepared, String> {
+    let guest = o.workdir.join("touch-guest.elf");
+    std::fs::write(&guest, guest::touch_guest_elf(o.touch_mib)).map_err(|e| e.to_string())?;
+    let base = o.workdir.join("base");
+    std::fs::create_dir_all(&base).map_err(|e| e.to_string())?;
+    let serial = base.join("serial.log");
+    let api = base.join("api.sock");
+    let mut args = vec!["--kernel".into(), p(&guest)];
+    args.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
+    args.extend([
+        "--serial-log".into(),
+        p(&serial),
+        "--vsock-uds".into(),
+        p(&base.join("vsock.sock")),
+        "--vsock-cid".into(),
+        "3".into(),
+        "--api-sock".into(),
+        p(&api),
+        "--metrics-json".into(),
+        p(&base.join("metrics.json")),
+    ]);
+    let mut f = Fleet::default();
+    f.spawn(
+        "base".into(),
+        &o.vmm,
+        &args,
+        base.join("metrics.json"),
+        base.join("stderr"),
+        Ready::LineIn(serial.clone(), guest::READY_LINE.into()),
+    )
+    .map_err(|e| format!("spawn {}: {e}", o.vmm.display()))?;
+    let not_ready = f.wait_ready(o.timeout);
+    if !not_ready.is_empty() || !wait_for(&api, Duration::from_secs(5)) {
+        f.terminate(Duration::from_secs(2));
+        return Err(format!(
+            "base VM never got ready ({not_ready:?}); stderr: {:?}",
+            run::read_tail(&base.join("stderr"), 400)
+        ));
+    }
+    let snap = o.workdir.join("snap");
+    control(&api, &serde_json::json!({"op": "snapshot", "path": snap}))?;
+    f.terminate(Duration::from_secs(10));
+    drop(f);
+
+    // One lazy restore that records the working set, for --prefetch.
+    let rec = o.workdir.join("record");
+    std::fs::create_dir_all(&rec).map_err(|e| e.to_string())?;
+    let mut args = vec!["--restore".into(), p(&snap)];
+    args.extend(os(&[
+        "--lazy",
+        "--record-working-set",
+        &o.record_ms.to_string(),
+    ]));
+    args.extend(vsock_api_metrics(&rec, 4));
+    let mut f = Fleet::default();
+    f.spawn(
+        "record".into(),
+        &o.vmm,
+        &args,
+        rec.join("metrics.json"),
+        rec.join("stderr"),
+        Ready::Path(rec.join("api.sock")),
+    )
+    .map_err(|e| e.to_string())?;
+    let ws = snap.join("working-set");
+    let recorded = f.wait_ready(o.timeout).is_empty()
+        && wait_for(
+            &ws,
+            Duration::from_millis(o.record_ms) + Duration::from_secs(10),
+        );
+    f.terminate(Duration::from_secs(10));
+    let working_set_pages = recorded
+        .then(|| std::fs::read(&ws).ok())
+        .flatten()
+        .and_then(|b| serde_json::from_slice::<Vec<u64>>(&b).ok())
+        .map(|v| v.len());
+    Ok(Prepared {
+        guest,
+        snapshot_data_mib: allocated_bytes(&snap.join("memory")) as f64 / (1 << 20) as f64,
+        snap,
+        working_set_pages,
+    })
+}
+
+fn wait_for(path: &Path, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+/// `--vsock-uds DIR/vsock.sock --vsock-cid CID --api-sock DIR/api.sock --metrics-json DIR/metrics.json`
+fn vsock_api_metrics(dir: &Path, cid: u64) -> Vec<OsString> {
+    vec![
+        "--vsock-uds".into(),
+        p(&dir.join("vsock.sock")),
+        "--vsock-cid".into(),
+        cid.to_string().into(),
+        "--api-sock".into(),
+        p(&dir.join("api.sock")),
+        "--metrics-json".into(),
+        p(&dir.join("metrics.json")),
+    ]
+}
+
+// ---------------------------------------------------------------- restore latency
+
+struct RestorePlan {
+    contender: Contender,
+    args: Vec<OsString>,
+    dir: PathBuf,
+    cold: bool,
+}
+
+fn restore_plans(o: &SnapOpts, pr: &Prepared) -> Vec<RestorePlan> {
+    let mk = |name: &str, desc: &str, extra: &[&str], cold: bool| {
+        let dir = o.workdir.join(format!("restore-{name}"));
+        let mut args: Vec<OsString> = if cold {
+            let mut a = vec!["--kernel".into(), p(&pr.guest)];
+            a.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
+            a
+        } else {
+            vec!["--restore".into(), p(&pr.snap)]
+        };
+        args.extend(os(extra));
+        args.push("--serial-stdout".into());
+        args.extend(vsock_api_metrics(&dir, 5));
+        RestorePlan {
+            contender: Contender {
+                name: name.into(),
+                description: desc.into(),
+                command: shell_words(&o.vmm, &args),
+            },
+            args,
+            dir,
+            cold,
+        }
+    };
+    vec![
+        mk(
+            "private",
+            "--restore (memory file mapped MAP_PRIVATE)",
+            &[],
+            false,
+        ),
+        mk(
+            "lazy",
+            "--restore --lazy (userfaultfd, pages on first touch)",
+            &["--lazy"],
+            false,
+        ),
+        mk(
+            "prefetch",
+            "--restore --lazy --prefetch (recorded working set loaded in the background)",
+            &["--lazy", "--prefetch"],
+            false,
+        ),
+        mk(
+            "cold",
+            "cold boot of the same guest (--kernel), ready = guest's READY line",
+            &[],
+            true,
+        ),
+    ]
+}
+
+fn restore_metrics() -> Vec<Metric> {
+    vec![
+        detail("spawn_to_vmm_main_ms", "spawn -> VMM main()", "ms"),
+        detail("main_to_vm_ready_ms", "VMM main() -> state loaded", "ms"),
+        metric(
+            "spawn_to_vm_ready_ms",
+            "spawn -> state loaded (vm_ready)",
+            "ms",
+        ),
+        metric(
+            "vm_ready_to_first_kvm_run_ms",
+            "state loaded -> first KVM_RUN",
+            "ms",
+        ),
+        metric("spawn_to_first_kvm_run_ms", "spawn -> first KVM_RUN", "ms"),
+        metric(
+            "spawn_to_snapshot_state_ms",
+            "spawn -> guest in snapshot state",
+            "ms",
+        ),
+    ]
+}
+
+fn one_restore(plan: &RestorePlan, o: &SnapOpts, index: usize) -> Sample {
+    let _ = std::fs::remove_dir_all(&plan.dir);
+    let mut values = BTreeMap::new();
+    let mut errors = Vec::new();
+    if let Err(e) = std::fs::create_dir_all(&plan.dir) {
+        errors.push(e.to_string());
+    }
+    let spec = RunSpec {
+        program: o.vmm.clone(),
+        args: plan.args.clone(),
+        stderr_path: plan.dir.join("stderr"),
+        timeout: o.timeout,
+        marker: plan.cold.then(|| guest::READY_LINE.to_string()),
+        kill_after_marker: true,
+        ready_path: (!plan.cold).then(|| plan.dir.join("api.sock")),
+        stop_signal: libc::SIGTERM,
+        // Let the vCPU thread reach KVM_RUN before the stop (the socket is bound right
+        // after the vCPU threads are started).
+        stop_delay: Duration::from_millis(20),
+    };
+    match run::run(&spec) {
+        Err(e) => errors.push(format!("cannot run {}: {e}", o.vmm.display())),
+        Ok(r) => {
+            match r.marker {
+                Some(d) => {
+                    values.insert("spawn_to_snapshot_state_ms", ms(d));
+                }
+                None => errors.push("never ready".into()),
+            }
+            if r.timed_out {
+                errors.push(format!("timed out after {:?}", o.timeout));
+            }
+            let code = r.status.and_then(|s| s.code());
+            if code != Some(0) && !r.timed_out {
+                errors.push(format!("exit status {code:?} after SIGTERM, want 0"));
+            }
+            match std::fs::read_to_string(plan.dir.join("metrics.json"))
+                .map_err(|e| format!("no metrics JSON: {e}"))
+                .and_then(|s| fleet::vmm_milestones(&s, r.spawn_realtime_ns))
+            {
+                Ok(m) => values.extend(m),
+                Err(e) => errors.push(e),
+            }
+            if !errors.is_empty() {
+                errors.push(format!(
+                    "console tail {:?}; stderr tail {:?}",
+                    r.output_tail(120),
+                    run::read_tail(&spec.stderr_path, 300)
+                ));
+            }
+        }
+    }
+    Sample {
+        contender: plan.contender.name.clone(),
+        index,
+        values,
+        error: (!errors.is_empty()).then(|| errors.join("; ")),
+    }
+}
+
+fn restore_bench(o: &SnapOpts, pr: &Prepared) -> Scenario {
+    let plans = restore_plans(o, pr);
+    let mut notes = vec![
+        "guest in snapshot state: restores = control socket bound (vCPUs started on the \
+         restored state); cold = the guest's READY line (its memory touched)"
+            .to_string(),
+        format!(
+            "each run is stopped with SIGTERM 20 ms after it is ready; the snapshot's memory \
+             file holds {:.1} MiB of data in a {} MiB guest",
+            pr.snapshot_data_mib, o.mem_mib
+        ),
+    ];
+    notes.push(match pr.working_set_pages {
+        Some(n) => format!(
+            "recorded working set ({} ms window): {n} pages (the guest is halted: it touches \
+             almost nothing after a restore)",
+            o.record_ms
+        ),
+        None => "no working set was recorded: 'prefetch' runs without one".into(),
+    });
+    let mut sc = Scenario {
+        name: "restore",
+        title: format!(
+            "restore latency: {} MiB guest, {} MiB touched ({} samples per contender, alternating)",
+            o.mem_mib, o.touch_mib, o.samples
+        ),
+        method: "harness CLOCK_REALTIME just before spawn; VMM milestones from dsec-vmm \
+                 --metrics-json (process_start_ns, vm_ready_ns, first_kvm_run_ns)"
+            .into(),
+        metrics: restore_metrics(),
+        contenders: plans.iter().map(|p| p.contender.clone()).collect(),
+        comparisons: ["private", "lazy", "prefetch"]
+            .iter()
+            .map(|c| (c.to_string(), "cold".to_string()))
+            .chain([("lazy".to_string(), "private".to_string())])
+            .collect(),
+        samples: Vec::new(),
+        skipped: None,
+        notes,
+    };
+    for round in 0..o.warmup {
+        for plan in &plans {
+            let s = one_restore(plan, o, round);
+            if let Some(e) = &s.error {
+                eprintln!("dsec-perf: warm-up {} FAILED: {e}", plan.contender.name);
+            }
+        }
+    }
+    let mut fails = vec![0usize; plans.len()];
+    for i in 0..o.samples {
+        for (k, plan) in plans.iter().enumerate() {
+            if fails[k] >= GIVE_UP_AFTER {
+                continue;
+            }
+            let s = one_restore(plan, o, i);
+            fails[k] = if s.error.is_some() { fails[k] + 1 } else { 0 };
+            sc.samples.push(s);
+        }
+        if (i + 1) % 10 == 0 || i + 1 == o.samples {
+            eprintln!("dsec-perf: restore: {}/{} rounds", i + 1, o.samples);
+        }
+    }
+    sc
+}
+
+// ---------------------------------------------------------------- fork and memory
+
+fn fork_metrics() -> Vec<Metric> {
+    vec![
+        metric("spawn_to_vm_ready_ms", "child: spawn -> state loaded", "ms"),
+        metric(
+            "spawn_to_first_kvm_run_ms",
+            "child: spawn -> first KVM_RUN",
+            "ms",
+        ),
+        metric("batch_wall_ms", "batch: spawn -> last KVM_RUN", "ms"),
+        metric("wall_per_child_ms", "batch wall time / N", "ms"),
+    ]
+}
+
+fn memory_metrics() -> Vec<Metric> {
+    vec![
+        metric("pss_total_mib", "sum of PSS", "MiB"),
+        detail("pss_per_vm_mib", "PSS per VM", "MiB"),
+        detail("pss_anon_total_mib", "sum of PSS, anonymous", "MiB"),
+        detail("pss_file_total_mib", "sum of PSS, file-backed", "MiB"),
+        detail("rss_total_mib", "sum of RSS", "MiB"),
+        metric(
+            "pss_plus_snapshot_file_mib",
+            "sum of PSS + whole snapshot file",
+            "MiB",
+        ),
+    ]
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+fn memory_values(m: &fleet::Mem, n: usize) -> BTreeMap<&'static str, f64> {
+    [
+        ("pss_total_mib", mib(m.pss_kib)),
+        ("pss_per_vm_mib", mib(m.pss_kib) / n.max(1) as f64),
+        ("pss_anon_total_mib", mib(m.pss_anon_kib)),
+        ("pss_file_total_mib", mib(m.pss_file_kib)),
+        ("rss_total_mib", mib(m.rss_kib)),
+    ]
+    .into_iter()
+    .collect()
+}
+
+/// Batch wall time: first spawn to the last child's first KVM_RUN, in ms.
+pub fn batch_wall_ms(spawns_ns: &[u64], first_runs_ns: &[u64]) -> Option<f64> {
+    let start = *spawns_ns.iter().min()?;
+    let end = *first_runs_ns.iter().max()?;
+    (end >= start && first_runs_ns.iter().all(|&t| t != 0)).then(|| (end - start) as f64 / 1e6)
+}
+
+/// One fork batch of `n`; returns the per-child samples, the batch sample and, when asked,
+/// the memory sample of the idle children.
+fn fork_batch(
+    o: &SnapOpts,
+    pr: &Prepared,
+    n: usize,
+    round: usize,
+    measure_memory: bool,
+) -> (Vec<Sample>, Option<Sample>) {
+    let name = format!("fork-{n}");
+    let dir = o.workdir.join(&name);
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut samples = Vec::new();
+    let mut batch_err = Vec::new();
+    let mut mem_sample = None;
+    let mut f = Fleet::default();
+    for i in 0..n {
+        let cdir = dir.join(format!("c{i}"));
+        if let Err(e) = std::fs::create_dir_all(&cdir) {
+            batch_err.push(e.to_string());
+            break;
+        }
+        let mut args = vec!["--restore".into(), p(&pr.snap)];
+        args.extend(vsock_api_metrics(&cdir, 100 + i as u64));
+        if let Err(e) = f.spawn(
+            format!("c{i}"),
+            &o.vmm,
+            &args,
+            cdir.join("metrics.json"),
+            cdir.join("stderr"),
+            Ready::Path(cdir.join("api.sock")),
+        ) {
+            batch_err.push(format!("spawn child {i}: {e}"));
+            break;
+        }
+    }
+    let not_ready = f.wait_ready(o.timeout);
+    if !not_ready.is_empty() {
+        batch_err.push(format!(
+            "{} children not ready, e.g. {:?}",
+            not_ready.len(),
+            not_ready[0]
+        ));
+    }
+    std::thread::sleep(o.settle);
+    if measure_memory {
+        let m = fleet::total_mem(&f.pids());
+        let (mut values, mut error) = (BTreeMap::new(), None);
+        match m {
+            Ok(m) => {
+                values = memory_values(&m, n);
+                values.insert(
+                    "pss_plus_snapshot_file_mib",
+                    mib(m.pss_kib) + pr.snapshot_data_mib,
+                );
+            }
+            Err(e) => error = Some(e),
+        }
+        if !batch_err.is_empty() {
+            error = Some(batch_err.join("; "));
+        }
+        mem_sample = Some(Sample {
+            contender: "forked".into(),
+            index: round,
+            values,
+            error,
+        });
+    }
+    f.terminate(Duration::from_secs(20));
+    let (mut spawns, mut runs) = (Vec::new(), Vec::new());
+    for (i, m) in f.members.iter().enumerate() {
+        let code = m.status.and_then(|s| s.code());
+        let parsed = std::fs::read_to_string(&m.metrics_path)
+            .map_err(|e| format!("no metrics JSON: {e}"))
+            .and_then(|s| {
+                let v = fleet::vmm_milestones(&s, m.spawn_realtime_ns)?;
+                let j: serde_json::Value = serde_json::from_str(&s).map_err(|e| e.to_string())?;
+                Ok((v, j["first_kvm_run_ns"].as_u64().unwrap_or(0)))
+            });
+        let (values, error) = match (parsed, code) {
+            (Ok((v, run_ns)), Some(0)) => {
+                spawns.push(m.spawn_realtime_ns);
+                runs.push(run_ns);
+                (v, None)
+            }
+            (Ok((v, _)), c) => (v, Some(format!("exit status {c:?} after SIGTERM"))),
+            (Err(e), _) => (
+                BTreeMap::new(),
+                Some(format!(
+                    "{e}; stderr {:?}",
+                    run::read_tail(&m.stderr_path, 200)
+                )),
+            ),
+        };
+        samples.push(Sample {
+            contender: name.clone(),
+            index: round * n + i,
+            values,
+            error,
+        });
+    }
+    let mut values = BTreeMap::new();
+    if spawns.len() == n {
+        if let Some(w) = batch_wall_ms(&spawns, &runs) {
+            values.insert("batch_wall_ms", w);
+            values.insert("wall_per_child_ms", w / n as f64);
+        }
+    } else {
+        batch_err.push(format!("{} of {n} children failed", n - spawns.len()));
+    }
+    samples.push(Sample {
+        contender: name,
+        index: round,
+        values,
+        error: (!batch_err.is_empty()).then(|| batch_err.join("; ")),
+    });
+    drop(f);
+    let _ = std::fs::remove_dir_all(&dir);
+    (samples, mem_sample)
+}
+
+/// `n` independent cold boots of the guest, measured once all printed READY.
+fn cold_fleet(o: &SnapOpts, pr: &Prepared, n: usize, round: usize) -> Sample {
+    let dir = o.workdir.join("cold-fleet");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut errors = Vec::new();
+    let mut f = Fleet::default();
+    for i in 0..n {
+        let vdir = dir.join(format!("v{i}"));
+        if let Err(e) = std::fs::create_dir_all(&vdir) {
+            errors.push(e.to_string());
+            break;
+        }
+        let serial = vdir.join("serial.log");
+        let mut args = vec!["--kernel".into(), p(&pr.guest)];
+        args.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
+        args.extend(["--serial-log".into(), p(&serial)]);
+        args.extend(vsock_api_metrics(&vdir, 100 + i as u64));
+        if let Err(e) = f.spawn(
+            format!("v{i}"),
+            &o.vmm,
+            &args,
+            vdir.join("metrics.json"),
+            vdir.join("stderr"),
+            Ready::LineIn(serial, guest::READY_LINE.into()),
+        ) {
+            errors.push(format!("spawn VM {i}: {e}"));
+            break;
+        }
+    }
+    let not_ready = f.wait_ready(o.timeout * 4);
+    if !not_ready.is_empty() {
+        errors.push(format!(
+            "{} VMs not ready, e.g. {:?}",
+            not_ready.len(),
+            not_ready[0]
+        ));
+    }
+    std::thread::sleep(o.settle);
+    let mut values = BTreeMap::new();
+    match fleet::total_mem(&f.pids()) {
+        Ok(m) => {
+            values = memory_values(&m, n);
+            values.insert("pss_plus_snapshot_file_mib", mib(m.pss_kib));
+        }
+        Err(e) => errors.push(e),
+    }
+    f.terminate(Duration::from_secs(20));
+    drop(f);
+    let _ = std::fs::remove_dir_all(&dir);
+    Sample {
+        contender: "cold".into(),
+        index: round,
+        values,
+        error: (!errors.is_empty()).then(|| errors.join("; ")),
+    }
+}
+
+fn fleet_bench(o: &SnapOpts, pr: &Prepared) -> (Scenario, Scenario) {
+    let child_args = {
+        let mut a = vec!["--restore".into(), p(&pr.snap)];
+        a.extend(vsock_api_metrics(Path::new("DIR/cI"), 100));
+        shell_words(&o.vmm, &a)
+    };
+    let mut fork = Scenario {
+        name: "fork",
+        title: format!(
+            "fork: batches of {:?} children from one snapshot ({} rounds, alternating)",
+            o.children, o.fleet_samples
+        ),
+        method: "children spawned back to back, each with its own --vsock-uds/--vsock-cid \
+                 and control socket; per child: its spawn stamp -> its first_kvm_run_ns; \
+                 batch: first spawn -> last child's first KVM_RUN; n of child rows counts \
+                 children, n of batch rows counts batches"
+            .into(),
+        metrics: fork_metrics(),
+        contenders: o
+            .children
+            .iter()
+            .map(|n| Contender {
+                name: format!("fork-{n}"),
+                description: format!("{n} children"),
+                command: child_args.clone(),
+            })
+            .collect(),
+        comparisons: Vec::new(),
+        samples: Vec::new(),
+        skipped: None,
+        notes: vec![
+            "a spawn is fork+exec of the harness (which sets PR_SET_PDEATHSIG so no VMM \
+             outlives it) and is included"
+                .into(),
+        ],
+    };
+    let n = o.memory_vms;
+    let mut memory = Scenario {
+        name: "memory",
+        title: format!(
+            "host memory: {n} idle forked children vs {n} cold-booted VMs that touched the \
+             same {} MiB ({} rounds, alternating)",
+            o.touch_mib, o.fleet_samples
+        ),
+        method: format!(
+            "sum over the VMM processes of /proc/PID/smaps_rollup once all are ready (+{:?}); \
+             forked = children restored MAP_PRIVATE from one snapshot; cold = --kernel boots \
+             that printed READY",
+            o.settle
+        ),
+        metrics: memory_metrics(),
+        contenders: vec![
+            Contender {
+                name: "forked".into(),
+                description: format!("{n} children of one snapshot"),
+                command: child_args.clone(),
+            },
+            Contender {
+                name: "cold".into(),
+                description: format!("{n} independent boots"),
+                command: shell_words(
+                    &o.vmm,
+                    &[
+                        "--kernel".into(),
+                        p(&pr.guest),
+                        "--mem-mib".into(),
+                        o.mem_mib.to_string().into(),
+                        "--serial-log".into(),
+                        "DIR/vI/serial.log".into(),
+                        "--vsock-uds".into(),
+                        "...".into(),
+                    ],
+                ),
+            },
+        ],
+        comparisons: vec![("forked".into(), "cold".into())],
+        samples: Vec::new(),
+        skipped: None,
+        notes: vec![format!(
+            "the snapshot's memory file holds {:.1} MiB of data; its page cache is shared \
+             by all children and appears in their PSS only for pages they map; \
+             'sum of PSS + whole snapshot file' charges all of it to the children (upper bound)",
+            pr.snapshot_data_mib
+        )],
+    };
+    for round in 0..o.fleet_samples {
+        let mut measured = false;
+        for &c in &o.children {
+            let want_mem = c == n && !measured;
+            let (s, m) = fork_batch(o, pr, c, round, want_mem);
+            let failed = s.iter().filter(|s| s.error.is_some()).count();
+            eprintln!(
+                "dsec-perf: fork-{c} round {round}: {}",
+                if failed == 0 {
+                    "ok".to_string()
+                } else {
+                    format!("{failed} failed")
+                }
+            );
+            fork.samples.extend(s);
+            if let Some(m) = m {
+                measured = true;
+                memory.samples.push(m);
+            }
+        }
+        if !measured {
+            let (_, m) = fork_batch(o, pr, n, round, true);
+            memory.samples.extend(m);
+        }
+        memory.samples.push(cold_fleet(o, pr, n, round));
+        eprintln!(
+            "dsec-perf: fleet round {}/{} done",
+            round + 1,
+            o.fleet_samples
+        );
+    }
+    (fork, memory)
+}
+
+pub struct Results {
+    pub restore: Scenario,
+    pub fork: Scenario,
+    pub memory: Scenario,
+}
+
+pub fn bench(o: &SnapOpts) -> Results {
+    let skip = |why: String| {
+        let mk = |name: &'static str, title: &str| Scenario {
+            name,
+            title: title.into(),
+            method: String::new(),
+            metrics: Vec::new(),
+            contenders: Vec::new(),
+            comparisons: Vec::new(),
+            samples: Vec::new(),
+            skipped: Some(why.clone()),
+            notes: Vec::new(),
+        };
+        Results {
+            restore: mk("restore", "restore latency"),
+            fork: mk("fork", "fork latency"),
+            memory: mk("memory", "host memory of forked children"),
+        }
+    };
+    if !o.vmm.is_file() {
+        return skip(format!("{} not found", o.vmm.display()));
+    }
+    if o.mem_mib < guest::min_mem_mib(o.touch_mib) || o.touch_mib == 0 {
+        return skip(format!(
+            "--touch-mib {} needs --mem-mib >= {} (and at least 1 MiB touched)",
+            o.touch_mib,
+            guest::min_mem_mib(o.touch_mib)
+        ));
+    }
+    let pr = match prepare(o) {
+        Ok(p) => p,
+        Err(e) => return skip(format!("could not take the snapshot: {e}")),
+    };
+    let restore = restore_bench(o, &pr);
+    let (fork, memory) = if o.fleet_samples == 0 {
+        let s = skip("--fleet-samples 0".into());
+        (s.fork, s.memory)
+    } else {
+        fleet_bench(o, &pr)
+    };
+    Results {
+        restore,
+        fork,
+        memory,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_wall_spans_first_spawn_to_last_run() {
+        let w = batch_wall_ms(&[1_000_000, 2_000_000], &[5_000_000, 4_000_000]).unwrap();
+        assert_eq!(w, 4.0);
+        assert_eq!(batch_wall_ms(&[], &[]), None);
+        assert_eq!(batch_wall_ms(&[1], &[0, 5]), None);
+    }
+
+    #[test]
+    fn memory_values_per_vm() {
+        let m = fleet::Mem {
+            rss_kib: 4096,
+            pss_kib: 2048,
+            pss_anon_kib: 1024,
+            pss_file_kib: 1024,
+        };
+        let v = memory_values(&m, 4);
+        assert_eq!(v["pss_total_mib"], 2.0);
+        assert_eq!(v["pss_per_vm_mib"], 0.5);
+        assert_eq!(v["rss_total_mib"], 4.0);
+    }
+
+    #[test]
+    fn restore_plans_have_the_flags() {
+        let o = SnapOpts {
+            vmm: "/x/dsec-vmm".into(),
+            samples: 1,
+            warmup: 0,
+            fleet_samples: 0,
+            children: vec![1],
+            memory_vms: 1,
+            mem_mib: 64,
+            touch_mib: 32,
+            record_ms: 100,
+            timeout: Duration::from_secs(1),
+            settle: Duration::ZERO,
+            workdir: "/w".into(),
+        };
+        let pr = Prepared {
+            guest: "/w/g.elf".into(),
+            snap: "/w/snap".into(),
+            working_set_pages: None,
+            snapshot_data_mib: 0.0,
+        };
+        let plans = restore_plans(&o, &pr);
+        let cmd: Vec<&str> = plans.iter().map(|p| p.contender.command.as_str()).collect();
+        assert!(cmd[0].contains("--restore /w/snap") && !cmd[0].contains("--lazy"));
+        assert!(cmd[1].contains("--lazy") && !cmd[1].contains("--prefetch"));
+        assert!(cmd[2].contains("--lazy --prefetch"));
+        assert!(cmd[3].contains("--kernel /w/g.elf --mem-mib 64"));
+        assert!(plans[3].cold && !plans[0].cold);
+        assert!(cmd
+            .iter()
+            .all(|c| c.contains("--metrics-json /w/restore-") && c.contains("--api-sock")));
+    }
+}

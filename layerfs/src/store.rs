@@ -166,6 +166,7 @@ impl Store {
         let d = Digest::of(data);
         let path = self.chunk_path(&d);
         if path.exists() {
+            touch(&path);
             return Ok((d, false));
         }
         // Compress only where it pays: incompressible data (already-compressed files) is
@@ -239,7 +240,9 @@ impl Store {
         let bytes = index.to_bytes();
         let id = Digest::of(&bytes);
         let path = self.layer_path(&id);
-        if !path.exists() {
+        if path.exists() {
+            touch(&path);
+        } else {
             self.write_atomic(&path, &[&bytes])?;
         }
         Ok(id)
@@ -300,7 +303,9 @@ impl Store {
     pub fn layer_for_diff_id(&self, diff_id: &Digest) -> Option<Digest> {
         let s = fs::read_to_string(self.root.join("diffids").join(diff_id.hex())).ok()?;
         let id = Digest::parse(s.trim()).ok()?;
-        self.layer_path(&id).exists().then_some(id)
+        let p = self.layer_path(&id);
+        // Reused by the caller: keep gc off it until the new image record exists.
+        p.exists().then(|| touch(&p)).map(|_| id)
     }
 
     pub fn put_blob(&self, data: &[u8]) -> Result<Digest> {
@@ -471,6 +476,14 @@ pub struct GcReport {
     pub chunks_removed: u64,
     pub blobs_removed: u64,
     pub bytes_freed: u64,
+}
+
+/// Marks an existing object as just written: gc spares objects younger than its grace
+/// period, and a reused chunk or index is about to be referenced by a new layer or image.
+fn touch(p: &Path) {
+    if let Ok(f) = fs::OpenOptions::new().append(true).open(p) {
+        let _ = f.set_modified(std::time::SystemTime::now());
+    }
 }
 
 /// Image names like `library/busybox:1.36` become safe file names.

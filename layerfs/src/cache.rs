@@ -434,11 +434,12 @@ impl NodeCache {
             p.read_at(&mut out[at..at + n], within)
                 .map_err(|e| Error::io("reading cached chunk", self.chunk_path(&c.digest), e))?;
             pos += n as u64;
-            // Sequential reader in the second half of a chunk: ask the kernel to start
-            // reading the next cached chunk file now (each chunk is its own file, so the
-            // page cache's own readahead stops at chunk ends).
-            if pos == end && within + n as u64 >= cs / 2 {
-                if let Some(next) = chunks.get(ci + 1) {
+            // Sequential reader: ask the kernel to start reading the next cached chunk files
+            // now (each chunk is its own file, so page cache readahead stops at chunk ends).
+            // Once per chunk (on the read that enters it), two chunks ahead: keeps the disk
+            // queue busy like the page cache's own readahead does within one file.
+            if pos == end && within < 256 * 1024 {
+                for next in chunks.iter().skip(ci + 1).take(2) {
                     self.advise_willneed(&next.digest);
                 }
             }

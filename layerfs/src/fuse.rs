@@ -52,6 +52,55 @@ pub struct LayerFs {
     jobs: Option<mpsc::Sender<Job>>,
     workers: Vec<std::thread::JoinHandle<()>>,
     hot: Option<Arc<Mutex<HotRecorder>>>,
+    /// Background chunk fetches in flight (bounded).
+    readahead: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+const MAX_FETCH_AHEAD: usize = 2;
+
+/// A reader that reached the second half of a chunk will likely want the next one: fetch it
+/// into the node cache in the background, so sequential reads of a cold file overlap the
+/// store's latency instead of paying it chunk by chunk.
+fn fetch_ahead(
+    cache: &Arc<NodeCache>,
+    tree: &dyn ImageTree,
+    inflight: &Arc<std::sync::atomic::AtomicUsize>,
+    ino: u64,
+    end: u64,
+) {
+    use std::sync::atomic::Ordering;
+    let Some((cs, chunks)) = tree.file_chunks(ino) else {
+        return;
+    };
+    let cs = cs as u64;
+    if end == 0 || (end - 1) % cs < cs / 2 {
+        return;
+    }
+    let Some(next) = chunks.get(((end - 1) / cs + 1) as usize) else {
+        return;
+    };
+    if cache.contains(&next.digest) {
+        return;
+    }
+    if inflight.fetch_add(1, Ordering::AcqRel) >= MAX_FETCH_AHEAD {
+        inflight.fetch_sub(1, Ordering::AcqRel);
+        return;
+    }
+    let (cache, inflight, next) = (cache.clone(), inflight.clone(), next.clone());
+    let spawned = std::thread::Builder::new()
+        .name("layerfs-ahead".into())
+        .spawn({
+            let inflight = inflight.clone();
+            move || {
+                if let Err(e) = cache.get(&next) {
+                    debug!("fetch-ahead failed: {e}");
+                }
+                inflight.fetch_sub(1, Ordering::AcqRel);
+            }
+        });
+    if spawned.is_err() {
+        inflight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl LayerFs {
@@ -83,6 +132,7 @@ impl LayerFs {
             jobs: Some(tx),
             workers,
             hot,
+            readahead: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         }
     }
 }
@@ -236,16 +286,23 @@ impl Filesystem for LayerFs {
         }
         let tree = self.tree.clone();
         let cache = self.cache.clone();
-        let job: Job =
-            Box::new(
-                move || match cache.read(tree.as_ref(), ino, offset as u64, size) {
-                    Ok(data) => reply.data(&data),
-                    Err(e) => {
-                        warn!(ino, offset, size, "read failed: {e}");
-                        reply.error(e.errno())
-                    }
-                },
+        let readahead = self.readahead.clone();
+        let job: Job = Box::new(move || {
+            match cache.read(tree.as_ref(), ino, offset as u64, size) {
+                Ok(data) => reply.data(&data),
+                Err(e) => {
+                    warn!(ino, offset, size, "read failed: {e}");
+                    return reply.error(e.errno());
+                }
+            }
+            fetch_ahead(
+                &cache,
+                tree.as_ref(),
+                &readahead,
+                ino,
+                offset as u64 + size as u64,
             );
+        });
         if let Some(tx) = &self.jobs {
             if let Err(mpsc::SendError(job)) = tx.send(job) {
                 job();

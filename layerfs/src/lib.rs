@@ -13,6 +13,7 @@ pub use error::{Error, Result};
 pub mod cache;
 pub mod compose;
 pub mod fuse;
+pub mod image;
 pub mod oci;
 pub mod overlay;
 pub mod prefetch;

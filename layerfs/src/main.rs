@@ -96,6 +96,8 @@ enum Cmd {
     Push { name: String, reference: String },
     /// Write one layer as a tar (to stdout with "-").
     ExportLayer { layer: String, out: PathBuf },
+    /// Build an ext4 image of an image's merged tree (block/pmem device for microVMs).
+    BuildExt4 { name: String, out: PathBuf },
 }
 
 fn main() -> ExitCode {
@@ -418,6 +420,22 @@ fn run(cli: &Cli) -> Result<()> {
                     rep.reference, rep.manifest_digest
                 )
             })
+        }
+        Cmd::BuildExt4 { name, out } => {
+            let img = store.get_image(name)?;
+            let cache = NodeCache::open(cache_dir(cli), store.clone(), cli.cache_mib << 20)?;
+            let tree = cache.compose(&img.layers)?;
+            let work = out
+                .parent()
+                .map(|p| p.to_path_buf())
+                .unwrap_or_else(|| PathBuf::from("."))
+                .join(format!(".layerfs-ext4-{}", std::process::id()));
+            let size = dsec_layerfs::image::build_ext4(&cache, &tree, out, &work)?;
+            report(
+                cli,
+                json!({"image": name, "out": out, "bytes": size}),
+                || format!("{name}: {} ({})", out.display(), human(size)),
+            )
         }
         Cmd::ExportLayer { layer, out } => {
             let id = Digest::parse(layer)?;

@@ -30,13 +30,13 @@ fn check(r: libc::c_int, what: &'static str, p: &Path) -> Result<()> {
     }
 }
 
-fn lchown(p: &Path, uid: u32, gid: u32) -> Result<()> {
+pub(crate) fn lchown(p: &Path, uid: u32, gid: u32) -> Result<()> {
     let c = cstr(p)?;
     // SAFETY: c is a valid NUL-terminated path.
     check(unsafe { libc::lchown(c.as_ptr(), uid, gid) }, "chown", p)
 }
 
-fn chmod(p: &Path, mode: u32) -> Result<()> {
+pub(crate) fn chmod(p: &Path, mode: u32) -> Result<()> {
     let c = cstr(p)?;
     // SAFETY: c is a valid NUL-terminated path.
     check(
@@ -46,7 +46,7 @@ fn chmod(p: &Path, mode: u32) -> Result<()> {
     )
 }
 
-fn set_mtime(p: &Path, sec: i64, nsec: u32) -> Result<()> {
+pub(crate) fn set_mtime(p: &Path, sec: i64, nsec: u32) -> Result<()> {
     let c = cstr(p)?;
     let ts = [
         libc::timespec {
@@ -70,7 +70,7 @@ fn set_mtime(p: &Path, sec: i64, nsec: u32) -> Result<()> {
     check(r, "setting times of", p)
 }
 
-fn mknod(p: &Path, kind: u32, perm: u32, dev: libc::dev_t) -> Result<()> {
+pub(crate) fn mknod(p: &Path, kind: u32, perm: u32, dev: libc::dev_t) -> Result<()> {
     let c = cstr(p)?;
     // SAFETY: c is a valid NUL-terminated path.
     check(

@@ -341,3 +341,43 @@ fn damaged_or_hostile_index_in_the_store_is_refused() {
     fs::write(&p, bytes).unwrap();
     assert!(env.store.get_layer(&good).is_err());
 }
+
+#[test]
+fn ext4_image_for_microvms_equals_fuse_view() {
+    if !can_mount() {
+        return;
+    }
+    let env = Env::new();
+    let ids: Vec<Digest> = layers().into_iter().map(|t| env.import(t)).collect();
+    let tree = Arc::new(env.cache.compose(&ids).unwrap());
+    let img = env.path("rootfs.ext4");
+    dsec_layerfs::image::build_ext4(&env.cache, tree.as_ref(), &img, env.dir.path()).unwrap();
+
+    let mnt = env.path("fuse");
+    fs::create_dir(&mnt).unwrap();
+    let m = fuse::mount(tree, env.cache.clone(), &mnt, false).unwrap();
+    let _g1 = MountGuard(mnt.clone());
+    let ext = env.path("ext4");
+    fs::create_dir(&ext).unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-o", "loop,ro"])
+        .arg(&img)
+        .arg(&ext)
+        .status()
+        .unwrap();
+    assert!(st.success(), "loop mount failed");
+    let _g2 = MountGuard(ext.clone());
+    let ours = snapshot(&mnt);
+    let mut theirs = snapshot(&ext);
+    theirs.remove("lost+found");
+    // mkfs.ext4 -d (e2fsprogs 1.47) keeps hard links of regular files but copies a
+    // hard-linked symlink as two symlinks: same target, separate inodes.
+    for p in ["h/s", "h/s2"] {
+        let r = theirs.get_mut(p).unwrap();
+        assert_eq!((r.nlink, r.target.as_deref()), (1, Some("h1")));
+        r.nlink = 2;
+        r.link = Some("h/s".into());
+    }
+    assert_eq!(diff(&ours, &theirs, "layerfs", "ext4 image"), 0);
+    m.unmount();
+}

@@ -197,8 +197,11 @@ pub struct Rec {
     pub data: Option<Digest>,
     pub target: Option<String>,
     pub xattrs: BTreeMap<String, Vec<u8>>,
-    /// Paths sharing this inode (hard links), as a sorted group key.
-    pub ino: u64,
+    /// For hard links (nlink > 1): the first path of the inode's group.
+    pub link: Option<String>,
+    /// Raw (dev, ino) key, used only to build `link`; not compared.
+    #[doc(hidden)]
+    pub raw_ino: u64,
 }
 
 /// Snapshot of a tree, keyed by relative path. Directory nlink and size are left out:
@@ -216,13 +219,29 @@ pub fn snapshot_opts(root: &Path, skip_ghosts: bool) -> BTreeMap<String, Rec> {
     // Replace inode numbers by the first path of each inode, so trees compare.
     // Only hard links (nlink > 1) are grouped: overlayfs over mixed filesystems may
     // repeat inode numbers of unrelated files.
-    let mut first: BTreeMap<u64, u64> = BTreeMap::new();
-    for (n, r) in out.values_mut().enumerate() {
-        r.ino = if r.kind != "dir" && r.nlink > 1 {
-            *first.entry(r.ino).or_insert(n as u64)
-        } else {
-            n as u64
-        };
+    let mut first: BTreeMap<u64, String> = BTreeMap::new();
+    for (path, r) in out.iter_mut() {
+        if r.kind != "dir" && r.nlink > 1 {
+            r.link = Some(
+                first
+                    .entry(r.raw_ino)
+                    .or_insert_with(|| path.clone())
+                    .clone(),
+            );
+        }
+        r.raw_ino = 0;
+    }
+    // A group with one visible name is no group (overlayfs may still count hidden links).
+    let mut members: BTreeMap<String, usize> = BTreeMap::new();
+    for r in out.values() {
+        if let Some(l) = &r.link {
+            *members.entry(l.clone()).or_default() += 1;
+        }
+    }
+    for r in out.values_mut() {
+        if r.link.as_ref().is_some_and(|l| members[l] < 2) {
+            r.link = None;
+        }
     }
     out
 }
@@ -282,7 +301,8 @@ fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Rec>, skip_ghosts: b
                 .then(|| fs::read_link(&p).unwrap().to_str().unwrap().to_string()),
             xattrs,
             // dev folded in so equal inode numbers on different filesystems stay apart.
-            ino: md.ino() ^ md.dev().rotate_left(48),
+            raw_ino: md.ino() ^ md.dev().rotate_left(48),
+            link: None,
         };
         out.insert(rel, rec);
         if ft.is_dir() {

@@ -147,6 +147,12 @@ impl AgentClient {
         Ok(Self { channel })
     }
 
+    /// The multiplexed connection, for the generated clients of services without a typed
+    /// wrapper here (Sessions, the extra Files calls).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
     pub async fn info(&self) -> Result<InfoResponse> {
         AgentRpc::new(self.channel.clone())
             .info(InfoRequest {})

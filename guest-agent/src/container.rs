@@ -48,6 +48,7 @@ fn bind_file(host: &str, target: &Path) -> Result<(), AgentError> {
 pub fn enter_root(
     lower: &Path,
     overlay_dir: Option<&Path>,
+    disk_mib: Option<u64>,
     hostname: &str,
 ) -> Result<(), AgentError> {
     if !lower.join("bin").is_dir() {
@@ -68,7 +69,23 @@ pub fn enter_root(
 
     let root: PathBuf = match overlay_dir {
         Some(dir) => {
-            let (upper, work, merged) = (dir.join("upper"), dir.join("work"), dir.join("root"));
+            // The writable layer: a size-capped tmpfs seen only in this mount namespace (it
+            // disappears with the container), or a directory on the host.
+            let rw = match disk_mib {
+                Some(mib) => {
+                    let rw = dir.join("disk");
+                    mount_at(
+                        "tmpfs",
+                        &rw,
+                        "tmpfs",
+                        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                        Some(&format!("size={mib}m,mode=0755")),
+                    )?;
+                    rw
+                }
+                None => dir.to_path_buf(),
+            };
+            let (upper, work, merged) = (rw.join("upper"), rw.join("work"), dir.join("root"));
             for d in [&upper, &work, &merged] {
                 mkdir(d)?;
             }

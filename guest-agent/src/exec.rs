@@ -64,22 +64,28 @@ pub struct ProcessService {
 impl ProcessService {
     /// `restrict_caps`: commands run with the container capability set only.
     pub fn new(reaper: Arc<Reaper>, restrict_caps: bool) -> Self {
-        let dropped_caps = if restrict_caps {
-            let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-                .ok()
-                .and_then(|s| s.trim().parse::<u32>().ok())
-                .unwrap_or(40);
-            (0..=last_cap)
-                .filter(|c| !CONTAINER_CAPS.contains(c))
-                .collect()
-        } else {
-            Vec::new()
-        };
         Self {
             reaper,
-            dropped_caps: Arc::new(dropped_caps),
+            dropped_caps: dropped_caps(restrict_caps),
         }
     }
+}
+
+/// Capabilities to drop from every command's bounding set (all but the container set when
+/// `restrict_caps`, none otherwise).
+pub fn dropped_caps(restrict_caps: bool) -> Arc<Vec<u32>> {
+    let dropped = if restrict_caps {
+        let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+            .unwrap_or(40);
+        (0..=last_cap)
+            .filter(|c| !CONTAINER_CAPS.contains(c))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Arc::new(dropped)
 }
 
 #[tonic::async_trait]

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use dsec_api::agent::v1::files_server::Files;
 use dsec_api::agent::v1::{
-    write_file_request, FileChunk, ReadFileRequest, WriteFileRequest, WriteFileResponse,
+    write_file_request, FileChunk, FileInfo, FileType, ListDirRequest, ListDirResponse,
+    MkdirRequest, MkdirResponse, ReadFileRequest, RemoveRequest, RemoveResponse, RenameRequest,
+    RenameResponse, StatRequest, WriteFileRequest, WriteFileResponse,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -38,6 +40,14 @@ pub fn io_status(what: &str, path: &Path, err: &io::Error) -> Status {
         io::ErrorKind::AlreadyExists => {
             Status::already_exists(format!("{what} {path}: already exists"))
         }
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => {
+            Status::resource_exhausted(format!(
+                "{what} {path}: the sandbox's disk is full: free space, or create the sandbox with a larger disk"
+            ))
+        }
+        io::ErrorKind::DirectoryNotEmpty => Status::failed_precondition(format!(
+            "{what} {path}: directory not empty (remove with recursive)"
+        )),
         _ => Status::internal(format!("{what} {path}: {err}")),
     }
 }
@@ -58,8 +68,143 @@ fn checked_path(path: &str) -> Result<PathBuf, Status> {
     Ok(PathBuf::from(path))
 }
 
+fn file_info(name: String, meta: &std::fs::Metadata, path: &Path) -> FileInfo {
+    use std::os::unix::fs::MetadataExt;
+    let ft = meta.file_type();
+    let kind = if ft.is_symlink() {
+        FileType::Symlink
+    } else if ft.is_dir() {
+        FileType::Dir
+    } else if ft.is_file() {
+        FileType::File
+    } else {
+        FileType::Other
+    };
+    let symlink_target = if ft.is_symlink() {
+        std::fs::read_link(path)
+            .map(|t| t.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
+    FileInfo {
+        name,
+        r#type: kind as i32,
+        size: meta.size(),
+        mode: meta.mode(),
+        mtime_unix_ms: meta.mtime() * 1000 + meta.mtime_nsec() / 1_000_000,
+        symlink_target,
+    }
+}
+
+/// Runs blocking filesystem work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Status> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("file task failed: {e}")))?
+}
+
 #[tonic::async_trait]
 impl Files for FilesService {
+    async fn list_dir(
+        &self,
+        request: Request<ListDirRequest>,
+    ) -> Result<Response<ListDirResponse>, Status> {
+        let path = checked_path(&request.into_inner().path)?;
+        blocking(move || {
+            let entries = std::fs::read_dir(&path).map_err(|e| io_status("list", &path, &e))?;
+            let mut out = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(|e| io_status("list", &path, &e))?;
+                let p = entry.path();
+                // Entries may vanish while listing; skip those.
+                if let Ok(meta) = std::fs::symlink_metadata(&p) {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    out.push(file_info(name, &meta, &p));
+                }
+            }
+            out.sort_by(|a, b| a.name.cmp(&b.name));
+            Ok(ListDirResponse { entries: out })
+        })
+        .await
+        .map(Response::new)
+    }
+
+    async fn stat(&self, request: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
+        let path = checked_path(&request.into_inner().path)?;
+        let meta = tokio::fs::symlink_metadata(&path)
+            .await
+            .map_err(|e| io_status("stat", &path, &e))?;
+        Ok(Response::new(file_info(
+            path.to_string_lossy().into_owned(),
+            &meta,
+            &path,
+        )))
+    }
+
+    async fn mkdir(
+        &self,
+        request: Request<MkdirRequest>,
+    ) -> Result<Response<MkdirResponse>, Status> {
+        use std::os::unix::fs::DirBuilderExt;
+        let request = request.into_inner();
+        let path = checked_path(&request.path)?;
+        let mode = if request.mode == 0 {
+            0o755
+        } else {
+            request.mode & 0o7777
+        };
+        blocking(move || {
+            std::fs::DirBuilder::new()
+                .recursive(request.parents)
+                .mode(mode)
+                .create(&path)
+                .map_err(|e| io_status("mkdir", &path, &e))
+        })
+        .await?;
+        Ok(Response::new(MkdirResponse {}))
+    }
+
+    async fn remove(
+        &self,
+        request: Request<RemoveRequest>,
+    ) -> Result<Response<RemoveResponse>, Status> {
+        let request = request.into_inner();
+        let path = checked_path(&request.path)?;
+        if path == Path::new("/") {
+            return Err(Status::invalid_argument("refusing to remove /"));
+        }
+        blocking(move || {
+            let meta =
+                std::fs::symlink_metadata(&path).map_err(|e| io_status("remove", &path, &e))?;
+            let result = if !meta.is_dir() {
+                std::fs::remove_file(&path)
+            } else if request.recursive {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_dir(&path)
+            };
+            result.map_err(|e| io_status("remove", &path, &e))
+        })
+        .await?;
+        Ok(Response::new(RemoveResponse {}))
+    }
+
+    async fn rename(
+        &self,
+        request: Request<RenameRequest>,
+    ) -> Result<Response<RenameResponse>, Status> {
+        let request = request.into_inner();
+        let from = checked_path(&request.from)?;
+        let to = checked_path(&request.to)?;
+        tokio::fs::rename(&from, &to)
+            .await
+            .map_err(|e| io_status(&format!("rename to {}:", to.display()), &from, &e))?;
+        Ok(Response::new(RenameResponse {}))
+    }
+
     type ReadFileStream = ReceiverStream<Result<FileChunk, Status>>;
 
     async fn read_file(

@@ -9,6 +9,7 @@ mod files;
 mod init;
 mod listen;
 mod reaper;
+mod sessions;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +18,7 @@ use clap::Parser;
 use dsec_api::agent::v1::agent_server::AgentServer;
 use dsec_api::agent::v1::files_server::FilesServer;
 use dsec_api::agent::v1::process_server::ProcessServer;
+use dsec_api::agent::v1::sessions_server::SessionsServer;
 
 use crate::listen::{BoundListener, ListenAddr};
 
@@ -64,6 +66,10 @@ struct Args {
     /// With --container-root: directory holding the overlay's upper/, work/ and root/.
     #[arg(long, value_name = "DIR", requires = "container_root")]
     overlay_dir: Option<PathBuf>,
+    /// With --overlay-dir: cap the writable layer at this many MiB (a tmpfs private to the
+    /// container's mount namespace; writes beyond it fail with ENOSPC).
+    #[arg(long, value_name = "MiB", requires = "overlay_dir")]
+    disk_mib: Option<u64>,
     /// Hostname to set in a VM or container.
     #[arg(long, default_value = "dsec")]
     hostname: String,
@@ -126,7 +132,12 @@ fn run(args: Args, mode: Mode) -> Result<(), AgentError> {
     // Bind first: in a container the socket path lives on the host and is gone after pivot.
     let listener = BoundListener::bind(&args.listen)?;
     if let Some(root) = &args.container_root {
-        container::enter_root(root, args.overlay_dir.as_deref(), &args.hostname)?;
+        container::enter_root(
+            root,
+            args.overlay_dir.as_deref(),
+            args.disk_mib,
+            &args.hostname,
+        )?;
     } else if mode == Mode::Process {
         // Reap orphans of the commands we start, like PID 1 would.
         let _ = nix::sys::prctl::set_child_subreaper(true);
@@ -146,13 +157,18 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
     let incoming = listener
         .incoming()
         .map_err(|e| AgentError::Listen(format!("register listener: {e}")))?;
+    let restrict_caps = mode == Mode::Container;
     let server = tonic::transport::Server::builder()
         .add_service(AgentServer::new(agent::AgentService { mode }))
         .add_service(ProcessServer::new(exec::ProcessService::new(
-            reaper,
-            mode == Mode::Container,
+            reaper.clone(),
+            restrict_caps,
         )))
-        .add_service(FilesServer::new(files::FilesService));
+        .add_service(FilesServer::new(files::FilesService))
+        .add_service(SessionsServer::new(sessions::SessionsService::new(
+            reaper,
+            exec::dropped_caps(restrict_caps),
+        )));
     init::announce_ready(mode);
     server
         .serve_with_incoming(incoming)

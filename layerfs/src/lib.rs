@@ -18,4 +18,5 @@ pub mod oci;
 pub mod overlay;
 pub mod prefetch;
 pub mod sandbox;
+pub mod serve;
 pub mod tarfmt;

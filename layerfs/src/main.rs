@@ -96,6 +96,12 @@ enum Cmd {
     Push { name: String, reference: String },
     /// Write one layer as a tar (to stdout with "-").
     ExportLayer { layer: String, out: PathBuf },
+    /// Serve mounts for the whole node over a Unix socket (JSON lines; see the serve module)
+    /// until SIGINT/SIGTERM, then unmount everything.
+    Serve {
+        #[arg(long, default_value = "/run/dsec/layerfs.sock")]
+        socket: PathBuf,
+    },
     /// Build an ext4 image of an image's merged tree (block/pmem device for microVMs).
     BuildExt4 { name: String, out: PathBuf },
 }
@@ -420,6 +426,25 @@ fn run(cli: &Cli) -> Result<()> {
                     rep.reference, rep.manifest_digest
                 )
             })
+        }
+        Cmd::Serve { socket } => {
+            let cache = Arc::new(NodeCache::open(
+                cache_dir(cli),
+                store.clone(),
+                cli.cache_mib << 20,
+            )?);
+            let mask = block_signals();
+            if let Some(dir) = socket.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io("creating socket directory", dir, e))?;
+            }
+            let svc = dsec_layerfs::serve::Service::new(store.clone(), cache);
+            dsec_layerfs::serve::listen(svc.clone(), socket)?;
+            eprintln!("serving on {}", socket.display());
+            wait_signal(&mask);
+            svc.shutdown();
+            let _ = std::fs::remove_file(socket);
+            Ok(())
         }
         Cmd::BuildExt4 { name, out } => {
             let img = store.get_image(name)?;

@@ -247,6 +247,21 @@ pub fn smaps_rollup(pid: u32) -> std::io::Result<Mem> {
     std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).map(|s| parse_smaps_rollup(&s))
 }
 
+/// `MemAvailable` from /proc/meminfo-formatted text, in KiB.
+pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The host's MemAvailable now, in KiB (catches kernel memory PSS does not show: KVM's
+/// per-VM structures, page tables; but also whatever else the machine is doing).
+pub fn mem_available_kib() -> Option<u64> {
+    parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
 /// Sum over `pids`; an error names the first process that could not be read.
 pub fn total_mem(pids: &[u32]) -> Result<Mem, String> {
     let mut t = Mem::default();
@@ -298,6 +313,14 @@ mod tests {
         );
         let own = smaps_rollup(std::process::id()).unwrap();
         assert!(own.pss_kib > 0 && own.rss_kib >= own.pss_kib);
+    }
+
+    #[test]
+    fn mem_available_from_meminfo() {
+        let t = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   12345678 kB\n";
+        assert_eq!(parse_mem_available(t), Some(12_345_678));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+        assert!(mem_available_kib().unwrap() > 0);
     }
 
     #[test]

@@ -444,6 +444,11 @@ fn memory_metrics() -> Vec<Metric> {
             "sum of PSS + whole snapshot file",
             "MiB",
         ),
+        metric(
+            "host_mem_available_drop_mib",
+            "host MemAvailable drop (noisy)",
+            "MiB",
+        ),
     ]
 }
 
@@ -461,6 +466,15 @@ fn memory_values(m: &fleet::Mem, n: usize) -> BTreeMap<&'static str, f64> {
     ]
     .into_iter()
     .collect()
+}
+
+fn insert_avail_drop(values: &mut BTreeMap<&'static str, f64>, before: Option<u64>) {
+    if let (Some(b), Some(a)) = (before, fleet::mem_available_kib()) {
+        values.insert(
+            "host_mem_available_drop_mib",
+            (b as f64 - a as f64) / 1024.0,
+        );
+    }
 }
 
 /// Batch wall time: first spawn to the last child's first KVM_RUN, in ms.
@@ -485,6 +499,7 @@ fn fork_batch(
     let mut samples = Vec::new();
     let mut batch_err = Vec::new();
     let mut mem_sample = None;
+    let avail_before = fleet::mem_available_kib();
     let mut f = Fleet::default();
     for i in 0..n {
         let cdir = dir.join(format!("c{i}"));
@@ -525,6 +540,7 @@ fn fork_batch(
                     "pss_plus_snapshot_file_mib",
                     mib(m.pss_kib) + pr.snapshot_data_mib,
                 );
+                insert_avail_drop(&mut values, avail_before);
             }
             Err(e) => error = Some(e),
         }
@@ -596,6 +612,7 @@ fn cold_fleet(o: &SnapOpts, pr: &Prepared, n: usize, round: usize) -> Sample {
     let dir = o.workdir.join("cold-fleet");
     let _ = std::fs::remove_dir_all(&dir);
     let mut errors = Vec::new();
+    let avail_before = fleet::mem_available_kib();
     let mut f = Fleet::default();
     for i in 0..n {
         let vdir = dir.join(format!("v{i}"));
@@ -634,6 +651,7 @@ fn cold_fleet(o: &SnapOpts, pr: &Prepared, n: usize, round: usize) -> Sample {
         Ok(m) => {
             values = memory_values(&m, n);
             values.insert("pss_plus_snapshot_file_mib", mib(m.pss_kib));
+            insert_avail_drop(&mut values, avail_before);
         }
         Err(e) => errors.push(e),
     }
@@ -726,12 +744,18 @@ fn fleet_bench(o: &SnapOpts, pr: &Prepared) -> (Scenario, Scenario) {
         comparisons: vec![("forked".into(), "cold".into())],
         samples: Vec::new(),
         skipped: None,
-        notes: vec![format!(
-            "the snapshot's memory file holds {:.1} MiB of data; its page cache is shared \
+        notes: vec![
+            format!(
+                "the snapshot's memory file holds {:.1} MiB of data; its page cache is shared \
              by all children and appears in their PSS only for pages they map; \
              'sum of PSS + whole snapshot file' charges all of it to the children (upper bound)",
-            pr.snapshot_data_mib
-        )],
+                pr.snapshot_data_mib
+            ),
+            "PSS misses kernel memory (KVM's per-VM and per-vCPU structures, page tables, the \
+            PIT thread); 'host MemAvailable drop' (before spawning -> all ready) includes it, \
+            but also everything else the machine does meanwhile"
+                .into(),
+        ],
     };
     for round in 0..o.fleet_samples {
         let mut measured = false;

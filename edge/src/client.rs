@@ -147,6 +147,18 @@ impl AgentClient {
         Ok(Self { channel })
     }
 
+    /// A client that connects on first use (and reconnects after failures): for sandboxes
+    /// that may be frozen, where a handshake now would hang.
+    pub fn connect_lazy(addr: AgentAddr) -> Self {
+        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let addr = addr.clone();
+            async move { addr.open().await.map(TokioIo::new) }
+        });
+        let channel = Endpoint::from_static("http://agent.dsec.invalid")
+            .connect_with_connector_lazy(connector);
+        Self { channel }
+    }
+
     /// The multiplexed connection, for the generated clients of services without a typed
     /// wrapper here (Sessions, the extra Files calls).
     pub fn channel(&self) -> Channel {

@@ -2,6 +2,7 @@
 //! client, KVM detection and artifact lookup. The node daemon builds on this later.
 
 pub mod client;
+pub mod daemon;
 pub mod error;
 pub mod kvm;
 pub mod paths;

@@ -58,6 +58,14 @@ pub struct SandboxSpec {
     pub rootfs: Option<PathBuf>,
     /// How long the agent may take to answer after the sandbox starts.
     pub ready_timeout: Duration,
+    /// Sandbox id; default: generated.
+    pub id: Option<String>,
+    /// Writable disk of a container in MiB (a tmpfs in the container); None: unlimited,
+    /// on the host under the sandbox directory.
+    pub disk_mib: Option<u32>,
+    /// `cgroup.procs` files the sandbox's first process is written into right after it
+    /// starts (everything it starts later inherits them).
+    pub cgroup_procs: Vec<PathBuf>,
 }
 
 impl Default for SandboxSpec {
@@ -70,6 +78,9 @@ impl Default for SandboxSpec {
             extra_cmdline: None,
             rootfs: None,
             ready_timeout: Duration::from_secs(30),
+            id: None,
+            disk_mib: None,
+            cgroup_procs: Vec::new(),
         }
     }
 }
@@ -231,6 +242,34 @@ impl Sandbox {
         &self.client
     }
 
+    /// Hands the sandbox over to a supervisor: nothing is torn down on drop any more; the
+    /// returned handle reaches, checks and tears it down (also from another process).
+    pub fn detach(mut self) -> SandboxHandle {
+        let runtime = std::mem::replace(&mut self.host.runtime, Runtime::Gone);
+        let (pid, agent_socket, api_socket) = match runtime {
+            Runtime::Container { agent_pid } => {
+                (agent_pid.as_raw(), self.host.dir.join("agent.sock"), None)
+            }
+            Runtime::MicroVm { vmm } => (
+                vmm.id().map(|p| p as i32).unwrap_or(0),
+                self.host.dir.join("vsock.sock"),
+                Some(self.host.dir.join("api.sock")),
+            ),
+            Runtime::Gone => (0, PathBuf::new(), None),
+        };
+        // Disarm the drop-time teardown: the handle owns the directory now.
+        let dir = std::mem::take(&mut self.host.dir);
+        SandboxHandle {
+            id: self.id.clone(),
+            backend: self.kind.as_str().to_string(),
+            dir,
+            pid,
+            pid_start: proc_stat(pid).map(|(_, s)| s).unwrap_or(0),
+            agent_socket,
+            api_socket,
+        }
+    }
+
     /// Stops the sandbox and removes everything it left on the host.
     pub async fn destroy(mut self) -> Result<()> {
         if let Runtime::MicroVm { vmm } = &mut self.host.runtime {
@@ -266,6 +305,9 @@ fn teardown(runtime: Runtime, dir: &Path) -> Result<()> {
             let _ = vmm.start_kill();
         }
         Runtime::Gone => {}
+    }
+    if dir.as_os_str().is_empty() {
+        return Ok(());
     }
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
@@ -337,11 +379,29 @@ async fn create_container(config: &EdgeConfig, spec: &SandboxSpec) -> Result<San
             hint: "build it with `cargo build -p dsec-agent`",
         })?,
     };
-    let id = new_sandbox_id(BackendKind::Container);
+    let id = spec
+        .id
+        .clone()
+        .unwrap_or_else(|| new_sandbox_id(BackendKind::Container));
     let dir = make_sandbox_dir(config, &id)?;
     let socket = dir.join("agent.sock");
     let log_path = dir.join("agent.log");
-    let started = spawn_container_agent(&agent_bin, &rootfs, &dir, &socket, &log_path, &id);
+    let started = spawn_container_agent(
+        &agent_bin,
+        &rootfs,
+        &dir,
+        &socket,
+        &log_path,
+        &id,
+        spec.disk_mib,
+    )
+    .and_then(|pid| {
+        join_cgroups(pid, &spec.cgroup_procs).inspect_err(|_| {
+            let _ = kill(pid, Signal::SIGKILL);
+            let _ = waitpid(pid, None);
+        })?;
+        Ok(pid)
+    });
     let agent_pid = match started {
         Ok(pid) => pid,
         Err(err) => {
@@ -403,6 +463,7 @@ fn spawn_container_agent(
     socket: &Path,
     log_path: &Path,
     id: &str,
+    disk_mib: Option<u32>,
 ) -> Result<Pid> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -415,7 +476,7 @@ fn spawn_container_agent(
     listen.push(socket);
     // Everything the child touches is prepared here: after clone only async-signal-safe
     // calls (dup2, execve) may run, so no allocation happens in the child.
-    let argv: Vec<CString> = vec![
+    let mut argv: Vec<CString> = vec![
         cstring(agent_bin)?,
         cstring("--listen")?,
         cstring(&listen)?,
@@ -426,6 +487,10 @@ fn spawn_container_agent(
         cstring("--hostname")?,
         cstring(id)?,
     ];
+    if let Some(mib) = disk_mib {
+        argv.push(cstring("--disk-mib")?);
+        argv.push(cstring(mib.to_string())?);
+    }
     let envp: Vec<CString> = std::env::vars_os()
         .filter(|(k, _)| k == "DSEC_AGENT_LOG" || k == "RUST_BACKTRACE")
         .map(|(k, v)| {
@@ -441,9 +506,11 @@ fn spawn_container_agent(
     envp_ptrs.push(std::ptr::null());
     let (log_fd, null_fd) = (log.as_raw_fd(), devnull.as_raw_fd());
     let child_main = Box::new(|| {
-        // SAFETY: runs in the cloned child; dup2 and execve are async-signal-safe and all
+        // SAFETY: runs in the cloned child; setsid, dup2 and execve are async-signal-safe and all
         // pointers refer to memory prepared before clone (the child has a copy of it).
         unsafe {
+            // Own session: the sandbox must outlive the daemon (no SIGHUP from its terminal).
+            libc::setsid();
             libc::dup2(null_fd, 0);
             libc::dup2(log_fd, 1);
             libc::dup2(log_fd, 2);
@@ -465,7 +532,6 @@ fn spawn_container_agent(
 }
 
 async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandbox> {
-    let kind = BackendKind::MicroVm;
     let kernel = spec
         .kernel
         .clone()
@@ -503,11 +569,15 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
             hint: "build it with `cargo build --release -p dsec-vmm`",
         })?,
     };
-    let id = new_sandbox_id(BackendKind::MicroVm);
+    let id = spec
+        .id
+        .clone()
+        .unwrap_or_else(|| new_sandbox_id(BackendKind::MicroVm));
     let dir = make_sandbox_dir(config, &id)?;
     let vsock = dir.join("vsock.sock");
     let serial = dir.join("serial.log");
     let vmm_log = dir.join("vmm.log");
+    let api_sock = dir.join("api.sock");
     let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
     if let Some(extra) = &spec.extra_cmdline {
         cmdline.push(' ');
@@ -518,7 +588,8 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     let log_err = log
         .try_clone()
         .map_err(|e| EdgeError::io("dup log fd", e))?;
-    let spawned = tokio::process::Command::new(&vmm_bin)
+    let mut command = tokio::process::Command::new(&vmm_bin);
+    command
         .arg("--kernel")
         .arg(&kernel)
         .arg("--initrd")
@@ -533,11 +604,12 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         .arg(&vsock)
         .arg("--serial-log")
         .arg(&serial)
+        .arg("--api-sock")
+        .arg(&api_sock)
         .stdin(std::process::Stdio::null())
         .stdout(log)
-        .stderr(log_err)
-        .kill_on_drop(true)
-        .spawn();
+        .stderr(log_err);
+    let spawned = spawn_vmm(command, &spec.cgroup_procs);
     let vmm = match spawned {
         Ok(child) => child,
         Err(e) => {
@@ -545,11 +617,23 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
             return Err(EdgeError::io(format!("start {}", vmm_bin.display()), e));
         }
     };
-    let mut host = HostResources {
+    let host = HostResources {
         runtime: Runtime::MicroVm { vmm },
         dir,
     };
-    let deadline = Instant::now() + spec.ready_timeout;
+    wait_microvm_ready(id, host, spec.ready_timeout).await
+}
+
+async fn wait_microvm_ready(
+    id: String,
+    mut host: HostResources,
+    ready_timeout: Duration,
+) -> Result<Sandbox> {
+    let kind = BackendKind::MicroVm;
+    let vsock = host.dir.join("vsock.sock");
+    let serial = host.dir.join("serial.log");
+    let vmm_log = host.dir.join("vmm.log");
+    let deadline = Instant::now() + ready_timeout;
     let addr = AgentAddr::VsockUds {
         uds: vsock.clone(),
         port: dsec_api::AGENT_VSOCK_PORT,
@@ -584,12 +668,185 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         if Instant::now() > deadline {
             return Err(EdgeError::AgentNotReady {
                 id,
-                timeout: spec.ready_timeout,
+                timeout: ready_timeout,
                 detail: tail_of(&serial, "serial console"),
             });
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Starts a VMM in its own session (it must outlive a daemon that is killed) and moves it
+/// into the given cgroups. Teardown (not drop) kills it.
+fn spawn_vmm(
+    mut command: tokio::process::Command,
+    cgroup_procs: &[PathBuf],
+) -> std::io::Result<tokio::process::Child> {
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+    let mut child = command.spawn()?;
+    if let Some(pid) = child.id() {
+        if let Err(err) = join_cgroups(Pid::from_raw(pid as i32), cgroup_procs) {
+            let _ = child.start_kill();
+            return Err(std::io::Error::other(err.to_string()));
+        }
+    }
+    Ok(child)
+}
+
+/// Writes `pid` into each `cgroup.procs` file.
+fn join_cgroups(pid: Pid, procs_files: &[PathBuf]) -> Result<()> {
+    for file in procs_files {
+        std::fs::write(file, pid.as_raw().to_string())
+            .map_err(|e| EdgeError::io(format!("move pid {pid} into {}", file.display()), e))?;
+    }
+    Ok(())
+}
+
+/// Restores a microVM from a snapshot directory written by the VMM (`{"op":"snapshot"}`),
+/// with its own vsock socket and context id, and waits until its agent answers.
+pub async fn restore_microvm(
+    config: &EdgeConfig,
+    snapshot: &Path,
+    id: &str,
+    vsock_cid: u64,
+    spec: &SandboxSpec,
+) -> Result<Sandbox> {
+    let vmm_bin = match &config.vmm_bin {
+        Some(path) => path.clone(),
+        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
+            what: "VMM",
+            name: "dsec-vmm",
+            hint: "build it with `cargo build --release -p dsec-vmm`",
+        })?,
+    };
+    let dir = make_sandbox_dir(config, id)?;
+    let vsock = dir.join("vsock.sock");
+    let serial = dir.join("serial.log");
+    let vmm_log = dir.join("vmm.log");
+    let log = std::fs::File::create(&vmm_log)
+        .map_err(|e| EdgeError::io(format!("create {}", vmm_log.display()), e))?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| EdgeError::io("dup log fd", e))?;
+    let mut command = tokio::process::Command::new(&vmm_bin);
+    command
+        .arg("--restore")
+        .arg(snapshot)
+        .arg("--vsock-uds")
+        .arg(&vsock)
+        .arg("--vsock-cid")
+        .arg(vsock_cid.to_string())
+        .arg("--serial-log")
+        .arg(&serial)
+        .arg("--api-sock")
+        .arg(dir.join("api.sock"))
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(log_err);
+    let vmm = match spawn_vmm(command, &spec.cgroup_procs) {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(EdgeError::io(format!("start {}", vmm_bin.display()), e));
+        }
+    };
+    let host = HostResources {
+        runtime: Runtime::MicroVm { vmm },
+        dir,
+    };
+    wait_microvm_ready(id.to_string(), host, spec.ready_timeout).await
+}
+
+/// What the daemon keeps of a sandbox it supervises: enough to reach, check and tear it
+/// down after a restart of the daemon (the sandbox is no longer its child then).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct SandboxHandle {
+    pub id: String,
+    pub backend: String,
+    pub dir: PathBuf,
+    /// Host pid of the container's agent (PID 1 of its namespace) or of the VMM.
+    pub pid: i32,
+    /// Start time of `pid` (clock ticks since boot), so a reused pid is never mistaken.
+    pub pid_start: u64,
+    /// The agent's Unix socket (container) or the VMM's vsock socket (microVM).
+    pub agent_socket: PathBuf,
+    /// The VMM's control socket (microVM).
+    pub api_socket: Option<PathBuf>,
+}
+
+impl SandboxHandle {
+    pub fn agent_addr(&self) -> AgentAddr {
+        if self.backend == BackendKind::MicroVm.as_str() {
+            AgentAddr::VsockUds {
+                uds: self.agent_socket.clone(),
+                port: dsec_api::AGENT_VSOCK_PORT,
+            }
+        } else {
+            AgentAddr::Unix(self.agent_socket.clone())
+        }
+    }
+
+    /// The process still runs (not a zombie) and is the one we started.
+    pub fn is_alive(&self) -> bool {
+        match proc_stat(self.pid) {
+            Some((state, start)) => state != 'Z' && state != 'X' && start == self.pid_start,
+            None => false,
+        }
+    }
+
+    /// Kills the sandbox's process, waits until it is gone (reaping it when it is our
+    /// child) and removes the sandbox directory. Blocking.
+    pub fn teardown(&self) -> Result<()> {
+        let pid = Pid::from_raw(self.pid);
+        if proc_stat(self.pid).is_some_and(|(_, start)| start == self.pid_start) {
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => {}
+                Ok(_) => break,
+                // Not our child (adopted after a daemon restart): init reaps it.
+                Err(_) => {
+                    if proc_stat(self.pid).is_none_or(|(_, start)| start != self.pid_start) {
+                        break;
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(EdgeError::Protocol(format!(
+                    "sandbox {} (pid {}) did not die within 10 s of SIGKILL",
+                    self.id, self.pid
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        match std::fs::remove_dir_all(&self.dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(EdgeError::io(
+                format!("remove sandbox directory {}", self.dir.display()),
+                e,
+            )),
+        }
+    }
+}
+
+/// State letter and start time (field 22) of a process, from /proc/PID/stat.
+pub fn proc_stat(pid: i32) -> Option<(char, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // rest starts at field 3 (state); starttime is field 22.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
 }
 
 /// Environment helper for callers: parses `K=V`.

@@ -1,0 +1,779 @@
+//! The public `dsec.v1` services, backed by the node and the sandboxes' agents.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dsec_api::agent::v1 as agent;
+use dsec_api::transcode;
+use dsec_api::v1::{self as api, *};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::node::{Demand, Entry, Node, Plan};
+use crate::sandbox::BackendKind;
+
+type Stream<T> = ReceiverStream<Result<T, Status>>;
+
+const MAX_VCPUS: i32 = 64;
+const DEFAULT_MEMORY_MIB: i64 = 256;
+const DEFAULT_DISK_MIB: i64 = 1024;
+const DEFAULT_PIDS: i64 = 1024;
+
+/// Agent failures: its own status codes pass through; transport failures become UNAVAILABLE.
+fn agent_status(id: &str, status: Status) -> Status {
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown
+            if status.message().contains("transport") || status.message().contains("connect") =>
+        {
+            Status::unavailable(format!(
+                "cannot reach the agent of sandbox {id}: {}",
+                status.message()
+            ))
+        }
+        _ => status,
+    }
+}
+
+/// Paths arrive as bytes so that bad ones get a clear INVALID_ARGUMENT.
+fn path_arg(what: &str, bytes: &[u8]) -> Result<String, Status> {
+    let path = std::str::from_utf8(bytes).map_err(|e| {
+        Status::invalid_argument(format!(
+            "{what} is not valid UTF-8 (bad byte at offset {}): paths must be UTF-8 text",
+            e.valid_up_to()
+        ))
+    })?;
+    if path.is_empty() {
+        return Err(Status::invalid_argument(format!("{what} is empty")));
+    }
+    if path.contains('\0') {
+        return Err(Status::invalid_argument(format!(
+            "{what} contains a NUL byte"
+        )));
+    }
+    if !path.starts_with('/') {
+        return Err(Status::invalid_argument(format!(
+            "{what} {path:?} is not absolute: give a path starting with '/'"
+        )));
+    }
+    Ok(path.to_string())
+}
+
+fn backend_of(kind: &str) -> i32 {
+    if kind == BackendKind::MicroVm.as_str() {
+        Backend::Microvm as i32
+    } else {
+        Backend::Container as i32
+    }
+}
+
+pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
+    let r = entry.record();
+    let (memory_bytes, cpu_usage_ns, pids) = node.usage(&r);
+    api::Sandbox {
+        id: r.handle.id.clone(),
+        backend: backend_of(&r.handle.backend),
+        image: r.image.clone(),
+        state: if r.paused {
+            SandboxState::Paused as i32
+        } else {
+            SandboxState::Running as i32
+        },
+        vcpus: r.vcpus,
+        memory_mib: r.memory_mib,
+        disk_mib: r.disk_mib,
+        pids_limit: r.pids_limit,
+        labels: r.labels.clone().into_iter().collect(),
+        created_at_unix_ms: r.created_at_ms,
+        expires_at_unix_ms: r.expires_at_ms,
+        idle_timeout_seconds: r.idle_timeout_s,
+        last_activity_unix_ms: entry.last_activity_ms.load(Ordering::Relaxed),
+        pid: r.handle.pid as u32,
+        parent_id: r.parent_id.clone(),
+        usage: Some(ResourceUsage {
+            memory_bytes,
+            cpu_usage_ns,
+            pids,
+        }),
+        network: Some(NetworkPolicy {
+            allow_internet: r.allow_internet,
+            allow: r.allow.clone(),
+        }),
+    }
+}
+
+fn check_env(env: &std::collections::HashMap<String, String>) -> Result<(), Status> {
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(Status::invalid_argument(format!(
+                "environment variable {k:?} is invalid: names must be non-empty without '=' or NUL, values without NUL"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Validates a Create request and fills in defaults.
+pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
+    let kind = match Backend::try_from(req.backend) {
+        Ok(Backend::Unspecified) => node.default_backend,
+        Ok(Backend::Container) => BackendKind::Container,
+        Ok(Backend::Microvm) => BackendKind::MicroVm,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "backend {} is unknown: use BACKEND_CONTAINER or BACKEND_MICROVM",
+                req.backend
+            )))
+        }
+    };
+    let vcpus = match req.vcpus {
+        0 => 1,
+        n if !(1..=MAX_VCPUS).contains(&n) => {
+            return Err(Status::invalid_argument(format!(
+                "vcpus {n} is out of range: give 1 to {MAX_VCPUS}"
+            )))
+        }
+        n => n,
+    };
+    let memory_mib = match req.memory_mib {
+        0 => DEFAULT_MEMORY_MIB,
+        n if n < 0 => {
+            return Err(Status::invalid_argument(format!(
+                "memory_mib must be positive, got {n}: give the sandbox's memory in MiB, e.g. 256"
+            )))
+        }
+        n if n < 32 => {
+            return Err(Status::invalid_argument(format!(
+                "memory_mib {n} is too small: a sandbox needs at least 32 MiB"
+            )))
+        }
+        n if n > 1 << 20 => {
+            return Err(Status::invalid_argument(format!(
+                "memory_mib {n} is more than 1 TiB: give MiB, not bytes"
+            )))
+        }
+        n => n,
+    };
+    let disk_mib = match req.disk_mib {
+        0 => DEFAULT_DISK_MIB,
+        n if n < 0 => {
+            return Err(Status::invalid_argument(format!(
+                "disk_mib must be positive, got {n}: give the writable disk size in MiB"
+            )))
+        }
+        n if n < 16 => {
+            return Err(Status::invalid_argument(format!(
+                "disk_mib {n} is too small: at least 16 MiB"
+            )))
+        }
+        n => n,
+    };
+    let pids = match req.pids_limit {
+        0 => DEFAULT_PIDS,
+        n if n < 16 => {
+            return Err(Status::invalid_argument(format!(
+                "pids_limit {n} is too small: at least 16 processes"
+            )))
+        }
+        n => n,
+    };
+    if req.ttl_seconds < 0 || req.idle_timeout_seconds < 0 {
+        return Err(Status::invalid_argument(
+            "ttl_seconds and idle_timeout_seconds must be >= 0 (0 means none)",
+        ));
+    }
+    check_env(&req.env)?;
+    if req.labels.keys().any(|k| k.is_empty()) {
+        return Err(Status::invalid_argument("label keys must not be empty"));
+    }
+    let image = if req.image.is_empty() {
+        "busybox".to_string()
+    } else {
+        req.image
+    };
+    let network = req.network.unwrap_or_default();
+    let ttl_s = if req.ttl_seconds > 0 {
+        req.ttl_seconds
+    } else {
+        node.config
+            .default_ttl
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0)
+    };
+    Ok(Plan {
+        kind,
+        image,
+        demand: Demand {
+            memory_mib,
+            vcpus: i64::from(vcpus),
+            pids,
+            disk_mib,
+        },
+        env: req.env.into_iter().collect(),
+        labels: req.labels.into_iter().collect(),
+        ttl_s,
+        idle_timeout_s: req.idle_timeout_seconds,
+        allow_internet: network.allow_internet,
+        allow: network.allow,
+    })
+}
+
+// ------------------------------------------------------------------ Sandboxes
+
+pub struct SandboxesService(pub Arc<Node>);
+
+#[tonic::async_trait]
+impl sandboxes_server::Sandboxes for SandboxesService {
+    async fn create(
+        &self,
+        request: Request<CreateSandboxRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let plan = plan(&self.0, request.into_inner())?;
+        let entry = self.0.create(plan).await?;
+        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+    }
+
+    async fn get(
+        &self,
+        request: Request<GetSandboxRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let entry = self.0.get(&request.into_inner().sandbox_id)?;
+        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+    }
+
+    async fn list(
+        &self,
+        request: Request<ListSandboxesRequest>,
+    ) -> Result<Response<ListSandboxesResponse>, Status> {
+        let want = request.into_inner().labels;
+        let sandboxes = self
+            .0
+            .list()
+            .iter()
+            .filter(|e| {
+                let labels = e.record().labels;
+                want.iter().all(|(k, v)| labels.get(k) == Some(v))
+            })
+            .map(|e| sandbox_proto(&self.0, e))
+            .collect();
+        Ok(Response::new(ListSandboxesResponse { sandboxes }))
+    }
+
+    async fn delete(
+        &self,
+        request: Request<DeleteSandboxRequest>,
+    ) -> Result<Response<DeleteSandboxResponse>, Status> {
+        let id = request.into_inner().sandbox_id;
+        self.0.get(&id)?;
+        self.0.delete(&id, "requested").await?;
+        Ok(Response::new(DeleteSandboxResponse {}))
+    }
+
+    async fn set_timeout(
+        &self,
+        request: Request<SetTimeoutRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let r = request.into_inner();
+        let entry = self
+            .0
+            .set_timeout(&r.sandbox_id, r.ttl_seconds, r.idle_timeout_seconds)?;
+        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+    }
+
+    async fn pause(
+        &self,
+        request: Request<PauseSandboxRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let entry = self
+            .0
+            .set_paused(&request.into_inner().sandbox_id, true)
+            .await?;
+        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+    }
+
+    async fn resume(
+        &self,
+        request: Request<ResumeSandboxRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let entry = self
+            .0
+            .set_paused(&request.into_inner().sandbox_id, false)
+            .await?;
+        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+    }
+
+    async fn fork(
+        &self,
+        request: Request<ForkSandboxRequest>,
+    ) -> Result<Response<ForkSandboxResponse>, Status> {
+        let r = request.into_inner();
+        let count = match r.count {
+            0 => 1,
+            n if !(1..=256).contains(&n) => {
+                return Err(Status::invalid_argument(format!(
+                    "count {n} is out of range: fork 1 to 256 children at a time"
+                )))
+            }
+            n => n as usize,
+        };
+        let children = self
+            .0
+            .fork(
+                &r.sandbox_id,
+                count,
+                r.labels.into_iter().collect::<BTreeMap<_, _>>(),
+            )
+            .await?;
+        Ok(Response::new(ForkSandboxResponse {
+            sandboxes: children.iter().map(|e| sandbox_proto(&self.0, e)).collect(),
+        }))
+    }
+
+    async fn snapshot(
+        &self,
+        request: Request<SnapshotSandboxRequest>,
+    ) -> Result<Response<SnapshotSandboxResponse>, Status> {
+        let r = request.into_inner();
+        let path = self.0.snapshot(&r.sandbox_id, &r.path, r.diff).await?;
+        Ok(Response::new(SnapshotSandboxResponse {
+            path: path.display().to_string(),
+        }))
+    }
+
+    type LogsStream = Stream<LogChunk>;
+
+    async fn logs(
+        &self,
+        request: Request<LogsRequest>,
+    ) -> Result<Response<Self::LogsStream>, Status> {
+        let r = request.into_inner();
+        let entry = self.0.get(&r.sandbox_id)?;
+        let dir = entry.record().handle.dir.clone();
+        let node = self.0.clone();
+        let id = r.sandbox_id.clone();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            let sources = [
+                ("events", "events.log"),
+                ("agent", "agent.log"),
+                ("vmm", "vmm.log"),
+                ("serial", "serial.log"),
+            ];
+            let mut offsets = [0u64; 4];
+            for (i, (_, file)) in sources.iter().enumerate() {
+                let len = std::fs::metadata(dir.join(file))
+                    .map(|m| m.len())
+                    .unwrap_or(0);
+                if r.tail_bytes > 0 {
+                    offsets[i] = len.saturating_sub(r.tail_bytes);
+                }
+            }
+            loop {
+                for (i, (source, file)) in sources.iter().enumerate() {
+                    let Ok(data) = std::fs::read(dir.join(file)) else {
+                        continue;
+                    };
+                    let start = (offsets[i] as usize).min(data.len());
+                    if start < data.len() {
+                        offsets[i] = data.len() as u64;
+                        let chunk = LogChunk {
+                            source: source.to_string(),
+                            data: data[start..].to_vec(),
+                        };
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                if !r.follow || node.get(&id).is_err() || tx.is_closed() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn node_status(
+        &self,
+        _: Request<NodeStatusRequest>,
+    ) -> Result<Response<NodeStatusResponse>, Status> {
+        let node = &self.0;
+        let m = &node.metrics;
+        let b = node.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let budget = |x: super::node::Budget| {
+            Some(api::Budget {
+                limit: x.limit,
+                reserved: x.reserved,
+            })
+        };
+        Ok(Response::new(NodeStatusResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            default_backend: node.default_backend.as_str().to_string(),
+            memory_mib: budget(b.memory_mib),
+            vcpus: budget(b.vcpus),
+            pids: budget(b.pids),
+            disk_mib: budget(b.disk_mib),
+            sandboxes: node.count() as u64,
+            creates_total: m.creates_total.load(Ordering::Relaxed),
+            create_failures_total: m.create_failures_total.load(Ordering::Relaxed),
+            admission_rejections_total: m.rejections_total(),
+            reaped_total: m.reaped_total(),
+            adopted_total: m.adopted_total.load(Ordering::Relaxed),
+            started_at_unix_ms: node.started_at_ms,
+        }))
+    }
+}
+
+// ------------------------------------------------------------------ Process
+
+pub struct ProcessService(pub Arc<Node>);
+
+#[tonic::async_trait]
+impl process_server::Process for ProcessService {
+    type ExecStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<ExecResponse, Status>> + Send + 'static>,
+    >;
+
+    async fn exec(
+        &self,
+        request: Request<Streaming<ExecRequest>>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let mut inbound = request.into_inner();
+        let start = match inbound.message().await? {
+            Some(ExecRequest {
+                kind: Some(exec_request::Kind::Start(start)),
+            }) => start,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Exec message must be `start` (sandbox_id, argv...)",
+                ))
+            }
+        };
+        if start.pty.is_some() {
+            return Err(Status::unimplemented(
+                "PTY exec is not implemented yet: run without a terminal (no -t)",
+            ));
+        }
+        if start.argv.is_empty() {
+            return Err(Status::invalid_argument(
+                "argv is empty: give the command to run",
+            ));
+        }
+        check_env(&start.env)?;
+        let id = start.sandbox_id.clone();
+        let entry = self.0.running(&id)?;
+        self.0.metrics.execs_total.fetch_add(1, Ordering::Relaxed);
+        let mut env: std::collections::HashMap<String, String> =
+            entry.record().env.into_iter().collect();
+        env.extend(start.env);
+        let first = agent::ExecRequest {
+            kind: Some(agent::exec_request::Kind::Start(agent::ExecStart {
+                argv: start.argv,
+                env,
+                workdir: start.workdir,
+                timeout_ms: start.timeout_ms,
+                stdin: start.stdin,
+            })),
+        };
+        let (tx, rx) = mpsc::channel(8);
+        let _ = tx.send(first).await;
+        // Stdin, EOF and signals have the same wire layout in both APIs.
+        tokio::spawn(async move {
+            while let Ok(Some(message)) = inbound.message().await {
+                if tx.send(transcode(&message)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut client = agent::process_client::ProcessClient::new(entry.client.channel());
+        let responses = client
+            .exec(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| agent_status(&id, s))?
+            .into_inner();
+        let touch = entry.clone();
+        let stream = responses.map(move |item| {
+            touch.touch();
+            item.map(|m| transcode::<agent::ExecResponse, ExecResponse>(&m))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+// ------------------------------------------------------------------ Files
+
+pub struct FilesService(pub Arc<Node>);
+
+impl FilesService {
+    fn files(
+        &self,
+        id: &str,
+    ) -> Result<agent::files_client::FilesClient<tonic::transport::Channel>, Status> {
+        let entry = self.0.running(id)?;
+        Ok(agent::files_client::FilesClient::new(
+            entry.client.channel(),
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl files_server::Files for FilesService {
+    type ReadStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<FileChunk, Status>> + Send + 'static>,
+    >;
+
+    async fn read(
+        &self,
+        request: Request<ReadFileRequest>,
+    ) -> Result<Response<Self::ReadStream>, Status> {
+        let r = request.into_inner();
+        let path = path_arg("path", &r.path)?;
+        let stream = self
+            .files(&r.sandbox_id)?
+            .read_file(agent::ReadFileRequest { path })
+            .await?
+            .into_inner()
+            .map(|item| item.map(|c| FileChunk { data: c.data }));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn write(
+        &self,
+        request: Request<Streaming<WriteFileRequest>>,
+    ) -> Result<Response<WriteFileResponse>, Status> {
+        let mut inbound = request.into_inner();
+        let header = match inbound.message().await? {
+            Some(WriteFileRequest {
+                kind: Some(write_file_request::Kind::Header(h)),
+            }) => h,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Write message must be the header (sandbox_id, path, mode)",
+                ))
+            }
+        };
+        let path = path_arg("path", &header.path)?;
+        let mut files = self.files(&header.sandbox_id)?;
+        let (tx, rx) = mpsc::channel(4);
+        let _ = tx
+            .send(agent::WriteFileRequest {
+                kind: Some(agent::write_file_request::Kind::Header(
+                    agent::WriteFileHeader {
+                        path,
+                        mode: header.mode,
+                        create_parents: header.create_parents,
+                    },
+                )),
+            })
+            .await;
+        let forward = tokio::spawn(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(WriteFileRequest {
+                        kind: Some(write_file_request::Kind::Data(data)),
+                    })) => {
+                        let m = agent::WriteFileRequest {
+                            kind: Some(agent::write_file_request::Kind::Data(data)),
+                        };
+                        if tx.send(m).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Ok(None) => return Ok(()),
+                    Ok(Some(_)) => {
+                        return Err(Status::invalid_argument(
+                            "Write: only data chunks may follow the header",
+                        ))
+                    }
+                    Err(status) => return Err(status),
+                }
+            }
+        });
+        let result = files.write_file(ReceiverStream::new(rx)).await;
+        forward.abort();
+        if let Ok(Err(status)) = forward.await {
+            return Err(status);
+        }
+        let written = result?.into_inner().bytes_written;
+        Ok(Response::new(WriteFileResponse {
+            bytes_written: written,
+        }))
+    }
+
+    async fn list(
+        &self,
+        request: Request<ListDirRequest>,
+    ) -> Result<Response<ListDirResponse>, Status> {
+        let r = request.into_inner();
+        let path = path_arg("path", &r.path)?;
+        let out = self
+            .files(&r.sandbox_id)?
+            .list_dir(agent::ListDirRequest { path })
+            .await?
+            .into_inner();
+        Ok(Response::new(transcode(&out)))
+    }
+
+    async fn stat(&self, request: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
+        let r = request.into_inner();
+        let path = path_arg("path", &r.path)?;
+        let out = self
+            .files(&r.sandbox_id)?
+            .stat(agent::StatRequest { path })
+            .await?
+            .into_inner();
+        Ok(Response::new(transcode(&out)))
+    }
+
+    async fn mkdir(
+        &self,
+        request: Request<MkdirRequest>,
+    ) -> Result<Response<MkdirResponse>, Status> {
+        let r = request.into_inner();
+        let path = path_arg("path", &r.path)?;
+        self.files(&r.sandbox_id)?
+            .mkdir(agent::MkdirRequest {
+                path,
+                parents: r.parents,
+                mode: r.mode,
+            })
+            .await?;
+        Ok(Response::new(MkdirResponse {}))
+    }
+
+    async fn remove(
+        &self,
+        request: Request<RemoveRequest>,
+    ) -> Result<Response<RemoveResponse>, Status> {
+        let r = request.into_inner();
+        let path = path_arg("path", &r.path)?;
+        self.files(&r.sandbox_id)?
+            .remove(agent::RemoveRequest {
+                path,
+                recursive: r.recursive,
+            })
+            .await?;
+        Ok(Response::new(RemoveResponse {}))
+    }
+
+    async fn rename(
+        &self,
+        request: Request<RenameRequest>,
+    ) -> Result<Response<RenameResponse>, Status> {
+        let r = request.into_inner();
+        let from = path_arg("from", &r.from)?;
+        let to = path_arg("to", &r.to)?;
+        self.files(&r.sandbox_id)?
+            .rename(agent::RenameRequest { from, to })
+            .await?;
+        Ok(Response::new(RenameResponse {}))
+    }
+}
+
+// ------------------------------------------------------------------ Sessions
+
+pub struct SessionsService(pub Arc<Node>);
+
+impl SessionsService {
+    fn sessions(
+        &self,
+        id: &str,
+    ) -> Result<agent::sessions_client::SessionsClient<tonic::transport::Channel>, Status> {
+        let entry = self.0.running(id)?;
+        Ok(agent::sessions_client::SessionsClient::new(
+            entry.client.channel(),
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl sessions_server::Sessions for SessionsService {
+    async fn create(
+        &self,
+        request: Request<CreateSessionRequest>,
+    ) -> Result<Response<SessionInfo>, Status> {
+        let r = request.into_inner();
+        check_env(&r.env)?;
+        let entry = self.0.running(&r.sandbox_id)?;
+        let mut env: std::collections::HashMap<String, String> =
+            entry.record().env.into_iter().collect();
+        env.extend(r.env);
+        let out = self
+            .sessions(&r.sandbox_id)?
+            .create_session(agent::CreateSessionRequest {
+                shell: r.shell,
+                env,
+                workdir: r.workdir,
+            })
+            .await?
+            .into_inner();
+        Ok(Response::new(transcode(&out)))
+    }
+
+    async fn run(
+        &self,
+        request: Request<RunInSessionRequest>,
+    ) -> Result<Response<CommandResult>, Status> {
+        let r = request.into_inner();
+        let out = self
+            .sessions(&r.sandbox_id)?
+            .run_in_session(agent::RunInSessionRequest {
+                session_id: r.session_id,
+                command: r.command,
+                timeout_ms: r.timeout_ms,
+                wait: r.wait,
+                output_limit: r.output_limit,
+            })
+            .await?
+            .into_inner();
+        self.0.get(&r.sandbox_id).map(|e| e.touch()).ok();
+        Ok(Response::new(transcode(&out)))
+    }
+
+    async fn read_output(
+        &self,
+        request: Request<ReadOutputRequest>,
+    ) -> Result<Response<CommandResult>, Status> {
+        let r = request.into_inner();
+        let out = self
+            .sessions(&r.sandbox_id)?
+            .read_output(agent::ReadOutputRequest {
+                session_id: r.session_id,
+                command_id: r.command_id,
+                wait: r.wait,
+            })
+            .await?
+            .into_inner();
+        Ok(Response::new(transcode(&out)))
+    }
+
+    async fn close(
+        &self,
+        request: Request<CloseSessionRequest>,
+    ) -> Result<Response<CloseSessionResponse>, Status> {
+        let r = request.into_inner();
+        self.sessions(&r.sandbox_id)?
+            .close_session(agent::CloseSessionRequest {
+                session_id: r.session_id,
+            })
+            .await?;
+        Ok(Response::new(CloseSessionResponse {}))
+    }
+
+    async fn list(
+        &self,
+        request: Request<ListSessionsRequest>,
+    ) -> Result<Response<ListSessionsResponse>, Status> {
+        let r = request.into_inner();
+        let out = self
+            .sessions(&r.sandbox_id)?
+            .list_sessions(agent::ListSessionsRequest {})
+            .await?
+            .into_inner();
+        Ok(Response::new(transcode(&out)))
+    }
+}

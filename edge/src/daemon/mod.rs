@@ -1,0 +1,305 @@
+//! The node daemon: serves the public `dsec.v1` API on a Unix socket (and optionally TCP),
+//! supervises sandboxes, admits them against budgets, reaps them, survives its own restart.
+//!
+//! State lives under `state_dir` (default `${DSEC_RUN_DIR:-/run/dsec}/edge`):
+//! `edge.sock`, `edge.lock`, `sandboxes/<id>/{meta.json,events.log,agent.log,...}`,
+//! `snapshots/`. Sandboxes run in their own sessions, so they outlive a daemon that is killed;
+//! the next daemon re-adopts them from `meta.json` and removes everything else.
+
+pub mod cgroup;
+pub mod grpc;
+pub mod metrics;
+pub mod node;
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::process_server::ProcessServer;
+use dsec_api::v1::sandboxes_server::SandboxesServer;
+use dsec_api::v1::sessions_server::SessionsServer;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+
+use crate::error::EdgeError;
+use crate::paths::Artifacts;
+use crate::sandbox::BackendKind;
+
+pub use node::Node;
+
+/// Everything the daemon needs; `Default` gives the embedded single-node defaults.
+#[derive(Clone, Debug)]
+pub struct DaemonConfig {
+    pub state_dir: PathBuf,
+    /// Unix socket of the API; default `<state_dir>/edge.sock`.
+    pub listen_unix: Option<PathBuf>,
+    /// Optional TCP address of the API (e.g. 127.0.0.1:7070).
+    pub listen_tcp: Option<SocketAddr>,
+    /// Prometheus /metrics address; None disables it.
+    pub metrics: Option<SocketAddr>,
+    pub artifacts: Artifacts,
+    pub agent_bin: Option<PathBuf>,
+    pub vmm_bin: Option<PathBuf>,
+    /// Backend for requests that do not name one; default: microVM where it can run.
+    pub default_backend: Option<BackendKind>,
+    /// Capacities (default: detected) and overcommit ratios of the admission budgets.
+    pub memory_mib: Option<u64>,
+    pub cpus: Option<u64>,
+    pub pids: Option<u64>,
+    pub disk_mib: Option<u64>,
+    pub overcommit_memory: f64,
+    pub overcommit_cpu: f64,
+    /// TTL of sandboxes created without one.
+    pub default_ttl: Option<Duration>,
+    pub reap_interval: Duration,
+    pub ready_timeout: Duration,
+    /// Name of the daemon's cgroup under its own cgroup in each hierarchy.
+    pub cgroup_name: String,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        let run_dir = std::env::var_os("DSEC_RUN_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/run/dsec"));
+        Self {
+            state_dir: run_dir.join("edge"),
+            listen_unix: None,
+            listen_tcp: None,
+            metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            artifacts: Artifacts::from_env(),
+            agent_bin: None,
+            vmm_bin: None,
+            default_backend: None,
+            memory_mib: None,
+            cpus: None,
+            pids: None,
+            disk_mib: None,
+            overcommit_memory: 1.5,
+            // ~90% of sandboxes use <= 5% of the CPU they ask for.
+            overcommit_cpu: 8.0,
+            default_ttl: None,
+            reap_interval: Duration::from_millis(500),
+            ready_timeout: Duration::from_secs(30),
+            cgroup_name: "dsec-edge".into(),
+        }
+    }
+}
+
+impl DaemonConfig {
+    pub fn socket_path(&self) -> PathBuf {
+        self.listen_unix
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("edge.sock"))
+    }
+}
+
+/// Takes an exclusive lock on the state directory (one daemon per state dir).
+fn lock_state_dir(config: &DaemonConfig) -> Result<std::fs::File, EdgeError> {
+    std::fs::create_dir_all(&config.state_dir)
+        .map_err(|e| EdgeError::io(format!("create {}", config.state_dir.display()), e))?;
+    let path = config.state_dir.join("edge.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| EdgeError::io(format!("open {}", path.display()), e))?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        return Err(EdgeError::Protocol(format!(
+            "another dsec-edge already serves {} (lock {} is held): stop it or use another --state-dir",
+            config.state_dir.display(),
+            path.display()
+        )));
+    }
+    Ok(file)
+}
+
+/// Runs the daemon until SIGINT/SIGTERM. Sandboxes keep running when it stops.
+pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
+    let _lock = lock_state_dir(&config)?;
+    let socket = config.socket_path();
+    let node = Node::start(config.clone()).await?;
+    tokio::spawn(node.clone().reaper());
+
+    let _ = std::fs::remove_file(&socket);
+    let unix = tokio::net::UnixListener::bind(&socket)
+        .map_err(|e| EdgeError::io(format!("bind {}", socket.display()), e))?;
+    // Root-only, like the rest of the node's state.
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600));
+
+    if let Some(addr) = config.metrics {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                tracing::info!(%addr, "metrics on http://{addr}/metrics");
+                tokio::spawn(metrics::serve(node.clone(), listener));
+            }
+            Err(err) => tracing::warn!(%addr, %err, "cannot serve metrics (address in use?)"),
+        }
+    }
+    let router = || {
+        tonic::transport::Server::builder()
+            .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
+            .add_service(
+                ProcessServer::new(grpc::ProcessService(node.clone()))
+                    .max_decoding_message_size(16 << 20),
+            )
+            .add_service(
+                FilesServer::new(grpc::FilesService(node.clone()))
+                    .max_decoding_message_size(16 << 20),
+            )
+            .add_service(SessionsServer::new(grpc::SessionsService(node.clone())))
+    };
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("stopping; sandboxes keep running and are adopted by the next daemon");
+    };
+    if let Some(addr) = config.listen_tcp {
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| EdgeError::io(format!("bind {addr}"), e))?;
+        tracing::info!(%addr, "API on tcp");
+        let server = router();
+        tokio::spawn(async move {
+            if let Err(err) = server
+                .serve_with_incoming(TcpListenerStream::new(tcp))
+                .await
+            {
+                tracing::error!(%err, "TCP API server failed");
+            }
+        });
+    }
+    tracing::info!(socket = %socket.display(), sandboxes = node.count(), "dsec-edge ready");
+    println!("dsec-edge ready on unix:{}", socket.display());
+    router()
+        .serve_with_incoming_shutdown(UnixListenerStream::new(unix), shutdown)
+        .await
+        .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+/// Command-line options of the daemon (`dsec-edge`, `dsec up`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct DaemonArgs {
+    /// State directory (sockets, sandbox records, logs). Default: ${DSEC_RUN_DIR:-/run/dsec}/edge.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Unix socket of the API. Default: <state-dir>/edge.sock.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// Also serve the API on TCP (e.g. 127.0.0.1:7070).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Prometheus metrics address; "off" disables.
+    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:9464")]
+    pub metrics: String,
+    /// Backend for requests that name none: container or microvm (default: microvm where
+    /// hardware KVM can run it, else container).
+    #[arg(long, value_name = "KIND")]
+    pub default_backend: Option<String>,
+    /// Memory capacity for admission in MiB (default: host memory).
+    #[arg(long, value_name = "MiB")]
+    pub memory_mib: Option<u64>,
+    /// CPU capacity for admission (default: host cores).
+    #[arg(long)]
+    pub cpus: Option<u64>,
+    /// Pid capacity (default: pid_max / 2).
+    #[arg(long)]
+    pub pids: Option<u64>,
+    /// Disk capacity in MiB (default: free space of the state dir).
+    #[arg(long, value_name = "MiB")]
+    pub disk_mib: Option<u64>,
+    /// Memory overcommit ratio (admitted memory <= capacity x ratio).
+    #[arg(long, default_value_t = 1.5)]
+    pub overcommit_memory: f64,
+    /// vCPU overcommit ratio.
+    #[arg(long, default_value_t = 8.0)]
+    pub overcommit_cpu: f64,
+    /// Default TTL in seconds for sandboxes created without one.
+    #[arg(long, value_name = "S")]
+    pub default_ttl: Option<u64>,
+    /// cgroup name under the daemon's own cgroups.
+    #[arg(long, default_value = "dsec-edge")]
+    pub cgroup_name: String,
+}
+
+impl DaemonArgs {
+    pub fn into_config(self) -> Result<DaemonConfig, EdgeError> {
+        let mut config = DaemonConfig::default();
+        if let Some(dir) = self.state_dir {
+            config.state_dir = dir;
+        }
+        config.listen_unix = self.socket;
+        config.listen_tcp = self.listen;
+        config.metrics = match self.metrics.as_str() {
+            "off" | "" => None,
+            addr => Some(addr.parse().map_err(|_| {
+                EdgeError::InvalidSpec(format!("--metrics {addr:?}: expected HOST:PORT or off"))
+            })?),
+        };
+        config.default_backend = match self.default_backend.as_deref() {
+            None | Some("auto") => None,
+            Some("container") => Some(BackendKind::Container),
+            Some("microvm") => Some(BackendKind::MicroVm),
+            Some(other) => {
+                return Err(EdgeError::InvalidSpec(format!(
+                    "--default-backend {other:?}: expected container, microvm or auto"
+                )))
+            }
+        };
+        for (name, ratio) in [
+            ("--overcommit-memory", self.overcommit_memory),
+            ("--overcommit-cpu", self.overcommit_cpu),
+        ] {
+            if !(ratio.is_finite() && ratio > 0.0) {
+                return Err(EdgeError::InvalidSpec(format!(
+                    "{name} must be a positive ratio, got {ratio}"
+                )));
+            }
+        }
+        config.memory_mib = self.memory_mib;
+        config.cpus = self.cpus;
+        config.pids = self.pids;
+        config.disk_mib = self.disk_mib;
+        config.overcommit_memory = self.overcommit_memory;
+        config.overcommit_cpu = self.overcommit_cpu;
+        config.default_ttl = self.default_ttl.map(Duration::from_secs);
+        config.cgroup_name = self.cgroup_name;
+        Ok(config)
+    }
+}
+
+/// Entry point of `dsec-edge` and `dsec up`: logging, runtime, daemon.
+pub fn main_with(args: DaemonArgs) -> std::process::ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let result = args.into_config().and_then(|config| {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| EdgeError::io("start the async runtime", e))?;
+        runtime.block_on(run(config))
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("dsec-edge: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

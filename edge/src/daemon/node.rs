@@ -1,0 +1,973 @@
+//! The node: sandboxes it supervises, admission budgets, persistence, adoption after a
+//! restart, TTL/idle reaping.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+use super::cgroup::{self, Cgroups, Limits};
+use super::metrics::Metrics;
+use super::DaemonConfig;
+use crate::client::AgentClient;
+use crate::error::EdgeError;
+use crate::kvm::KvmStatus;
+use crate::sandbox::{
+    restore_microvm, BackendKind, EdgeConfig, Sandbox, SandboxHandle, SandboxSpec,
+};
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut buf);
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What is persisted per sandbox (`<sandbox dir>/meta.json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    pub handle: SandboxHandle,
+    pub image: String,
+    pub vcpus: i32,
+    pub memory_mib: i64,
+    pub disk_mib: i64,
+    pub pids_limit: i64,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub allow_internet: bool,
+    pub allow: Vec<String>,
+    pub created_at_ms: i64,
+    /// 0: no TTL.
+    pub expires_at_ms: i64,
+    pub idle_timeout_s: i64,
+    pub paused: bool,
+    pub parent_id: String,
+    pub cgroups: Vec<PathBuf>,
+}
+
+impl Record {
+    fn demand(&self) -> Demand {
+        Demand {
+            memory_mib: self.memory_mib,
+            vcpus: i64::from(self.vcpus),
+            pids: self.pids_limit,
+            disk_mib: self.disk_mib,
+        }
+    }
+
+    fn meta_path(&self) -> PathBuf {
+        self.handle.dir.join("meta.json")
+    }
+
+    /// Atomically replaces meta.json.
+    pub fn persist(&self) -> Result<(), EdgeError> {
+        let path = self.meta_path();
+        let tmp = path.with_extension("json.tmp");
+        let data = serde_json::to_vec_pretty(self)
+            .map_err(|e| EdgeError::Protocol(format!("encode sandbox record: {e}")))?;
+        let mut file = std::fs::File::create(&tmp)
+            .map_err(|e| EdgeError::io(format!("create {}", tmp.display()), e))?;
+        file.write_all(&data)
+            .and_then(|()| file.sync_data())
+            .map_err(|e| EdgeError::io(format!("write {}", tmp.display()), e))?;
+        std::fs::rename(&tmp, &path)
+            .map_err(|e| EdgeError::io(format!("rename {}", tmp.display()), e))
+    }
+}
+
+/// A sandbox the node supervises.
+pub struct Entry {
+    pub record: Mutex<Record>,
+    pub client: AgentClient,
+    pub last_activity_ms: AtomicI64,
+}
+
+impl Entry {
+    pub fn touch(&self) {
+        self.last_activity_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    pub fn record(&self) -> Record {
+        self.record
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn id(&self) -> String {
+        self.record
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .handle
+            .id
+            .clone()
+    }
+
+    pub fn event(&self, message: &str) {
+        let dir = self
+            .record
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .handle
+            .dir
+            .clone();
+        append_event(&dir, message);
+    }
+}
+
+pub fn append_event(dir: &Path, message: &str) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("events.log"))
+    {
+        let _ = writeln!(f, "{} {message}", now_ms());
+    }
+}
+
+/// Resources a sandbox reserves at admission.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Demand {
+    pub memory_mib: i64,
+    pub vcpus: i64,
+    pub pids: i64,
+    pub disk_mib: i64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Budget {
+    pub limit: i64,
+    pub reserved: i64,
+}
+
+#[derive(Debug, Default)]
+pub struct Budgets {
+    pub memory_mib: Budget,
+    pub vcpus: Budget,
+    pub pids: Budget,
+    pub disk_mib: Budget,
+}
+
+impl Budgets {
+    fn all(&mut self) -> [(&'static str, &'static str, &mut Budget, i64); 4] {
+        [
+            ("memory", "MiB of memory", &mut self.memory_mib, 0),
+            ("cpu", "vCPUs", &mut self.vcpus, 0),
+            ("pids", "pids", &mut self.pids, 0),
+            ("disk", "MiB of disk", &mut self.disk_mib, 0),
+        ]
+    }
+
+    /// Reserves `d` or says which budget is spent. `force` (adoption) never refuses.
+    fn reserve(&mut self, d: Demand, force: bool) -> Result<(), (usize, String)> {
+        let wants = [d.memory_mib, d.vcpus, d.pids, d.disk_mib];
+        if !force {
+            for (i, (name, unit, budget, _)) in self.all().into_iter().enumerate() {
+                if budget.reserved + wants[i] > budget.limit {
+                    return Err((
+                        i,
+                        format!(
+                            "node {name} budget spent: {} of {} {unit} reserved, this sandbox needs {}; delete sandboxes, ask for less, or start the daemon with a larger budget/overcommit ratio",
+                            budget.reserved, budget.limit, wants[i]
+                        ),
+                    ));
+                }
+            }
+        }
+        for (i, (_, _, budget, _)) in self.all().into_iter().enumerate() {
+            budget.reserved += wants[i];
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, d: Demand) {
+        let wants = [d.memory_mib, d.vcpus, d.pids, d.disk_mib];
+        for (i, (_, _, budget, _)) in self.all().into_iter().enumerate() {
+            budget.reserved = (budget.reserved - wants[i]).max(0);
+        }
+    }
+}
+
+/// Why a sandbox was removed by the node itself.
+#[derive(Clone, Copy, Debug)]
+pub enum ReapReason {
+    Ttl,
+    Idle,
+    Died,
+}
+
+impl ReapReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReapReason::Ttl => "ttl",
+            ReapReason::Idle => "idle",
+            ReapReason::Died => "died",
+        }
+    }
+}
+
+/// A validated Create request.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub kind: BackendKind,
+    pub image: String,
+    pub demand: Demand,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub ttl_s: i64,
+    pub idle_timeout_s: i64,
+    pub allow_internet: bool,
+    pub allow: Vec<String>,
+}
+
+pub struct Node {
+    pub config: DaemonConfig,
+    pub edge: EdgeConfig,
+    cgroups: Cgroups,
+    sandboxes: Mutex<HashMap<String, Arc<Entry>>>,
+    pub budgets: Mutex<Budgets>,
+    pub metrics: Metrics,
+    pub started_at_ms: i64,
+    pub default_backend: BackendKind,
+    pub microvm_unavailable: Option<String>,
+    next_cid: AtomicU64,
+}
+
+/// Maps a library error to a status whose message says what to do.
+pub fn edge_status(err: EdgeError) -> Status {
+    let text = err.to_string();
+    match err {
+        EdgeError::InvalidSpec(_) => Status::invalid_argument(text),
+        EdgeError::MissingArtifact { .. } => Status::not_found(text),
+        EdgeError::MissingBinary { .. } | EdgeError::BackendUnavailable { .. } => {
+            Status::failed_precondition(text)
+        }
+        EdgeError::AgentNotReady { .. } => Status::deadline_exceeded(text),
+        EdgeError::Agent { code, message, .. } => Status::new(code, message),
+        EdgeError::Connect(_) => Status::unavailable(text),
+        _ => Status::internal(text),
+    }
+}
+
+impl Node {
+    pub fn sandboxes_dir(config: &DaemonConfig) -> PathBuf {
+        config.state_dir.join("sandboxes")
+    }
+
+    /// Builds the node and re-adopts the sandboxes a previous daemon left running; everything
+    /// else it left (half-created sandboxes, processes, cgroups, directories) is removed.
+    pub async fn start(config: DaemonConfig) -> Result<Arc<Self>, EdgeError> {
+        let sandboxes_dir = Self::sandboxes_dir(&config);
+        std::fs::create_dir_all(&sandboxes_dir)
+            .map_err(|e| EdgeError::io(format!("create {}", sandboxes_dir.display()), e))?;
+        let edge = EdgeConfig {
+            state_dir: sandboxes_dir.clone(),
+            artifacts: config.artifacts.clone(),
+            agent_bin: config.agent_bin.clone(),
+            vmm_bin: config.vmm_bin.clone(),
+        };
+        let kvm = KvmStatus::detect();
+        let microvm_unavailable = kvm.why_not_microvm();
+        let default_backend = config
+            .default_backend
+            .unwrap_or(if microvm_unavailable.is_none() {
+                BackendKind::MicroVm
+            } else {
+                BackendKind::Container
+            });
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1) as f64;
+        let host_mib = host_memory_mib() as f64;
+        let budgets = Budgets {
+            memory_mib: Budget {
+                limit: (config.memory_mib.map(|m| m as f64).unwrap_or(host_mib)
+                    * config.overcommit_memory) as i64,
+                reserved: 0,
+            },
+            vcpus: Budget {
+                limit: (config.cpus.map(|c| c as f64).unwrap_or(cores) * config.overcommit_cpu)
+                    as i64,
+                reserved: 0,
+            },
+            pids: Budget {
+                limit: config.pids.unwrap_or_else(default_pid_budget) as i64,
+                reserved: 0,
+            },
+            disk_mib: Budget {
+                limit: config
+                    .disk_mib
+                    .unwrap_or_else(|| free_disk_mib(&sandboxes_dir)) as i64,
+                reserved: 0,
+            },
+        };
+        let node = Arc::new(Self {
+            cgroups: Cgroups::detect(&config.cgroup_name),
+            edge,
+            sandboxes: Mutex::new(HashMap::new()),
+            budgets: Mutex::new(budgets),
+            metrics: Metrics::default(),
+            started_at_ms: now_ms(),
+            default_backend,
+            microvm_unavailable,
+            next_cid: AtomicU64::new(3 + (now_ms() as u64 % 1_000_000) * 16),
+            config,
+        });
+        node.adopt().await;
+        Ok(node)
+    }
+
+    async fn adopt(self: &Arc<Self>) {
+        let dir = Self::sandboxes_dir(&self.config);
+        let mut kept = HashSet::new();
+        let mut stale: Vec<(PathBuf, Option<Record>)> = Vec::new();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if !path.is_dir() {
+                continue;
+            }
+            let record: Option<Record> = std::fs::read(path.join("meta.json"))
+                .ok()
+                .and_then(|d| serde_json::from_slice(&d).ok());
+            match record {
+                Some(record) if record.handle.is_alive() => {
+                    let id = record.handle.id.clone();
+                    let client = AgentClient::connect_lazy(record.handle.agent_addr());
+                    let _ = self
+                        .budgets
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .reserve(record.demand(), true);
+                    append_event(&record.handle.dir, "adopted by a restarted daemon");
+                    tracing::info!(sandbox = %id, pid = record.handle.pid, "adopted");
+                    let entry = Arc::new(Entry {
+                        record: Mutex::new(record),
+                        client,
+                        last_activity_ms: AtomicI64::new(now_ms()),
+                    });
+                    kept.insert(id.clone());
+                    self.lock().insert(id, entry);
+                    self.metrics.adopted_total.fetch_add(1, Ordering::Relaxed);
+                }
+                other => stale.push((path, other)),
+            }
+        }
+        // Processes started for sandboxes that are not adopted (creates in flight when the
+        // previous daemon died, or whose record is gone) reference their directory.
+        let killed = kill_strays(&dir, &kept);
+        for (path, record) in &stale {
+            if let Some(record) = record {
+                let _ = record.handle.teardown();
+                cgroup::remove(&record.cgroups);
+            }
+            let _ = std::fs::remove_dir_all(path);
+        }
+        let cgroups = self.cgroups.sweep(&kept);
+        tracing::info!(
+            adopted = kept.len(),
+            removed_dirs = stale.len(),
+            killed_processes = killed,
+            removed_cgroups = cgroups,
+            "state recovered"
+        );
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn list(&self) -> Vec<Arc<Entry>> {
+        let mut all: Vec<_> = self.lock().values().cloned().collect();
+        all.sort_by_key(|e| e.record().created_at_ms);
+        all
+    }
+
+    pub fn count(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// The sandbox, or NOT_FOUND saying so.
+    pub fn get(&self, id: &str) -> Result<Arc<Entry>, Status> {
+        if id.is_empty() {
+            return Err(Status::invalid_argument(
+                "sandbox_id is empty: give the id Create returned (see List)",
+            ));
+        }
+        self.lock().get(id).cloned().ok_or_else(|| {
+            Status::not_found(format!(
+                "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
+            ))
+        })
+    }
+
+    /// The sandbox if it can run commands now (not paused).
+    pub fn running(&self, id: &str) -> Result<Arc<Entry>, Status> {
+        let entry = self.get(id)?;
+        if entry.record().paused {
+            return Err(Status::failed_precondition(format!(
+                "sandbox {id} is paused: resume it first"
+            )));
+        }
+        entry.touch();
+        Ok(entry)
+    }
+
+    pub fn image_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.config.artifacts.home.join("images"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn image_rootfs(&self, image: &str) -> PathBuf {
+        self.config
+            .artifacts
+            .home
+            .join("images")
+            .join(image)
+            .join("rootfs")
+    }
+
+    fn image_initrd(&self, image: &str) -> PathBuf {
+        self.config
+            .artifacts
+            .home
+            .join("images")
+            .join(image)
+            .join("initramfs.cpio")
+    }
+
+    /// Checks the image exists for the backend.
+    pub fn check_image(&self, kind: BackendKind, image: &str) -> Result<(), Status> {
+        if image.is_empty()
+            || image.len() > 128
+            || !image
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            || image.starts_with('.')
+        {
+            return Err(Status::invalid_argument(format!(
+                "image name {image:?} is invalid: use letters, digits, '.', '_' and '-'"
+            )));
+        }
+        let present = match kind {
+            BackendKind::Container => self.image_rootfs(image).join("bin").is_dir(),
+            BackendKind::MicroVm => self.image_initrd(image).is_file(),
+        };
+        if present {
+            return Ok(());
+        }
+        Err(Status::not_found(format!(
+            "image {image:?} not found for the {} backend under {}/images; available: {}",
+            kind.as_str(),
+            self.config.artifacts.home.display(),
+            self.image_names().join(", ")
+        )))
+    }
+
+    fn new_id(&self) -> String {
+        format!("sb-{}", random_hex(6))
+    }
+
+    fn reserve(&self, demand: Demand) -> Result<(), Status> {
+        self.budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .reserve(demand, false)
+            .map_err(|(which, message)| {
+                self.metrics.admission_rejections[which].fetch_add(1, Ordering::Relaxed);
+                Status::resource_exhausted(message)
+            })
+    }
+
+    fn release(&self, demand: Demand) {
+        self.budgets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(demand);
+    }
+
+    fn spec_for(&self, plan: &Plan, id: &str, cgroups: &[PathBuf]) -> SandboxSpec {
+        SandboxSpec {
+            vcpus: plan.demand.vcpus as u32,
+            mem_mib: plan.demand.memory_mib as u32,
+            rootfs: Some(self.image_rootfs(&plan.image)),
+            initrd: Some(self.image_initrd(&plan.image)),
+            ready_timeout: self.config.ready_timeout,
+            id: Some(id.to_string()),
+            disk_mib: (plan.kind == BackendKind::Container).then_some(plan.demand.disk_mib as u32),
+            cgroup_procs: cgroup::procs_files(cgroups),
+            ..SandboxSpec::default()
+        }
+    }
+
+    fn make_cgroups(&self, plan: &Plan, id: &str) -> Result<Vec<PathBuf>, Status> {
+        // A container's disk is a tmpfs charged to its memory cgroup.
+        let memory_mib = match plan.kind {
+            BackendKind::Container => plan.demand.memory_mib + plan.demand.disk_mib,
+            // The VMM maps guest memory plus its own overhead.
+            BackendKind::MicroVm => plan.demand.memory_mib + 64,
+        };
+        let limits = Limits {
+            memory_bytes: memory_mib as u64 * 1024 * 1024,
+            pids: match plan.kind {
+                BackendKind::Container => plan.demand.pids as u64,
+                BackendKind::MicroVm => 64 + plan.demand.vcpus as u64,
+            },
+            vcpus: plan.demand.vcpus as u32,
+        };
+        self.cgroups
+            .create(id, limits)
+            .map_err(|e| Status::internal(format!("cannot set up the sandbox's cgroups: {e}")))
+    }
+
+    /// Admits, creates, persists and registers a sandbox.
+    pub async fn create(self: &Arc<Self>, plan: Plan) -> Result<Arc<Entry>, Status> {
+        let started = Instant::now();
+        if plan.kind == BackendKind::MicroVm {
+            if let Some(reason) = &self.microvm_unavailable {
+                return Err(Status::failed_precondition(format!(
+                    "backend microvm cannot run on this node: {reason}; use the container backend"
+                )));
+            }
+        }
+        self.check_image(plan.kind, &plan.image)?;
+        self.reserve(plan.demand)?;
+        let id = self.new_id();
+        let result = self.create_admitted(&plan, &id).await;
+        match &result {
+            Ok(_) => {
+                self.metrics.creates_total.fetch_add(1, Ordering::Relaxed);
+                self.metrics.observe_create(started.elapsed());
+            }
+            Err(status) => {
+                self.release(plan.demand);
+                self.metrics
+                    .create_failures_total
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(sandbox = %id, code = ?status.code(), message = status.message(), "create failed");
+            }
+        }
+        result
+    }
+
+    async fn create_admitted(
+        self: &Arc<Self>,
+        plan: &Plan,
+        id: &str,
+    ) -> Result<Arc<Entry>, Status> {
+        let cgroups = self.make_cgroups(plan, id)?;
+        let spec = self.spec_for(plan, id, &cgroups);
+        let sandbox = match Sandbox::create(plan.kind, &self.edge, &spec).await {
+            Ok(sandbox) => sandbox,
+            Err(err) => {
+                cgroup::remove(&cgroups);
+                return Err(edge_status(err));
+            }
+        };
+        let client = sandbox.agent().clone();
+        let handle = sandbox.detach();
+        let now = now_ms();
+        let record = Record {
+            handle,
+            image: plan.image.clone(),
+            vcpus: plan.demand.vcpus as i32,
+            memory_mib: plan.demand.memory_mib,
+            disk_mib: plan.demand.disk_mib,
+            pids_limit: plan.demand.pids,
+            env: plan.env.clone(),
+            labels: plan.labels.clone(),
+            allow_internet: plan.allow_internet,
+            allow: plan.allow.clone(),
+            created_at_ms: now,
+            expires_at_ms: if plan.ttl_s > 0 {
+                now + plan.ttl_s * 1000
+            } else {
+                0
+            },
+            idle_timeout_s: plan.idle_timeout_s,
+            paused: false,
+            parent_id: String::new(),
+            cgroups,
+        };
+        self.register(record, client).await
+    }
+
+    async fn register(&self, record: Record, client: AgentClient) -> Result<Arc<Entry>, Status> {
+        if let Err(err) = record.persist() {
+            let r = record.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                let _ = r.handle.teardown();
+                cgroup::remove(&r.cgroups);
+            })
+            .await;
+            return Err(Status::internal(format!(
+                "cannot persist the sandbox record: {err}"
+            )));
+        }
+        append_event(
+            &record.handle.dir,
+            &format!(
+                "created backend={} image={} pid={}",
+                record.handle.backend, record.image, record.handle.pid
+            ),
+        );
+        tracing::info!(sandbox = %record.handle.id, backend = %record.handle.backend, pid = record.handle.pid, "created");
+        let id = record.handle.id.clone();
+        let entry = Arc::new(Entry {
+            record: Mutex::new(record),
+            client,
+            last_activity_ms: AtomicI64::new(now_ms()),
+        });
+        self.lock().insert(id, entry.clone());
+        Ok(entry)
+    }
+
+    /// Removes the sandbox from the node and frees everything it held.
+    pub async fn delete(&self, id: &str, reason: &str) -> Result<(), Status> {
+        let entry = self.lock().remove(id).ok_or_else(|| {
+            Status::not_found(format!("no sandbox {id:?} on this node (already deleted?)"))
+        })?;
+        let record = entry.record();
+        append_event(&record.handle.dir, &format!("deleting ({reason})"));
+        let r = record.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            if r.paused && r.handle.backend == BackendKind::Container.as_str() {
+                // Frozen tasks cannot die: thaw first.
+                let _ = cgroup::set_frozen(&r.cgroups, false);
+            }
+            let torn = r.handle.teardown();
+            cgroup::remove(&r.cgroups);
+            torn
+        })
+        .await
+        .map_err(|e| Status::internal(format!("teardown task failed: {e}")))?;
+        self.release(record.demand());
+        self.metrics.deletes_total.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(sandbox = %id, reason, "deleted");
+        result.map_err(|e| Status::internal(format!("sandbox {id} teardown: {e}")))
+    }
+
+    pub async fn set_paused(&self, id: &str, paused: bool) -> Result<Arc<Entry>, Status> {
+        let entry = self.get(id)?;
+        let record = entry.record();
+        if record.paused == paused {
+            return Ok(entry);
+        }
+        if record.handle.backend == BackendKind::Container.as_str() {
+            let cgroups = record.cgroups.clone();
+            tokio::task::spawn_blocking(move || cgroup::set_frozen(&cgroups, paused))
+                .await
+                .map_err(|e| Status::internal(format!("freezer task failed: {e}")))?
+                .map_err(|e| {
+                    Status::failed_precondition(format!("cannot pause/resume sandbox {id}: {e}"))
+                })?;
+        } else {
+            let op = if paused { "pause" } else { "resume" };
+            vmm_control(&record, serde_json::json!({ "op": op })).await?;
+        }
+        {
+            let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+            r.paused = paused;
+            let _ = r.persist();
+        }
+        entry.touch();
+        entry.event(if paused { "paused" } else { "resumed" });
+        Ok(entry)
+    }
+
+    pub fn set_timeout(
+        &self,
+        id: &str,
+        ttl_s: i64,
+        idle_s: Option<i64>,
+    ) -> Result<Arc<Entry>, Status> {
+        if ttl_s < 0 || idle_s.is_some_and(|s| s < 0) {
+            return Err(Status::invalid_argument(
+                "ttl_seconds and idle_timeout_seconds must be >= 0 (0 removes the timeout)",
+            ));
+        }
+        let entry = self.get(id)?;
+        {
+            let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+            r.expires_at_ms = if ttl_s > 0 {
+                now_ms() + ttl_s * 1000
+            } else {
+                0
+            };
+            if let Some(idle) = idle_s {
+                r.idle_timeout_s = idle;
+            }
+            r.persist().map_err(|e| Status::internal(e.to_string()))?;
+        }
+        entry.touch();
+        Ok(entry)
+    }
+
+    /// Snapshot of a microVM sandbox into `path` (default under the state dir).
+    pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<PathBuf, Status> {
+        let entry = self.get(id)?;
+        let record = entry.record();
+        if record.handle.backend != BackendKind::MicroVm.as_str() {
+            return Err(Status::unimplemented(
+                "snapshots are implemented for microvm sandboxes only (container state is not captured yet)",
+            ));
+        }
+        let path = if path.is_empty() {
+            self.config
+                .state_dir
+                .join("snapshots")
+                .join(format!("{id}-{}", now_ms()))
+        } else {
+            PathBuf::from(path)
+        };
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Status::internal(format!("create {}: {e}", parent.display())))?;
+        }
+        vmm_control(
+            &record,
+            serde_json::json!({ "op": "snapshot", "path": path, "diff": diff }),
+        )
+        .await?;
+        entry.event(&format!("snapshot written to {}", path.display()));
+        Ok(path)
+    }
+
+    /// Forks a microVM sandbox: one snapshot, `count` children restored from it.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        count: usize,
+        labels: BTreeMap<String, String>,
+    ) -> Result<Vec<Arc<Entry>>, Status> {
+        let parent = self.get(id)?.record();
+        if parent.handle.backend != BackendKind::MicroVm.as_str() {
+            return Err(Status::unimplemented(
+                "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
+            ));
+        }
+        let snapshot = self.snapshot(id, "", false).await?;
+        let mut children = Vec::new();
+        for _ in 0..count {
+            let mut all_labels = parent.labels.clone();
+            all_labels.extend(labels.clone());
+            let plan = Plan {
+                kind: BackendKind::MicroVm,
+                image: parent.image.clone(),
+                demand: parent.demand(),
+                env: parent.env.clone(),
+                labels: all_labels,
+                ttl_s: 0,
+                idle_timeout_s: parent.idle_timeout_s,
+                allow_internet: parent.allow_internet,
+                allow: parent.allow.clone(),
+            };
+            self.reserve(plan.demand)?;
+            let child_id = self.new_id();
+            let cgroups = match self.make_cgroups(&plan, &child_id) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.release(plan.demand);
+                    return Err(e);
+                }
+            };
+            let spec = self.spec_for(&plan, &child_id, &cgroups);
+            let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
+            let sandbox = match restore_microvm(&self.edge, &snapshot, &child_id, cid, &spec).await
+            {
+                Ok(s) => s,
+                Err(err) => {
+                    cgroup::remove(&cgroups);
+                    self.release(plan.demand);
+                    return Err(edge_status(err));
+                }
+            };
+            let client = sandbox.agent().clone();
+            let now = now_ms();
+            let record = Record {
+                handle: sandbox.detach(),
+                image: plan.image.clone(),
+                vcpus: parent.vcpus,
+                memory_mib: parent.memory_mib,
+                disk_mib: parent.disk_mib,
+                pids_limit: parent.pids_limit,
+                env: plan.env.clone(),
+                labels: plan.labels.clone(),
+                allow_internet: plan.allow_internet,
+                allow: plan.allow.clone(),
+                created_at_ms: now,
+                expires_at_ms: 0,
+                idle_timeout_s: plan.idle_timeout_s,
+                paused: false,
+                parent_id: id.to_string(),
+                cgroups,
+            };
+            children.push(self.register(record, client).await?);
+        }
+        let _ = std::fs::remove_dir_all(&snapshot);
+        Ok(children)
+    }
+
+    /// One pass of TTL / idle / death reaping.
+    pub async fn reap_once(&self) {
+        let now = now_ms();
+        let mut doomed = Vec::new();
+        for entry in self.list() {
+            let r = entry.record();
+            let reason = if !r.handle.is_alive() {
+                Some(ReapReason::Died)
+            } else if r.expires_at_ms > 0 && now >= r.expires_at_ms {
+                Some(ReapReason::Ttl)
+            } else if r.idle_timeout_s > 0
+                && !r.paused
+                && now - entry.last_activity_ms.load(Ordering::Relaxed) >= r.idle_timeout_s * 1000
+            {
+                Some(ReapReason::Idle)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                doomed.push((r.handle.id.clone(), reason));
+            }
+        }
+        for (id, reason) in doomed {
+            if self.delete(&id, reason.as_str()).await.is_ok() {
+                self.metrics.reaped[reason as usize].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub async fn reaper(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.config.reap_interval).await;
+            self.reap_once().await;
+        }
+    }
+
+    pub fn usage(&self, record: &Record) -> (u64, u64, u64) {
+        cgroup::usage(&record.cgroups)
+    }
+}
+
+/// One request on the VMM's control socket.
+async fn vmm_control(
+    record: &Record,
+    request: serde_json::Value,
+) -> Result<serde_json::Value, Status> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let sock =
+        record.handle.api_socket.clone().ok_or_else(|| {
+            Status::failed_precondition("this sandbox's VMM has no control socket")
+        })?;
+    let talk = async {
+        let mut stream = tokio::net::UnixStream::connect(&sock).await?;
+        let mut line = request.to_string();
+        line.push('\n');
+        stream.write_all(line.as_bytes()).await?;
+        let mut reader = tokio::io::BufReader::new(stream);
+        let mut reply = String::new();
+        reader.read_line(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    let reply = tokio::time::timeout(Duration::from_secs(60), talk)
+        .await
+        .map_err(|_| {
+            Status::deadline_exceeded("the VMM did not answer its control socket within 60 s")
+        })?
+        .map_err(|e| Status::unavailable(format!("VMM control socket {}: {e}", sock.display())))?;
+    let value: serde_json::Value = serde_json::from_str(reply.trim())
+        .map_err(|e| Status::internal(format!("VMM control reply {reply:?}: {e}")))?;
+    if value["ok"].as_bool() == Some(true) {
+        Ok(value)
+    } else {
+        Err(Status::failed_precondition(format!(
+            "the VMM refused {request}: {}",
+            value["error"].as_str().unwrap_or("no reason given")
+        )))
+    }
+}
+
+/// Kills processes whose command line references a sandbox directory under `dir` that is not
+/// in `keep`. Returns how many were killed.
+fn kill_strays(dir: &Path, keep: &HashSet<String>) -> usize {
+    let prefix = format!("{}/", dir.display());
+    let me = std::process::id() as i32;
+    let mut killed = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&cmdline);
+        let Some(pos) = text.find(&prefix) else {
+            continue;
+        };
+        let id: String = text[pos + prefix.len()..]
+            .chars()
+            .take_while(|c| *c != '/' && *c != '\0')
+            .collect();
+        if keep.contains(&id) {
+            continue;
+        }
+        tracing::info!(pid, sandbox = %id, "killing a process of a sandbox that was not adopted");
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = nix::sys::wait::waitpid(
+            nix::unistd::Pid::from_raw(pid),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        );
+        killed += 1;
+    }
+    killed
+}
+
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map(|kib| kib / 1024)
+        .unwrap_or(1024)
+}
+
+fn default_pid_budget() -> u64 {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map(|max| max / 2)
+        .unwrap_or(16384)
+}
+
+fn free_disk_mib(path: &Path) -> u64 {
+    nix::sys::statvfs::statvfs(path)
+        .map(|s| s.blocks_available() * s.fragment_size() / (1024 * 1024))
+        .unwrap_or(10 * 1024)
+}

@@ -184,6 +184,7 @@ fn one(plan: &Plan, o: &DirectOpts, index: usize) -> Sample {
         ready_path: None,
         stop_signal: libc::SIGKILL,
         stop_delay: Duration::ZERO,
+        die_with_parent: false,
     };
     let mut values = BTreeMap::new();
     let mut errors = Vec::new();

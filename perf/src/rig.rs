@@ -156,6 +156,7 @@ pub fn inner(o: &InnerOpts) -> usize {
                     ready_path: None,
                     stop_signal: libc::SIGKILL,
                     stop_delay: Duration::ZERO,
+                    die_with_parent: false,
                 };
                 match run::run(&spec) {
                     Err(e) => format!("contender={c} index={i} ok=0 error=spawn: {e}"),

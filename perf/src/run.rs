@@ -38,6 +38,9 @@ pub struct RunSpec {
     pub stop_signal: libc::c_int,
     /// How long to wait after the marker before that signal.
     pub stop_delay: Duration,
+    /// SIGKILL the child should the harness die (PR_SET_PDEATHSIG). Makes the spawn a
+    /// plain fork instead of posix_spawn, so timings include a fork of the harness.
+    pub die_with_parent: bool,
 }
 
 /// Timestamps are offsets from the instant just before `spawn()`.
@@ -196,6 +199,18 @@ pub fn run(spec: &RunSpec) -> std::io::Result<RunResult> {
         .stdin(Stdio::null())
         .stdout(Stdio::from(pipe_w))
         .stderr(Stdio::from(stderr));
+    if spec.die_with_parent {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe and only changes the child between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
 
     let spawn_realtime_ns = realtime_ns();
     let t0 = Instant::now();
@@ -340,6 +355,7 @@ mod tests {
             ready_path: None,
             stop_signal: libc::SIGKILL,
             stop_delay: Duration::ZERO,
+            die_with_parent: false,
         }
     }
 
@@ -403,6 +419,7 @@ mod tests {
         s.ready_path = Some(flag);
         s.stop_signal = libc::SIGTERM;
         s.stop_delay = Duration::from_millis(20);
+        s.die_with_parent = true;
         let r = run(&s).unwrap();
         assert!(
             r.marker.unwrap() >= Duration::from_millis(40),

@@ -311,6 +311,7 @@ fn one_restore(plan: &RestorePlan, o: &SnapOpts, index: usize) -> Sample {
         // Let the vCPU thread reach KVM_RUN before the stop (the socket is bound right
         // after the vCPU threads are started).
         stop_delay: Duration::from_millis(20),
+        die_with_parent: true,
     };
     match run::run(&spec) {
         Err(e) => errors.push(format!("cannot run {}: {e}", o.vmm.display())),
@@ -402,7 +403,9 @@ fn restore_bench(o: &SnapOpts, pr: &Prepared) -> Scenario {
     }
     let mut fails = vec![0usize; plans.len()];
     for i in 0..o.samples {
-        for (k, plan) in plans.iter().enumerate() {
+        // Rotate who goes first, so no contender always follows the same one.
+        for k in (0..plans.len()).map(|j| (i + j) % plans.len()) {
+            let plan = &plans[k];
             if fails[k] >= GIVE_UP_AFTER {
                 continue;
             }
@@ -444,7 +447,7 @@ fn memory_metrics() -> Vec<Metric> {
             "sum of PSS + whole snapshot file",
             "MiB",
         ),
-        metric(
+        detail(
             "host_mem_available_drop_mib",
             "host MemAvailable drop (noisy)",
             "MiB",
@@ -797,6 +800,44 @@ pub struct Results {
     pub memory: Scenario,
 }
 
+/// "goal ...: value -> met/MISSED" for a p50 that must stay below `limit`.
+pub fn goal_line(what: &str, value: Option<f64>, limit: f64, unit: &str) -> String {
+    match value {
+        Some(v) => format!(
+            "goal {what} < {limit} {unit}: {v:.3} {unit} -> {}",
+            if v < limit { "met" } else { "MISSED" }
+        ),
+        None => format!("goal {what} < {limit} {unit}: no data"),
+    }
+}
+
+/// Appends the design goals, checked against the p50s, to the scenarios' notes.
+fn add_goals(r: &mut Results, o: &SnapOpts) {
+    let p50 = |sc: &Scenario, c: &str, m: &str| sc.summary(c, m).map(|s| s.p50);
+    for c in ["private", "lazy", "prefetch"] {
+        let v = p50(&r.restore, c, "spawn_to_first_kvm_run_ms");
+        let line = goal_line(&format!("{c}: restore to first KVM_RUN p50"), v, 5.0, "ms");
+        r.restore.notes.push(line);
+    }
+    for &n in &o.children {
+        let c = format!("fork-{n}");
+        let v = p50(&r.fork, &c, "wall_per_child_ms");
+        let line = goal_line(
+            &format!("{c}: batch wall time per child p50"),
+            v,
+            10.0,
+            "ms",
+        );
+        r.fork.notes.push(line);
+    }
+    let ratio = crate::stats::ratio(
+        p50(&r.memory, "forked", "pss_total_mib"),
+        p50(&r.memory, "cold", "pss_total_mib"),
+    );
+    let line = goal_line("forked/cold sum of PSS p50", ratio, 0.25, "x");
+    r.memory.notes.push(line);
+}
+
 pub fn bench(o: &SnapOpts) -> Results {
     let skip = |why: String| {
         let mk = |name: &'static str, title: &str| Scenario {
@@ -837,11 +878,13 @@ pub fn bench(o: &SnapOpts) -> Results {
     } else {
         fleet_bench(o, &pr)
     };
-    Results {
+    let mut r = Results {
         restore,
         fork,
         memory,
-    }
+    };
+    add_goals(&mut r, o);
+    r
 }
 
 #[cfg(test)]
@@ -854,6 +897,16 @@ mod tests {
         assert_eq!(w, 4.0);
         assert_eq!(batch_wall_ms(&[], &[]), None);
         assert_eq!(batch_wall_ms(&[1], &[0, 5]), None);
+    }
+
+    #[test]
+    fn goal_lines() {
+        assert_eq!(
+            goal_line("x p50", Some(4.0), 5.0, "ms"),
+            "goal x p50 < 5 ms: 4.000 ms -> met"
+        );
+        assert!(goal_line("x", Some(5.0), 5.0, "ms").ends_with("MISSED"));
+        assert!(goal_line("x", None, 5.0, "ms").ends_with("no data"));
     }
 
     #[test]

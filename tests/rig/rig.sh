@@ -148,6 +148,8 @@ build_l1() {
     (cd "$root" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) >"$out.$$" \
         || { rm -f "$out.$$"; die "cpio failed writing $out"; }
     mv "$out.$$" "$out"
+    # Every new binary makes a new entry; drop ones unused for two days.
+    find "$CACHE" -maxdepth 1 -name 'l1-*.cpio' -atime +2 -delete 2>/dev/null || true
     log "L1 initramfs built: $out ($(du -h "$out" | cut -f1))"
     echo "$out"
 }

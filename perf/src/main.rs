@@ -130,11 +130,12 @@ struct SnapArgs {
     /// Guest memory.
     #[arg(long, default_value_t = 64)]
     mem_mib: u32,
-    /// Memory the guest touches (from 4 MiB up) before it prints READY and halts.
+    /// Memory the guest touches (from 4 MiB up) before the snapshot and reads back after a
+    /// restore.
     #[arg(long, default_value_t = 32)]
     touch_mib: u32,
     /// Window of the one `--record-working-set` run before the samples.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 1000)]
     record_ms: u64,
     /// Pause after a fleet is ready, before its memory is read and it is stopped.
     #[arg(long, default_value_t = 500)]

@@ -40,9 +40,9 @@ impl Drop for Pid1Agent {
 
 #[tokio::test]
 async fn agent_as_pid1_sets_up_reaps_and_powers_off() {
-    // Not under /tmp: PID 1 mounts a fresh tmpfs there.
-    let dir =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("pid1-{}", std::process::id()));
+    // Not under /tmp or /run: PID 1 mounts fresh tmpfs there (and the repo itself may
+    // live under /tmp, as in CI's clone).
+    let dir = PathBuf::from("/var/tmp").join(format!("dsec-pid1-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let socket = dir.join("agent.sock");
     let child = Command::new("unshare")

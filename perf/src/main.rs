@@ -5,6 +5,7 @@
 mod direct;
 mod fleet;
 mod guest;
+mod kvmfloor;
 mod machine;
 mod report;
 mod rig;
@@ -375,6 +376,8 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     let r = snapshot::bench(&opts);
     print!("{}", r.restore.table());
     println!();
+    print!("{}", r.kvm.table());
+    println!();
     print!("{}", r.fork.table());
     println!();
     print!("{}", r.memory.table());
@@ -391,6 +394,7 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
                 "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
             },
             "restore": r.restore.to_json(),
+            "kvm": r.kvm.to_json(),
             "fork": r.fork.to_json(),
             "memory": r.memory.to_json(),
         });

@@ -358,7 +358,43 @@ fn one_restore(plan: &RestorePlan, o: &SnapOpts, index: usize) -> Sample {
     }
 }
 
-fn restore_bench(o: &SnapOpts, pr: &Prepared) -> Scenario {
+fn kvm_scenario(o: &SnapOpts) -> Scenario {
+    let labels = [
+        "KVM_CREATE_VM",
+        "KVM_CREATE_IRQCHIP",
+        "KVM_CREATE_PIT2",
+        "KVM_SET_USER_MEMORY_REGION",
+        "KVM_CREATE_VCPU",
+        "all five",
+    ];
+    Scenario {
+        name: "kvm",
+        title: format!(
+            "KVM floor: the ioctls every VM needs, timed inside the harness ({} MiB slot, \
+             one sample per restore round)",
+            o.mem_mib
+        ),
+        method: "CLOCK_MONOTONIC around each ioctl; no fork/exec, no snapshot: what a \
+                 pre-created VM would take off a restore's critical path"
+            .into(),
+        metrics: crate::kvmfloor::STEPS
+            .iter()
+            .zip(labels)
+            .map(|(k, l)| detail(k, l, "ms"))
+            .collect(),
+        contenders: vec![Contender {
+            name: "kvm".into(),
+            description: "in-process ioctls".into(),
+            command: String::new(),
+        }],
+        comparisons: Vec::new(),
+        samples: Vec::new(),
+        skipped: None,
+        notes: Vec::new(),
+    }
+}
+
+fn restore_bench(o: &SnapOpts, pr: &Prepared, kvm: &mut Scenario) -> Scenario {
     let plans = restore_plans(o, pr);
     let mut notes = vec![
         format!(
@@ -419,6 +455,16 @@ fn restore_bench(o: &SnapOpts, pr: &Prepared) -> Scenario {
             fails[k] = if s.error.is_some() { fails[k] + 1 } else { 0 };
             sc.samples.push(s);
         }
+        let (values, error) = match crate::kvmfloor::measure(u64::from(o.mem_mib)) {
+            Ok(v) => (v, None),
+            Err(e) => (BTreeMap::new(), Some(e)),
+        };
+        kvm.samples.push(Sample {
+            contender: "kvm".into(),
+            index: i,
+            values,
+            error,
+        });
         if (i + 1) % 10 == 0 || i + 1 == o.samples {
             eprintln!("dsec-perf: restore: {}/{} rounds", i + 1, o.samples);
         }
@@ -840,6 +886,7 @@ fn fleet_bench(o: &SnapOpts, pr: &Prepared) -> (Scenario, Scenario) {
 
 pub struct Results {
     pub restore: Scenario,
+    pub kvm: Scenario,
     pub fork: Scenario,
     pub memory: Scenario,
 }
@@ -899,6 +946,7 @@ pub fn bench(o: &SnapOpts) -> Results {
         };
         Results {
             restore: mk("restore", "restore latency"),
+            kvm: mk("kvm", "KVM floor"),
             fork: mk("fork", "fork latency"),
             memory: mk("memory", "host memory of forked children"),
         }
@@ -917,7 +965,8 @@ pub fn bench(o: &SnapOpts) -> Results {
         Ok(p) => p,
         Err(e) => return skip(format!("could not take the snapshot: {e}")),
     };
-    let restore = restore_bench(o, &pr);
+    let mut kvm = kvm_scenario(o);
+    let restore = restore_bench(o, &pr, &mut kvm);
     let (fork, memory) = if o.fleet_samples == 0 {
         let s = skip("--fleet-samples 0".into());
         (s.fork, s.memory)
@@ -926,6 +975,7 @@ pub fn bench(o: &SnapOpts) -> Results {
     };
     let mut r = Results {
         restore,
+        kvm,
         fork,
         memory,
     };

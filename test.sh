@@ -36,6 +36,9 @@ main_job() {
     [[ $rc == 7 && $out =~ ^[0-9]+\.[0-9]+ ]]
 }
 suite main-job main_job
+# The node daemon through the Python SDK: 100 concurrent creates, SIGKILL + re-adoption, status codes, TTL, floods.
+python_sdk() { cargo build --release -p dsec-edge -p dsec-agent && pip install -q ./sdk/python && DSEC_EDGE_BIN=target/release/dsec-edge python3 -m unittest discover -s sdk/python/tests -v; }
+suite python-sdk python_sdk
 if ((run_rig)); then
     suite rig tests/rig/run-tests.sh
 fi

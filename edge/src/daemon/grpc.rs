@@ -21,7 +21,7 @@ type Stream<T> = ReceiverStream<Result<T, Status>>;
 const MAX_VCPUS: i32 = 64;
 const DEFAULT_MEMORY_MIB: i64 = 256;
 const DEFAULT_DISK_MIB: i64 = 1024;
-const DEFAULT_PIDS: i64 = 1024;
+const DEFAULT_PIDS: i64 = 512;
 
 /// Agent failures: its own status codes pass through; transport failures become UNAVAILABLE.
 fn agent_status(id: &str, status: Status) -> Status {
@@ -232,7 +232,21 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<CreateSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
         let plan = plan(&self.0, request.into_inner())?;
-        let entry = self.0.create(plan).await?;
+        // Creation runs to completion in its own task even when the client goes away (a
+        // half-built sandbox must not leak its budget or cgroups); an abandoned result is
+        // deleted at once.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let node = self.0.clone();
+        tokio::spawn(async move {
+            let result = node.create(plan).await;
+            if let Err(Ok(entry)) = tx.send(result) {
+                let id = entry.id();
+                let _ = node.delete(&id, "client cancelled the create").await;
+            }
+        });
+        let entry = rx
+            .await
+            .map_err(|_| Status::internal("the create task failed; see the daemon log"))??;
         Ok(Response::new(sandbox_proto(&self.0, &entry)))
     }
 

@@ -50,6 +50,8 @@ pub struct DaemonConfig {
     pub disk_mib: Option<u64>,
     pub overcommit_memory: f64,
     pub overcommit_cpu: f64,
+    /// Disk sizes are ceilings of sparse writable layers, so they are overcommitted too.
+    pub overcommit_disk: f64,
     /// TTL of sandboxes created without one.
     pub default_ttl: Option<Duration>,
     pub reap_interval: Duration,
@@ -79,7 +81,8 @@ impl Default for DaemonConfig {
             disk_mib: None,
             overcommit_memory: 1.5,
             // ~90% of sandboxes use <= 5% of the CPU they ask for.
-            overcommit_cpu: 8.0,
+            overcommit_cpu: 64.0,
+            overcommit_disk: 8.0,
             default_ttl: None,
             reap_interval: Duration::from_millis(500),
             ready_timeout: Duration::from_secs(30),
@@ -214,7 +217,7 @@ pub struct DaemonArgs {
     /// CPU capacity for admission (default: host cores).
     #[arg(long)]
     pub cpus: Option<u64>,
-    /// Pid capacity (default: pid_max / 2).
+    /// Pid budget: sum of per-sandbox pid limits (default: 8 x pid_max).
     #[arg(long)]
     pub pids: Option<u64>,
     /// Disk capacity in MiB (default: free space of the state dir).
@@ -224,8 +227,11 @@ pub struct DaemonArgs {
     #[arg(long, default_value_t = 1.5)]
     pub overcommit_memory: f64,
     /// vCPU overcommit ratio.
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(long, default_value_t = 64.0)]
     pub overcommit_cpu: f64,
+    /// Disk overcommit ratio.
+    #[arg(long, default_value_t = 8.0)]
+    pub overcommit_disk: f64,
     /// Default TTL in seconds for sandboxes created without one.
     #[arg(long, value_name = "S")]
     pub default_ttl: Option<u64>,
@@ -261,6 +267,7 @@ impl DaemonArgs {
         for (name, ratio) in [
             ("--overcommit-memory", self.overcommit_memory),
             ("--overcommit-cpu", self.overcommit_cpu),
+            ("--overcommit-disk", self.overcommit_disk),
         ] {
             if !(ratio.is_finite() && ratio > 0.0) {
                 return Err(EdgeError::InvalidSpec(format!(
@@ -274,6 +281,7 @@ impl DaemonArgs {
         config.disk_mib = self.disk_mib;
         config.overcommit_memory = self.overcommit_memory;
         config.overcommit_cpu = self.overcommit_cpu;
+        config.overcommit_disk = self.overcommit_disk;
         config.default_ttl = self.default_ttl.map(Duration::from_secs);
         config.cgroup_name = self.cgroup_name;
         Ok(config)

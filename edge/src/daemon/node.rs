@@ -309,9 +309,11 @@ impl Node {
                 reserved: 0,
             },
             disk_mib: Budget {
-                limit: config
+                limit: (config
                     .disk_mib
-                    .unwrap_or_else(|| free_disk_mib(&sandboxes_dir)) as i64,
+                    .unwrap_or_else(|| free_disk_mib(&sandboxes_dir))
+                    as f64
+                    * config.overcommit_disk) as i64,
                 reserved: 0,
             },
         };
@@ -958,12 +960,14 @@ fn host_memory_mib() -> u64 {
         .unwrap_or(1024)
 }
 
+/// Per-sandbox pid limits are ceilings most sandboxes never approach, so their sum may
+/// exceed pid_max: 8x overcommit.
 fn default_pid_budget() -> u64 {
     std::fs::read_to_string("/proc/sys/kernel/pid_max")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
-        .map(|max| max / 2)
-        .unwrap_or(16384)
+        .unwrap_or(32768)
+        * 8
 }
 
 fn free_disk_mib(path: &Path) -> u64 {

@@ -1,0 +1,618 @@
+"""Typed sync and async clients of the DSec node API (``dsec.v1``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Union)
+
+import grpc
+import grpc.aio
+
+from . import dsec_pb2 as pb
+from . import dsec_pb2_grpc as rpc
+
+#: Where the node daemon listens unless told otherwise (``DSEC_ENDPOINT`` overrides).
+DEFAULT_TARGET = "unix:/run/dsec/edge/edge.sock"
+_CHUNK = 1 << 20
+_MAX_MESSAGE = 32 << 20
+
+Path = Union[str, bytes]
+Command = Union[str, Sequence[str]]
+
+
+def default_target() -> str:
+    return os.environ.get("DSEC_ENDPOINT") or DEFAULT_TARGET
+
+
+# ---------------------------------------------------------------- errors
+
+
+class DsecError(Exception):
+    """A call failed; ``code`` is the gRPC status code, ``details`` says what to fix."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(DsecError):
+    pass
+
+
+class NotFound(DsecError):
+    pass
+
+
+class ResourceExhausted(DsecError):
+    pass
+
+
+class FailedPrecondition(DsecError):
+    pass
+
+
+class Unavailable(DsecError):
+    pass
+
+
+class Unimplemented(DsecError):
+    pass
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+}
+
+
+def _error(e: grpc.RpcError) -> DsecError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    return _ERRORS.get(code, DsecError)(code, details or "")
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class ExecResult:
+    """How a command ended and what it wrote."""
+
+    stdout: bytes
+    stderr: bytes
+    exit_code: Optional[int]
+    signal: Optional[int]
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+
+@dataclass
+class CommandResult:
+    """A command run in a session. ``output`` is stdout+stderr, head and tail when truncated."""
+
+    session_id: str
+    command_id: int
+    done: bool
+    exit_code: Optional[int]
+    timed_out: bool
+    output: bytes
+    truncated: bool
+    total_bytes: int
+    duration_ms: int
+    session_ended: bool
+
+    @property
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+    @classmethod
+    def _from(cls, r: pb.CommandResult) -> "CommandResult":
+        return cls(r.session_id, r.command_id, r.done,
+                   r.exit_code if r.HasField("exit_code") else None, r.timed_out, r.output,
+                   r.truncated, r.total_bytes, r.duration_ms, r.session_ended)
+
+
+@dataclass
+class FileInfo:
+    name: str
+    type: str
+    size: int
+    mode: int
+    mtime_unix_ms: int
+    symlink_target: str
+
+    @classmethod
+    def _from(cls, f: pb.FileInfo) -> "FileInfo":
+        kind = pb.FileType.Name(f.type).removeprefix("FILE_TYPE_").lower()
+        return cls(f.name, kind, f.size, f.mode, f.mtime_unix_ms, f.symlink_target)
+
+
+@dataclass
+class SandboxInfo:
+    id: str
+    backend: str
+    image: str
+    state: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    pids_limit: int
+    labels: Dict[str, str]
+    created_at_unix_ms: int
+    expires_at_unix_ms: int
+    idle_timeout_seconds: int
+    pid: int
+    parent_id: str
+    memory_bytes: int = 0
+    cpu_usage_ns: int = 0
+    pids: int = 0
+
+    @classmethod
+    def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
+        return cls(s.id, pb.Backend.Name(s.backend).removeprefix("BACKEND_").lower(), s.image,
+                   pb.SandboxState.Name(s.state).removeprefix("SANDBOX_STATE_").lower(),
+                   s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
+                   s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
+                   s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids)
+
+
+# ---------------------------------------------------------------- request builders
+
+
+def _path(p: Path) -> bytes:
+    return p if isinstance(p, bytes) else p.encode("utf-8", "surrogateescape")
+
+
+def _argv(command: Command) -> List[str]:
+    if isinstance(command, str):
+        return ["/bin/sh", "-c", command]
+    return list(command)
+
+
+_BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
+             "container": pb.BACKEND_CONTAINER, "microvm": pb.BACKEND_MICROVM}
+
+
+def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_mib: int,
+                    env: Optional[Mapping[str, str]], ttl: int, idle_timeout: int,
+                    labels: Optional[Mapping[str, str]], pids_limit: int,
+                    allow_internet: bool) -> pb.CreateSandboxRequest:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend {backend!r}: use 'container', 'microvm' or 'auto'")
+    return pb.CreateSandboxRequest(
+        backend=_BACKENDS[backend], image=image, vcpus=vcpus, memory_mib=memory_mib,
+        disk_mib=disk_mib, env=dict(env or {}), ttl_seconds=ttl,
+        idle_timeout_seconds=idle_timeout, labels=dict(labels or {}), pids_limit=pids_limit,
+        network=pb.NetworkPolicy(allow_internet=allow_internet))
+
+
+def _exec_requests(sandbox_id: str, command: Command, env, workdir, timeout,
+                   stdin: Optional[bytes]) -> Iterator[pb.ExecRequest]:
+    start = pb.ExecStart(sandbox_id=sandbox_id, argv=_argv(command), env=dict(env or {}),
+                         workdir=workdir or "",
+                         timeout_ms=int(timeout * 1000) if timeout else 0,
+                         stdin=stdin is not None)
+    yield pb.ExecRequest(start=start)
+    if stdin is not None:
+        for i in range(0, len(stdin), _CHUNK):
+            yield pb.ExecRequest(stdin=stdin[i:i + _CHUNK])
+        yield pb.ExecRequest(stdin_eof=pb.StdinEof())
+
+
+def _write_requests(sandbox_id: str, path: Path, data: Union[bytes, Iterable[bytes]], mode: int,
+                    create_parents: bool) -> Iterator[pb.WriteFileRequest]:
+    yield pb.WriteFileRequest(header=pb.WriteFileHeader(
+        sandbox_id=sandbox_id, path=_path(path), mode=mode, create_parents=create_parents))
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    for chunk in chunks:
+        chunk = bytes(chunk)
+        for i in range(0, len(chunk), _CHUNK):
+            yield pb.WriteFileRequest(data=chunk[i:i + _CHUNK])
+
+
+class _Collector:
+    def __init__(self, output_limit: Optional[int]):
+        self.out: List[bytes] = []
+        self.err: List[bytes] = []
+        self.sizes = [0, 0]
+        self.limit = output_limit
+        self.exit: Optional[pb.ExitStatus] = None
+
+    def add(self, r: pb.ExecResponse) -> None:
+        kind = r.WhichOneof("kind")
+        if kind in ("stdout", "stderr"):
+            i = 0 if kind == "stdout" else 1
+            data = getattr(r, kind)
+            if self.limit is not None:
+                data = data[:max(0, self.limit - self.sizes[i])]
+            self.sizes[i] += len(data)
+            (self.out if i == 0 else self.err).append(data)
+        elif kind == "exit":
+            self.exit = r.exit
+
+    def result(self) -> ExecResult:
+        if self.exit is None:
+            raise DsecError(grpc.StatusCode.INTERNAL, "exec stream ended without an exit status")
+        e = self.exit
+        return ExecResult(b"".join(self.out), b"".join(self.err),
+                          e.code if e.HasField("code") else None,
+                          e.signal if e.HasField("signal") else None, e.timed_out)
+
+
+def _channel_options():
+    # gRPC derives the HTTP/2 :authority of a unix: target from the socket path, which the
+    # server's HTTP/2 stack rejects as malformed; any fixed host name will do.
+    return [("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.default_authority", "localhost")]
+
+
+# ---------------------------------------------------------------- sync API
+
+
+class Client:
+    """Synchronous client. ``Client()`` talks to the local node on its default socket."""
+
+    def __init__(self, target: Optional[str] = None):
+        self.target = target or default_target()
+        self._channel = grpc.insecure_channel(self.target, options=_channel_options())
+        self._sandboxes = rpc.SandboxesStub(self._channel)
+        self._process = rpc.ProcessStub(self._channel)
+        self._files = rpc.FilesStub(self._channel)
+        self._sessions = rpc.SessionsStub(self._channel)
+
+    def _call(self, fn, request):
+        try:
+            return fn(request)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def create(self, *, backend: str = "", image: str = "", vcpus: int = 0, memory_mib: int = 0,
+               disk_mib: int = 0, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
+               idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
+               pids_limit: int = 0, allow_internet: bool = False) -> "Sandbox":
+        """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults."""
+        req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
+                              idle_timeout, labels, pids_limit, allow_internet)
+        return Sandbox(self, SandboxInfo._from(self._call(self._sandboxes.Create, req)))
+
+    def get(self, sandbox_id: str) -> "Sandbox":
+        s = self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
+        return Sandbox(self, SandboxInfo._from(s))
+
+    def list(self, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
+        r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
+        return [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+
+    def node_status(self) -> pb.NodeStatusResponse:
+        return self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Sandbox:
+    """A sandbox on a node. ``with client.create() as sb:`` deletes it at the end."""
+
+    def __init__(self, client: Client, info: SandboxInfo):
+        self.client = client
+        self.info = info
+        self.id = info.id
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, {self.info.backend}, {self.info.state})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.delete()
+        except NotFound:
+            pass
+
+    def _call(self, fn, request):
+        return self.client._call(fn, request)
+
+    def refresh(self) -> SandboxInfo:
+        self.info = self.client.get(self.id).info
+        return self.info
+
+    def exec(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
+             workdir: Optional[str] = None, timeout: Optional[float] = None,
+             stdin: Optional[bytes] = None, output_limit: Optional[int] = None) -> ExecResult:
+        """Runs a command (a string runs through /bin/sh -c) and collects its output
+        (at most ``output_limit`` bytes of each stream are kept)."""
+        c = _Collector(output_limit)
+        try:
+            for r in self.client._process.Exec(
+                    _exec_requests(self.id, command, env, workdir, timeout, stdin)):
+                c.add(r)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return c.result()
+
+    def read_file(self, path: Path) -> bytes:
+        try:
+            return b"".join(c.data for c in self.client._files.Read(
+                pb.ReadFileRequest(sandbox_id=self.id, path=_path(path))))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    def write_file(self, path: Path, data: Union[bytes, Iterable[bytes]], *, mode: int = 0,
+                   create_parents: bool = False) -> int:
+        """Creates or truncates ``path``; ``data`` may be bytes or an iterable of chunks."""
+        try:
+            r = self.client._files.Write(
+                _write_requests(self.id, path, data, mode, create_parents))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return r.bytes_written
+
+    def list_dir(self, path: Path) -> List[FileInfo]:
+        r = self._call(self.client._files.List, pb.ListDirRequest(sandbox_id=self.id, path=_path(path)))
+        return [FileInfo._from(f) for f in r.entries]
+
+    def stat(self, path: Path) -> FileInfo:
+        return FileInfo._from(self._call(self.client._files.Stat,
+                                         pb.StatRequest(sandbox_id=self.id, path=_path(path))))
+
+    def mkdir(self, path: Path, *, parents: bool = False, mode: int = 0) -> None:
+        self._call(self.client._files.Mkdir,
+                   pb.MkdirRequest(sandbox_id=self.id, path=_path(path), parents=parents, mode=mode))
+
+    def remove(self, path: Path, *, recursive: bool = False) -> None:
+        self._call(self.client._files.Remove,
+                   pb.RemoveRequest(sandbox_id=self.id, path=_path(path), recursive=recursive))
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self._call(self.client._files.Rename,
+                   pb.RenameRequest(sandbox_id=self.id, **{"from": _path(src)}, to=_path(dst)))
+
+    def session(self, *, shell: str = "", env: Optional[Mapping[str, str]] = None,
+                workdir: str = "") -> "Session":
+        """Opens a persistent shell session (cwd, env and shell state persist)."""
+        info = self._call(self.client._sessions.Create, pb.CreateSessionRequest(
+            sandbox_id=self.id, shell=shell, env=dict(env or {}), workdir=workdir))
+        return Session(self, info.session_id)
+
+    def pause(self) -> SandboxInfo:
+        self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
+                                                 pb.PauseSandboxRequest(sandbox_id=self.id)))
+        return self.info
+
+    def resume(self) -> SandboxInfo:
+        self.info = SandboxInfo._from(self._call(self.client._sandboxes.Resume,
+                                                 pb.ResumeSandboxRequest(sandbox_id=self.id)))
+        return self.info
+
+    def set_timeout(self, ttl: int, idle_timeout: Optional[int] = None) -> SandboxInfo:
+        req = pb.SetTimeoutRequest(sandbox_id=self.id, ttl_seconds=ttl)
+        if idle_timeout is not None:
+            req.idle_timeout_seconds = idle_timeout
+        self.info = SandboxInfo._from(self._call(self.client._sandboxes.SetTimeout, req))
+        return self.info
+
+    def fork(self, count: int = 1, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
+        r = self._call(self.client._sandboxes.Fork, pb.ForkSandboxRequest(
+            sandbox_id=self.id, count=count, labels=dict(labels or {})))
+        return [Sandbox(self.client, SandboxInfo._from(s)) for s in r.sandboxes]
+
+    def snapshot(self, path: str = "", diff: bool = False) -> str:
+        return self._call(self.client._sandboxes.Snapshot, pb.SnapshotSandboxRequest(
+            sandbox_id=self.id, path=path, diff=diff)).path
+
+    def logs(self) -> Dict[str, bytes]:
+        out: Dict[str, bytes] = {}
+        try:
+            for c in self.client._sandboxes.Logs(pb.LogsRequest(sandbox_id=self.id)):
+                out[c.source] = out.get(c.source, b"") + c.data
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return out
+
+    def delete(self) -> None:
+        self._call(self.client._sandboxes.Delete, pb.DeleteSandboxRequest(sandbox_id=self.id))
+
+
+class Session:
+    """A persistent shell in a sandbox (Chronus)."""
+
+    def __init__(self, sandbox: Sandbox, session_id: str):
+        self.sandbox = sandbox
+        self.id = session_id
+
+    def run(self, command: str, *, timeout: Optional[float] = None, wait: bool = True,
+            output_limit: int = 0) -> CommandResult:
+        r = self.sandbox._call(self.sandbox.client._sessions.Run, pb.RunInSessionRequest(
+            sandbox_id=self.sandbox.id, session_id=self.id, command=command,
+            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            output_limit=output_limit))
+        return CommandResult._from(r)
+
+    def read_output(self, command_id: int = 0, *, wait: bool = False) -> CommandResult:
+        r = self.sandbox._call(self.sandbox.client._sessions.ReadOutput, pb.ReadOutputRequest(
+            sandbox_id=self.sandbox.id, session_id=self.id, command_id=command_id, wait=wait))
+        return CommandResult._from(r)
+
+    def close(self) -> None:
+        self.sandbox._call(self.sandbox.client._sessions.Close, pb.CloseSessionRequest(
+            sandbox_id=self.sandbox.id, session_id=self.id))
+
+
+# ---------------------------------------------------------------- async API
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); same calls as :class:`Client`, awaited."""
+
+    def __init__(self, target: Optional[str] = None):
+        self.target = target or default_target()
+        self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
+        self._sandboxes = rpc.SandboxesStub(self._channel)
+        self._process = rpc.ProcessStub(self._channel)
+        self._files = rpc.FilesStub(self._channel)
+        self._sessions = rpc.SessionsStub(self._channel)
+
+    async def _call(self, fn, request):
+        try:
+            return await fn(request)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def create(self, *, backend: str = "", image: str = "", vcpus: int = 0,
+                     memory_mib: int = 0, disk_mib: int = 0,
+                     env: Optional[Mapping[str, str]] = None, ttl: int = 0,
+                     idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
+                     pids_limit: int = 0, allow_internet: bool = False) -> "AsyncSandbox":
+        req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
+                              idle_timeout, labels, pids_limit, allow_internet)
+        return AsyncSandbox(self, SandboxInfo._from(await self._call(self._sandboxes.Create, req)))
+
+    async def get(self, sandbox_id: str) -> "AsyncSandbox":
+        s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
+        return AsyncSandbox(self, SandboxInfo._from(s))
+
+    async def list(self, labels: Optional[Mapping[str, str]] = None) -> List["AsyncSandbox"]:
+        r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
+        return [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+
+    async def node_status(self) -> pb.NodeStatusResponse:
+        return await self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, info: SandboxInfo):
+        self.client = client
+        self.info = info
+        self.id = info.id
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.id!r}, {self.info.backend}, {self.info.state})"
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            await self.delete()
+        except NotFound:
+            pass
+
+    async def exec(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
+                   workdir: Optional[str] = None, timeout: Optional[float] = None,
+                   stdin: Optional[bytes] = None,
+                   output_limit: Optional[int] = None) -> ExecResult:
+        c = _Collector(output_limit)
+        try:
+            call = self.client._process.Exec(
+                _exec_requests(self.id, command, env, workdir, timeout, stdin))
+            async for r in call:
+                c.add(r)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return c.result()
+
+    async def read_file(self, path: Path) -> bytes:
+        parts = []
+        try:
+            async for c in self.client._files.Read(
+                    pb.ReadFileRequest(sandbox_id=self.id, path=_path(path))):
+                parts.append(c.data)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return b"".join(parts)
+
+    async def write_file(self, path: Path, data: Union[bytes, Iterable[bytes]], *, mode: int = 0,
+                         create_parents: bool = False) -> int:
+        try:
+            r = await self.client._files.Write(
+                _write_requests(self.id, path, data, mode, create_parents))
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        return r.bytes_written
+
+    async def list_dir(self, path: Path) -> List[FileInfo]:
+        r = await self.client._call(self.client._files.List,
+                                    pb.ListDirRequest(sandbox_id=self.id, path=_path(path)))
+        return [FileInfo._from(f) for f in r.entries]
+
+    async def session(self, *, shell: str = "", env: Optional[Mapping[str, str]] = None,
+                      workdir: str = "") -> "AsyncSession":
+        info = await self.client._call(self.client._sessions.Create, pb.CreateSessionRequest(
+            sandbox_id=self.id, shell=shell, env=dict(env or {}), workdir=workdir))
+        return AsyncSession(self, info.session_id)
+
+    async def pause(self) -> SandboxInfo:
+        self.info = SandboxInfo._from(await self.client._call(
+            self.client._sandboxes.Pause, pb.PauseSandboxRequest(sandbox_id=self.id)))
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        self.info = SandboxInfo._from(await self.client._call(
+            self.client._sandboxes.Resume, pb.ResumeSandboxRequest(sandbox_id=self.id)))
+        return self.info
+
+    async def fork(self, count: int = 1) -> List["AsyncSandbox"]:
+        r = await self.client._call(self.client._sandboxes.Fork,
+                                    pb.ForkSandboxRequest(sandbox_id=self.id, count=count))
+        return [AsyncSandbox(self.client, SandboxInfo._from(s)) for s in r.sandboxes]
+
+    async def delete(self) -> None:
+        await self.client._call(self.client._sandboxes.Delete,
+                                pb.DeleteSandboxRequest(sandbox_id=self.id))
+
+
+class AsyncSession:
+    def __init__(self, sandbox: AsyncSandbox, session_id: str):
+        self.sandbox = sandbox
+        self.id = session_id
+
+    async def run(self, command: str, *, timeout: Optional[float] = None, wait: bool = True,
+                  output_limit: int = 0) -> CommandResult:
+        r = await self.sandbox.client._call(self.sandbox.client._sessions.Run,
+                                            pb.RunInSessionRequest(
+            sandbox_id=self.sandbox.id, session_id=self.id, command=command,
+            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            output_limit=output_limit))
+        return CommandResult._from(r)
+
+    async def read_output(self, command_id: int = 0, *, wait: bool = False) -> CommandResult:
+        r = await self.sandbox.client._call(self.sandbox.client._sessions.ReadOutput,
+                                            pb.ReadOutputRequest(
+            sandbox_id=self.sandbox.id, session_id=self.id, command_id=command_id, wait=wait))
+        return CommandResult._from(r)
+
+    async def close(self) -> None:
+        await self.sandbox.client._call(self.sandbox.client._sessions.Close,
+                                        pb.CloseSessionRequest(sandbox_id=self.sandbox.id,
+                                                               session_id=self.id))

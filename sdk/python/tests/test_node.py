@@ -74,7 +74,8 @@ class Daemon:
 
     def start(self):
         self.state.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.state.with_suffix(".log"), "ab")
+        if self.log is None:
+            self.log = open(self.state.with_suffix(".log"), "ab")
         self.proc = subprocess.Popen(
             [edge_bin(), "--state-dir", str(self.state), "--metrics", "off",
              "--cgroup-name", self.tag, "--default-backend", "container", *self.extra],
@@ -144,6 +145,11 @@ class Daemon:
         shutil.rmtree(self.state, ignore_errors=True)
         if self.log:
             self.log.close()
+            self.log = None
+            log = self.state.with_suffix(".log")
+            if leftovers:
+                print(log.read_text(errors="replace")[-4000:])
+            log.unlink(missing_ok=True)
         return leftovers
 
 

@@ -1,0 +1,331 @@
+//! Rust client of the DSec node API (`dsec.v1`): create sandboxes, run commands, move files,
+//! keep shell sessions, pause/resume/fork. All calls go through one multiplexed connection.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), dsec_sdk::Error> {
+//! let client = dsec_sdk::Client::connect(&dsec_sdk::default_target()).await?;
+//! let sb = client.create(dsec_sdk::CreateSandboxRequest::default()).await?;
+//! let out = client.exec(&sb.id, &["echo", "hi"], None).await?;
+//! assert_eq!(out.stdout, b"hi\n");
+//! client.delete(&sb.id).await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::PathBuf;
+
+use dsec_api::v1::files_client::FilesClient;
+use dsec_api::v1::process_client::ProcessClient;
+use dsec_api::v1::sandboxes_client::SandboxesClient;
+use dsec_api::v1::sessions_client::SessionsClient;
+pub use dsec_api::v1::*;
+use hyper_util::rt::TokioIo;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+/// Where the local node listens unless `DSEC_ENDPOINT` says otherwise.
+pub const DEFAULT_TARGET: &str = "unix:/run/dsec/edge/edge.sock";
+
+pub fn default_target() -> String {
+    std::env::var("DSEC_ENDPOINT")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| DEFAULT_TARGET.to_string())
+}
+
+/// Errors of the SDK.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot connect to the DSec node at {target}: {reason} (is `dsec up` running?)")]
+    Connect { target: String, reason: String },
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
+    #[error("the exec stream ended without an exit status")]
+    NoExit,
+}
+
+impl Error {
+    /// The gRPC code when the node refused the call.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            Error::Status(s) => Some(s.code()),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Output of [`Client::exec`].
+#[derive(Clone, Debug, Default)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+}
+
+impl ExecOutput {
+    /// Shell convention: the exit code, or 128 + signal.
+    pub fn exit_code(&self) -> i32 {
+        self.code
+            .or(self.signal.map(|s| 128 + s))
+            .unwrap_or(255)
+    }
+}
+
+/// A connection to one node.
+#[derive(Clone, Debug)]
+pub struct Client {
+    channel: Channel,
+}
+
+impl Client {
+    /// `unix:/path/edge.sock` or `http://host:port`.
+    pub async fn connect(target: &str) -> Result<Self> {
+        let err = |reason: String| Error::Connect {
+            target: target.to_string(),
+            reason,
+        };
+        let channel = if let Some(path) = target.strip_prefix("unix:") {
+            let path = PathBuf::from(path);
+            let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+                let path = path.clone();
+                async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+            });
+            Endpoint::from_static("http://localhost")
+                .connect_with_connector(connector)
+                .await
+                .map_err(|e| err(e.to_string()))?
+        } else {
+            Endpoint::from_shared(target.to_string())
+                .map_err(|e| err(e.to_string()))?
+                .connect()
+                .await
+                .map_err(|e| err(e.to_string()))?
+        };
+        Ok(Self { channel })
+    }
+
+    fn sandboxes(&self) -> SandboxesClient<Channel> {
+        SandboxesClient::new(self.channel.clone())
+    }
+
+    fn files(&self) -> FilesClient<Channel> {
+        FilesClient::new(self.channel.clone()).max_decoding_message_size(32 << 20)
+    }
+
+    pub fn sessions(&self) -> SessionsClient<Channel> {
+        SessionsClient::new(self.channel.clone())
+    }
+
+    pub async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox> {
+        Ok(self.sandboxes().create(request).await?.into_inner())
+    }
+
+    pub async fn get(&self, id: &str) -> Result<Sandbox> {
+        Ok(self
+            .sandboxes()
+            .get(GetSandboxRequest {
+                sandbox_id: id.into(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn list(&self, labels: std::collections::HashMap<String, String>) -> Result<Vec<Sandbox>> {
+        Ok(self
+            .sandboxes()
+            .list(ListSandboxesRequest { labels })
+            .await?
+            .into_inner()
+            .sandboxes)
+    }
+
+    pub async fn delete(&self, id: &str) -> Result<()> {
+        self.sandboxes()
+            .delete(DeleteSandboxRequest {
+                sandbox_id: id.into(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<Sandbox> {
+        Ok(self
+            .sandboxes()
+            .pause(PauseSandboxRequest {
+                sandbox_id: id.into(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<Sandbox> {
+        Ok(self
+            .sandboxes()
+            .resume(ResumeSandboxRequest {
+                sandbox_id: id.into(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn fork(&self, id: &str, count: i32) -> Result<Vec<Sandbox>> {
+        Ok(self
+            .sandboxes()
+            .fork(ForkSandboxRequest {
+                sandbox_id: id.into(),
+                count,
+                labels: Default::default(),
+            })
+            .await?
+            .into_inner()
+            .sandboxes)
+    }
+
+    pub async fn set_timeout(&self, id: &str, ttl_seconds: i64) -> Result<Sandbox> {
+        Ok(self
+            .sandboxes()
+            .set_timeout(SetTimeoutRequest {
+                sandbox_id: id.into(),
+                ttl_seconds,
+                idle_timeout_seconds: None,
+            })
+            .await?
+            .into_inner())
+    }
+
+    pub async fn node_status(&self) -> Result<NodeStatusResponse> {
+        Ok(self
+            .sandboxes()
+            .node_status(NodeStatusRequest {})
+            .await?
+            .into_inner())
+    }
+
+    /// All log chunks of a sandbox (with `follow`, until it is gone: `on_chunk` sees each).
+    pub async fn logs(&self, id: &str, follow: bool, mut on_chunk: impl FnMut(LogChunk)) -> Result<()> {
+        let mut stream = self
+            .sandboxes()
+            .logs(LogsRequest {
+                sandbox_id: id.into(),
+                follow,
+                tail_bytes: 0,
+            })
+            .await?
+            .into_inner();
+        while let Some(chunk) = stream.message().await? {
+            on_chunk(chunk);
+        }
+        Ok(())
+    }
+
+    /// Runs `argv` with optional stdin and collects its output.
+    pub async fn exec(&self, id: &str, argv: &[&str], stdin: Option<Vec<u8>>) -> Result<ExecOutput> {
+        let start = ExecStart {
+            sandbox_id: id.into(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            stdin: stdin.is_some(),
+            ..Default::default()
+        };
+        self.exec_with(start, stdin, |_, _| {}).await
+    }
+
+    /// Runs a command; `on_output(is_stderr, data)` sees output as it arrives (it is also
+    /// collected unless the caller only streams: collect is bounded by the caller's use).
+    pub async fn exec_with(
+        &self,
+        start: ExecStart,
+        stdin: Option<Vec<u8>>,
+        mut on_output: impl FnMut(bool, &[u8]),
+    ) -> Result<ExecOutput> {
+        let (tx, rx) = mpsc::channel(8);
+        let _ = tx
+            .send(ExecRequest {
+                kind: Some(exec_request::Kind::Start(start)),
+            })
+            .await;
+        if let Some(data) = stdin {
+            tokio::spawn(async move {
+                for chunk in data.chunks(1 << 20) {
+                    let m = ExecRequest {
+                        kind: Some(exec_request::Kind::Stdin(chunk.to_vec())),
+                    };
+                    if tx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = tx
+                    .send(ExecRequest {
+                        kind: Some(exec_request::Kind::StdinEof(StdinEof {})),
+                    })
+                    .await;
+            });
+        } else {
+            drop(tx);
+        }
+        let mut stream = ProcessClient::new(self.channel.clone())
+            .exec(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let mut out = ExecOutput::default();
+        while let Some(message) = stream.message().await? {
+            match message.kind {
+                Some(exec_response::Kind::Stdout(d)) => {
+                    on_output(false, &d);
+                    out.stdout.extend_from_slice(&d);
+                }
+                Some(exec_response::Kind::Stderr(d)) => {
+                    on_output(true, &d);
+                    out.stderr.extend_from_slice(&d);
+                }
+                Some(exec_response::Kind::Exit(e)) => {
+                    out.code = e.code;
+                    out.signal = e.signal;
+                    out.timed_out = e.timed_out;
+                    return Ok(out);
+                }
+                _ => {}
+            }
+        }
+        Err(Error::NoExit)
+    }
+
+    pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {
+        let mut stream = self
+            .files()
+            .read(ReadFileRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+            })
+            .await?
+            .into_inner();
+        let mut data = Vec::new();
+        while let Some(chunk) = stream.message().await? {
+            data.extend_from_slice(&chunk.data);
+        }
+        Ok(data)
+    }
+
+    pub async fn write_file(&self, id: &str, path: &str, mode: u32, data: Vec<u8>) -> Result<u64> {
+        let mut messages = vec![WriteFileRequest {
+            kind: Some(write_file_request::Kind::Header(WriteFileHeader {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+                mode,
+                create_parents: true,
+            })),
+        }];
+        messages.extend(data.chunks(1 << 20).map(|c| WriteFileRequest {
+            kind: Some(write_file_request::Kind::Data(c.to_vec())),
+        }));
+        Ok(self
+            .files()
+            .write(tokio_stream::iter(messages))
+            .await?
+            .into_inner()
+            .bytes_written)
+    }
+}

@@ -69,9 +69,7 @@ pub struct ExecOutput {
 impl ExecOutput {
     /// Shell convention: the exit code, or 128 + signal.
     pub fn exit_code(&self) -> i32 {
-        self.code
-            .or(self.signal.map(|s| 128 + s))
-            .unwrap_or(255)
+        self.code.or(self.signal.map(|s| 128 + s)).unwrap_or(255)
     }
 }
 
@@ -92,7 +90,11 @@ impl Client {
             let path = PathBuf::from(path);
             let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
                 let path = path.clone();
-                async move { tokio::net::UnixStream::connect(path).await.map(TokioIo::new) }
+                async move {
+                    tokio::net::UnixStream::connect(path)
+                        .await
+                        .map(TokioIo::new)
+                }
             });
             Endpoint::from_static("http://localhost")
                 .connect_with_connector(connector)
@@ -134,7 +136,10 @@ impl Client {
             .into_inner())
     }
 
-    pub async fn list(&self, labels: std::collections::HashMap<String, String>) -> Result<Vec<Sandbox>> {
+    pub async fn list(
+        &self,
+        labels: std::collections::HashMap<String, String>,
+    ) -> Result<Vec<Sandbox>> {
         Ok(self
             .sandboxes()
             .list(ListSandboxesRequest { labels })
@@ -206,7 +211,12 @@ impl Client {
     }
 
     /// All log chunks of a sandbox (with `follow`, until it is gone: `on_chunk` sees each).
-    pub async fn logs(&self, id: &str, follow: bool, mut on_chunk: impl FnMut(LogChunk)) -> Result<()> {
+    pub async fn logs(
+        &self,
+        id: &str,
+        follow: bool,
+        mut on_chunk: impl FnMut(LogChunk),
+    ) -> Result<()> {
         let mut stream = self
             .sandboxes()
             .logs(LogsRequest {
@@ -223,7 +233,12 @@ impl Client {
     }
 
     /// Runs `argv` with optional stdin and collects its output.
-    pub async fn exec(&self, id: &str, argv: &[&str], stdin: Option<Vec<u8>>) -> Result<ExecOutput> {
+    pub async fn exec(
+        &self,
+        id: &str,
+        argv: &[&str],
+        stdin: Option<Vec<u8>>,
+    ) -> Result<ExecOutput> {
         let start = ExecStart {
             sandbox_id: id.into(),
             argv: argv.iter().map(|s| s.to_string()).collect(),

@@ -1,4 +1,9 @@
-//! `dsec`: run commands in fresh sandboxes and inspect what this host can run.
+//! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
+//! daemon (`up`) and drive it (create, ls, exec, cp, ...).
+
+mod node;
+
+mod vm;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -19,6 +24,13 @@ use serde::Serialize;
     about = "DSec sandboxes: run commands in fresh microVMs or containers"
 )]
 struct Cli {
+    /// Node API endpoint (unix:/path or http://host:port); default $DSEC_ENDPOINT or
+    /// unix:/run/dsec/edge/edge.sock.
+    #[arg(long, global = true)]
+    endpoint: Option<String>,
+    /// JSON output (node commands).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -27,11 +39,88 @@ struct Cli {
 enum Command {
     /// Run a command in a fresh sandbox, stream its output, exit with its exit code.
     Run(RunArgs),
+    /// Drive single microVMs directly: boot, exec, pause, snapshot, restore, fork, rm.
+    #[command(subcommand)]
+    Vm(vm::VmCommand),
     /// Show KVM status, artifacts and versions on this host.
-    Info {
-        /// Print JSON instead of text.
+    Info,
+    /// Start the node daemon with embedded defaults (same as `dsec-edge`).
+    Up(dsec_edge::daemon::DaemonArgs),
+    /// Create sandboxes on the node; prints their ids.
+    Create {
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        #[arg(long, default_value = "")]
+        image: String,
+        #[arg(long, default_value_t = 0)]
+        vcpus: i32,
+        #[arg(long = "mem", value_name = "MiB", default_value_t = 0)]
+        memory_mib: i64,
+        #[arg(long = "disk", value_name = "MiB", default_value_t = 0)]
+        disk_mib: i64,
+        /// Seconds until the node deletes it.
+        #[arg(long, default_value_t = 0)]
+        ttl: i64,
+        #[arg(long, default_value_t = 0)]
+        idle_timeout: i64,
+        #[arg(long = "env", short = 'e', value_name = "K=V")]
+        env: Vec<String>,
+        #[arg(long = "label", short = 'l', value_name = "K=V")]
+        labels: Vec<String>,
+        /// How many sandboxes (created concurrently).
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: usize,
+    },
+    /// List sandboxes (optionally only those with all the given labels).
+    Ls {
+        #[arg(long = "label", short = 'l', value_name = "K=V")]
+        labels: Vec<String>,
+    },
+    /// Show one sandbox as JSON.
+    Inspect {
+        id: String,
+    },
+    /// Run a command in a sandbox; exits with its exit code.
+    Exec {
+        id: String,
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// A persistent shell session in a sandbox, fed line by line.
+    Shell {
+        id: String,
+    },
+    /// Copy a file: `dsec cp ID:/path local` or `dsec cp local ID:/path`.
+    Cp {
+        src: String,
+        dst: String,
+    },
+    /// Show a sandbox's logs.
+    Logs {
+        id: String,
+        #[arg(long, short = 'f')]
+        follow: bool,
+    },
+    Pause {
+        ids: Vec<String>,
+    },
+    Resume {
+        ids: Vec<String>,
+    },
+    /// Fork a (microVM) sandbox.
+    Fork {
+        id: String,
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: i32,
+    },
+    /// Delete sandboxes.
+    Rm {
+        ids: Vec<String>,
+    },
+    /// Live view of the node's budgets and sandboxes.
+    Top {
         #[arg(long)]
-        json: bool,
+        once: bool,
     },
 }
 
@@ -83,8 +172,20 @@ enum CliError {
     Usage(String),
     #[error(transparent)]
     Edge(#[from] EdgeError),
+    #[error(transparent)]
+    Node(node::NodeError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
+    #[error(transparent)]
+    Vm(#[from] vm::VmError),
+}
+
+fn vm_command(command: vm::VmCommand) -> Result<i32, CliError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    Ok(runtime.block_on(vm::run(command))?)
 }
 
 fn main() -> ExitCode {
@@ -95,9 +196,17 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let json = cli.json;
+    let endpoint = cli
+        .endpoint
+        .clone()
+        .unwrap_or_else(dsec_sdk::default_target);
     let result = match cli.command {
         Command::Run(args) => run(args),
-        Command::Info { json } => info(json).map(|()| 0),
+        Command::Vm(command) => vm_command(command),
+        Command::Info => info(json).map(|()| 0),
+        Command::Up(args) => return dsec_edge::daemon::main_with(args),
+        other => node_command(&endpoint, other, json),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
@@ -106,6 +215,63 @@ fn main() -> ExitCode {
             ExitCode::from(125)
         }
     }
+}
+
+fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    runtime
+        .block_on(async {
+            let c = dsec_sdk::Client::connect(endpoint).await?;
+            match command {
+                Command::Create {
+                    backend,
+                    image,
+                    vcpus,
+                    memory_mib,
+                    disk_mib,
+                    ttl,
+                    idle_timeout,
+                    env,
+                    labels,
+                    count,
+                } => {
+                    let opts = node::CreateOpts {
+                        backend,
+                        image,
+                        vcpus,
+                        memory_mib,
+                        disk_mib,
+                        ttl,
+                        idle_timeout,
+                        env,
+                        labels,
+                        count,
+                    };
+                    node::create(&c, opts, json).await.map(|()| 0)
+                }
+                Command::Ls { labels } => node::ls(&c, &labels, json).await.map(|()| 0),
+                Command::Inspect { id } => node::inspect(&c, &id).await.map(|()| 0),
+                Command::Exec { id, command } => node::exec(&c, &id, command, json).await,
+                Command::Shell { id } => node::shell(&c, &id).await,
+                Command::Cp { src, dst } => node::cp(&c, &src, &dst, json).await.map(|()| 0),
+                Command::Logs { id, follow } => node::logs(&c, &id, follow, json).await.map(|()| 0),
+                Command::Pause { ids } => {
+                    node::lifecycle(&c, "pause", &ids, json).await.map(|()| 0)
+                }
+                Command::Resume { ids } => {
+                    node::lifecycle(&c, "resume", &ids, json).await.map(|()| 0)
+                }
+                Command::Rm { ids } => node::lifecycle(&c, "rm", &ids, json).await.map(|()| 0),
+                Command::Fork { id, count } => node::fork(&c, &id, count, json).await.map(|()| 0),
+                Command::Top { once } => node::top(&c, once, json).await.map(|()| 0),
+                Command::Run(_) | Command::Info | Command::Up(_) | Command::Vm(_) => Ok(0),
+            }
+        })
+        .map_err(CliError::Node)
 }
 
 fn positive_seconds(what: &str, seconds: f64) -> Result<Duration, CliError> {

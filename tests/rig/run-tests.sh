@@ -2,6 +2,7 @@
 # The rig suite test.sh runs: every real-Linux-guest test, each in a fresh L1.
 #   1. smoke:       QEMU-KVM inside L1 boots our guest kernel (proves the rig itself)
 #   2. first-light: our dsec-vmm and `dsec run --backend microvm` in L1
+#   3. snapshot:    `dsec vm` snapshot/restore/fork of a Linux guest in L1
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
 # Exit status: number of failed suites.
@@ -29,6 +30,13 @@ else
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/guest/vmlinux" "$kdir/bzImage=/guest/bzImage" \
         "$AGENT_IMG=/guest/initramfs.cpio" "$tiny=/guest/initramfs" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig snapshot (dsec vm snapshot/restore/fork of a Linux guest in L1)"
+if ((${#missing[@]} == 0)); then
+    "$HERE/rig.sh" run "$HERE/tests/snapshot.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
         || failed=$((failed + 1))
 fi
 echo "rig suites failed: $failed"

@@ -112,15 +112,31 @@ impl Vmm {
         }
     }
 
-    fn request(&self, req: serde_json::Value) -> serde_json::Value {
-        let mut s = UnixStream::connect(&self.api).unwrap();
+    fn request(&mut self, req: serde_json::Value) -> serde_json::Value {
+        let mut s = match UnixStream::connect(&self.api) {
+            Ok(s) => s,
+            Err(e) => panic!("{req}: control socket: {e}; {}", self.post_mortem()),
+        };
         s.write_all(format!("{req}\n").as_bytes()).unwrap();
         let mut line = String::new();
         BufReader::new(s).read_line(&mut line).unwrap();
         serde_json::from_str(&line).unwrap()
     }
 
-    fn ok(&self, req: serde_json::Value) -> serde_json::Value {
+    /// What became of the VMM process, for failure messages.
+    fn post_mortem(&mut self) -> String {
+        use std::io::Read;
+        let status = self.child.try_wait();
+        let mut stderr = String::new();
+        if let Ok(Some(_)) = status {
+            if let Some(pipe) = self.child.stderr.as_mut() {
+                let _ = pipe.read_to_string(&mut stderr);
+            }
+        }
+        format!("VMM status {status:?}, stderr: {stderr}")
+    }
+
+    fn ok(&mut self, req: serde_json::Value) -> serde_json::Value {
         let r = self.request(req.clone());
         assert_eq!(r["ok"], true, "{req} -> {r}");
         r
@@ -185,7 +201,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn restored_guest_continues_where_it_stopped() {
     let s = Scratch::new("continue");
-    let vm = boot_counter(&s);
+    let mut vm = boot_counter(&s);
     let snap = s.path("snap");
     wait_until("the guest to start counting", || {
         let _ = std::fs::remove_dir_all(&snap);
@@ -201,7 +217,7 @@ fn restored_guest_continues_where_it_stopped() {
     );
 
     // Restore paused: state must be exactly the snapshot's.
-    let restored = Vmm::spawn(
+    let mut restored = Vmm::spawn(
         &["--restore", snap.to_str().unwrap(), "--paused"],
         &s.path("api2.sock"),
     );
@@ -230,7 +246,7 @@ fn restored_guest_continues_where_it_stopped() {
 #[test]
 fn diff_snapshot_chain_restores_identical_memory() {
     let s = Scratch::new("diff");
-    let vm = boot_counter(&s);
+    let mut vm = boot_counter(&s);
     std::thread::sleep(Duration::from_millis(100));
     let full = s.path("full");
     vm.ok(serde_json::json!({"op": "snapshot", "path": full}));
@@ -252,7 +268,7 @@ fn diff_snapshot_chain_restores_identical_memory() {
     vm.stop();
     assert!(counter(&diff2) > counter(&full));
 
-    let restored = Vmm::spawn(
+    let mut restored = Vmm::spawn(
         &["--restore", diff2.to_str().unwrap(), "--paused"],
         &s.path("api2.sock"),
     );
@@ -272,7 +288,7 @@ fn diff_snapshot_chain_restores_identical_memory() {
 fn forks_get_their_own_identity_and_private_memory() {
     const CHILDREN: u64 = 20;
     let s = Scratch::new("fork");
-    let vm = boot_counter(&s);
+    let mut vm = boot_counter(&s);
     std::thread::sleep(Duration::from_millis(100));
     let base = s.path("base");
     vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
@@ -296,7 +312,7 @@ fn forks_get_their_own_identity_and_private_memory() {
         );
         children.push((i, uds, child));
     }
-    for (i, uds, child) in children {
+    for (i, uds, mut child) in children {
         assert!(uds.exists(), "child {i} has no vsock socket of its own");
         let snap = s.path(&format!("child{i}.snap"));
         wait_until("the child to see its own CID", || {
@@ -313,7 +329,7 @@ fn forks_get_their_own_identity_and_private_memory() {
 #[test]
 fn damaged_snapshots_fail_cleanly() {
     let s = Scratch::new("damaged");
-    let vm = boot_counter(&s);
+    let mut vm = boot_counter(&s);
     std::thread::sleep(Duration::from_millis(50));
     let good = s.path("good");
     vm.ok(serde_json::json!({"op": "snapshot", "path": good}));
@@ -382,7 +398,7 @@ fn damaged_snapshots_fail_cleanly() {
 #[test]
 fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
     let s = Scratch::new("lazy");
-    let vm = boot_counter(&s);
+    let mut vm = boot_counter(&s);
     let base = s.path("base");
     wait_until("the guest to start counting", || {
         let _ = std::fs::remove_dir_all(&base);
@@ -393,7 +409,7 @@ fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
     let at_snapshot = counter(&base);
 
     // First lazy restore: pages arrive on demand; record what the guest touches.
-    let first = Vmm::spawn(
+    let mut first = Vmm::spawn(
         &[
             "--restore",
             base.to_str().unwrap(),
@@ -424,7 +440,7 @@ fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
     assert!(recorded.contains(&(COUNTER_ADDR / 4096)), "{recorded:?}");
 
     // Second: the recorded pages are loaded before the guest asks for them.
-    let second = Vmm::spawn(
+    let mut second = Vmm::spawn(
         &[
             "--restore",
             base.to_str().unwrap(),

@@ -1,0 +1,414 @@
+//! Commands that drive a running node daemon through the Rust SDK (`dsec up` starts one).
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use dsec_sdk::{Client, CreateSandboxRequest, ExecStart, Sandbox};
+use serde_json::json;
+
+/// Errors of node commands.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Sdk(#[from] dsec_sdk::Error),
+    #[error("{0}")]
+    Usage(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn state(s: &Sandbox) -> &'static str {
+    match s.state {
+        2 => "running",
+        3 => "paused",
+        1 => "creating",
+        4 => "stopping",
+        _ => "unknown",
+    }
+}
+
+fn backend(s: &Sandbox) -> &'static str {
+    match s.backend {
+        1 => "container",
+        2 => "microvm",
+        _ => "unspecified",
+    }
+}
+
+pub fn sandbox_json(s: &Sandbox) -> serde_json::Value {
+    let usage = s.usage.unwrap_or_default();
+    json!({
+        "id": s.id, "backend": backend(s), "image": s.image, "state": state(s),
+        "vcpus": s.vcpus, "memory_mib": s.memory_mib, "disk_mib": s.disk_mib,
+        "pids_limit": s.pids_limit, "labels": s.labels, "created_at_unix_ms": s.created_at_unix_ms,
+        "expires_at_unix_ms": s.expires_at_unix_ms, "idle_timeout_seconds": s.idle_timeout_seconds,
+        "pid": s.pid, "parent_id": s.parent_id,
+        "usage": {"memory_bytes": usage.memory_bytes, "cpu_usage_ns": usage.cpu_usage_ns, "pids": usage.pids},
+    })
+}
+
+fn print_table(list: &[Sandbox]) {
+    println!(
+        "{:<16} {:<10} {:<8} {:<8} {:>5} {:>8} {:>9} {:>5}  LABELS",
+        "ID", "BACKEND", "IMAGE", "STATE", "VCPU", "MEM MiB", "USED MiB", "PIDS"
+    );
+    for s in list {
+        let u = s.usage.unwrap_or_default();
+        let mut labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        println!(
+            "{:<16} {:<10} {:<8} {:<8} {:>5} {:>8} {:>9} {:>5}  {}",
+            s.id,
+            backend(s),
+            s.image,
+            state(s),
+            s.vcpus,
+            s.memory_mib,
+            u.memory_bytes >> 20,
+            u.pids,
+            labels.join(",")
+        );
+    }
+}
+
+fn emit(json_out: bool, value: serde_json::Value, text: impl FnOnce()) {
+    if json_out {
+        println!("{value}");
+    } else {
+        text();
+    }
+}
+
+pub fn parse_labels(pairs: &[String]) -> Result<HashMap<String, String>, NodeError> {
+    pairs
+        .iter()
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+            _ => Err(NodeError::Usage(format!(
+                "bad label/env {p:?}: expected KEY=VALUE"
+            ))),
+        })
+        .collect()
+}
+
+pub struct CreateOpts {
+    pub backend: String,
+    pub image: String,
+    pub vcpus: i32,
+    pub memory_mib: i64,
+    pub disk_mib: i64,
+    pub ttl: i64,
+    pub idle_timeout: i64,
+    pub env: Vec<String>,
+    pub labels: Vec<String>,
+    pub count: usize,
+}
+
+pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), NodeError> {
+    let backend = match o.backend.as_str() {
+        "auto" | "" => 0,
+        "container" => 1,
+        "microvm" => 2,
+        other => {
+            return Err(NodeError::Usage(format!(
+                "--backend {other}: container, microvm or auto"
+            )))
+        }
+    };
+    let request = CreateSandboxRequest {
+        backend,
+        image: o.image,
+        vcpus: o.vcpus,
+        memory_mib: o.memory_mib,
+        disk_mib: o.disk_mib,
+        env: parse_labels(&o.env)?,
+        ttl_seconds: o.ttl,
+        idle_timeout_seconds: o.idle_timeout,
+        labels: parse_labels(&o.labels)?,
+        ..Default::default()
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..o.count.max(1) {
+        let (c, r) = (c.clone(), request.clone());
+        tasks.push(tokio::spawn(async move { c.create(r).await }));
+    }
+    let total = tasks.len();
+    let mut failures = 0;
+    for (done, task) in tasks.into_iter().enumerate() {
+        match task.await {
+            Ok(Ok(s)) => emit(json_out, sandbox_json(&s), || println!("{}", s.id)),
+            Ok(Err(e)) => {
+                failures += 1;
+                eprintln!("dsec: create failed: {e}");
+            }
+            Err(e) => {
+                failures += 1;
+                eprintln!("dsec: create task failed: {e}");
+            }
+        }
+        if total > 1 && !json_out {
+            eprint!("\r[{}/{total}] created", done + 1);
+        }
+    }
+    if total > 1 && !json_out {
+        eprintln!();
+    }
+    if failures > 0 {
+        return Err(NodeError::Usage(format!(
+            "{failures} of {total} creates failed"
+        )));
+    }
+    Ok(())
+}
+
+pub async fn ls(c: &Client, labels: &[String], json_out: bool) -> Result<(), NodeError> {
+    let list = c.list(parse_labels(labels)?).await?;
+    emit(
+        json_out,
+        json!(list.iter().map(sandbox_json).collect::<Vec<_>>()),
+        || print_table(&list),
+    );
+    Ok(())
+}
+
+pub async fn inspect(c: &Client, id: &str) -> Result<(), NodeError> {
+    let s = c.get(id).await?;
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&sandbox_json(&s)).unwrap_or_default()
+    );
+    Ok(())
+}
+
+pub async fn exec(
+    c: &Client,
+    id: &str,
+    argv: Vec<String>,
+    json_out: bool,
+) -> Result<i32, NodeError> {
+    let stdin = if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        None
+    } else {
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut data).map_err(|e| {
+            NodeError::Io {
+                what: "read stdin".into(),
+                source: e,
+            }
+        })?;
+        Some(data)
+    };
+    let start = ExecStart {
+        sandbox_id: id.into(),
+        argv,
+        stdin: stdin.is_some(),
+        ..Default::default()
+    };
+    let out = c
+        .exec_with(start, stdin, |err, data| {
+            if !json_out {
+                let _ = if err {
+                    std::io::stderr().write_all(data)
+                } else {
+                    std::io::stdout().write_all(data)
+                };
+                let _ = std::io::stdout().flush();
+            }
+        })
+        .await?;
+    if json_out {
+        println!(
+            "{}",
+            json!({
+                "stdout": String::from_utf8_lossy(&out.stdout), "stderr": String::from_utf8_lossy(&out.stderr),
+                "exit_code": out.code, "signal": out.signal, "timed_out": out.timed_out,
+            })
+        );
+    }
+    Ok(out.exit_code())
+}
+
+/// `dsec shell ID`: a persistent session fed line by line from stdin.
+pub async fn shell(c: &Client, id: &str) -> Result<i32, NodeError> {
+    let mut sessions = c.sessions();
+    let session = sessions
+        .create(dsec_sdk::CreateSessionRequest {
+            sandbox_id: id.into(),
+            ..Default::default()
+        })
+        .await
+        .map_err(dsec_sdk::Error::from)?
+        .into_inner();
+    let mut line = String::new();
+    loop {
+        eprint!("{id}$ ");
+        line.clear();
+        if std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| NodeError::Io {
+                what: "read stdin".into(),
+                source: e,
+            })?
+            == 0
+        {
+            break;
+        }
+        let r = sessions
+            .run(dsec_sdk::RunInSessionRequest {
+                sandbox_id: id.into(),
+                session_id: session.session_id.clone(),
+                command: line.clone(),
+                wait: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(dsec_sdk::Error::from)?
+            .into_inner();
+        let _ = std::io::stdout().write_all(&r.output);
+        if r.session_ended {
+            return Ok(r.exit_code.unwrap_or(0));
+        }
+    }
+    let _ = sessions
+        .close(dsec_sdk::CloseSessionRequest {
+            sandbox_id: id.into(),
+            session_id: session.session_id,
+        })
+        .await;
+    Ok(0)
+}
+
+/// `dsec cp SRC DST`, one side `ID:/path`.
+pub async fn cp(c: &Client, src: &str, dst: &str, json_out: bool) -> Result<(), NodeError> {
+    let remote = |s: &str| {
+        s.split_once(':')
+            .filter(|(id, p)| id.starts_with("sb-") && p.starts_with('/'))
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+    };
+    let bytes = match (remote(src), remote(dst)) {
+        (Some((id, path)), None) => {
+            let data = c.read_file(&id, &path).await?;
+            std::fs::write(dst, &data).map_err(|e| NodeError::Io {
+                what: format!("write {dst}"),
+                source: e,
+            })?;
+            data.len() as u64
+        }
+        (None, Some((id, path))) => {
+            let data = std::fs::read(src).map_err(|e| NodeError::Io {
+                what: format!("read {src}"),
+                source: e,
+            })?;
+            c.write_file(&id, &path, 0, data).await?
+        }
+        _ => {
+            return Err(NodeError::Usage(
+                "cp: exactly one side must be SANDBOX_ID:/absolute/path".into(),
+            ))
+        }
+    };
+    emit(json_out, json!({"bytes": bytes}), || {
+        eprintln!("{bytes} bytes copied")
+    });
+    Ok(())
+}
+
+pub async fn logs(c: &Client, id: &str, follow: bool, json_out: bool) -> Result<(), NodeError> {
+    c.logs(id, follow, |chunk| {
+        if json_out {
+            println!(
+                "{}",
+                json!({"source": chunk.source, "data": String::from_utf8_lossy(&chunk.data)})
+            );
+        } else {
+            for line in String::from_utf8_lossy(&chunk.data).lines() {
+                println!("[{}] {line}", chunk.source);
+            }
+        }
+    })
+    .await?;
+    Ok(())
+}
+
+pub async fn lifecycle(
+    c: &Client,
+    op: &str,
+    ids: &[String],
+    json_out: bool,
+) -> Result<(), NodeError> {
+    for id in ids {
+        match op {
+            "rm" => {
+                c.delete(id).await?;
+                emit(json_out, json!({"deleted": id}), || println!("{id}"));
+            }
+            "pause" => {
+                let s = c.pause(id).await?;
+                emit(json_out, sandbox_json(&s), || println!("{id} paused"));
+            }
+            "resume" => {
+                let s = c.resume(id).await?;
+                emit(json_out, sandbox_json(&s), || println!("{id} running"));
+            }
+            _ => return Err(NodeError::Usage(format!("unknown operation {op}"))),
+        }
+    }
+    Ok(())
+}
+
+pub async fn fork(c: &Client, id: &str, count: i32, json_out: bool) -> Result<(), NodeError> {
+    let children = c.fork(id, count).await?;
+    emit(
+        json_out,
+        json!(children.iter().map(sandbox_json).collect::<Vec<_>>()),
+        || {
+            for s in &children {
+                println!("{}", s.id);
+            }
+        },
+    );
+    Ok(())
+}
+
+/// `dsec top`: node budgets and sandboxes by memory, refreshed every 2 s (`--once`: one frame).
+pub async fn top(c: &Client, once: bool, json_out: bool) -> Result<(), NodeError> {
+    loop {
+        let status = c.node_status().await?;
+        let mut list = c.list(HashMap::new()).await?;
+        list.sort_by_key(|s| std::cmp::Reverse(s.usage.unwrap_or_default().memory_bytes));
+        if json_out {
+            println!(
+                "{}",
+                json!({
+                    "sandboxes": list.iter().map(sandbox_json).collect::<Vec<_>>(),
+                    "memory_mib": status.memory_mib.map(|b| json!({"limit": b.limit, "reserved": b.reserved})),
+                    "vcpus": status.vcpus.map(|b| json!({"limit": b.limit, "reserved": b.reserved})),
+                    "creates_total": status.creates_total, "reaped_total": status.reaped_total,
+                    "admission_rejections_total": status.admission_rejections_total,
+                })
+            );
+        } else {
+            if !once {
+                print!("\x1b[2J\x1b[H");
+            }
+            let b = |x: Option<dsec_sdk::Budget>| {
+                x.map(|b| format!("{}/{}", b.reserved, b.limit))
+                    .unwrap_or_default()
+            };
+            println!(
+                "dsec node {}: {} sandboxes | memory MiB {} | vCPUs {} | pids {} | disk MiB {} | creates {} rejected {} reaped {}",
+                status.version, status.sandboxes, b(status.memory_mib), b(status.vcpus), b(status.pids),
+                b(status.disk_mib), status.creates_total, status.admission_rejections_total, status.reaped_total
+            );
+            print_table(&list);
+        }
+        if once {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
+}

@@ -1,0 +1,350 @@
+//! `dsec vm ...`: drive single microVMs directly through `dsec-vmm` — boot one in the
+//! background, run commands in it, pause, snapshot, restore and fork it. The node daemon
+//! offers the same through its API; these commands work without one (and inside the rig).
+//!
+//! A VM lives in a directory: `api.sock` (the VMM's control socket), `vsock.sock` (its
+//! agent), `serial.log`, `vmm.log` and `pid`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dsec_edge::{find_binary, AgentAddr, AgentClient, Artifacts, ExecSpec};
+
+/// Guest command line for the default image: quiet console (every byte is a VM exit).
+const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
+
+#[derive(clap::Subcommand, Debug)]
+pub enum VmCommand {
+    /// Boot a microVM in the background and wait until its agent answers.
+    Boot {
+        /// Directory for the VM's sockets and logs (must not exist).
+        dir: PathBuf,
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        #[arg(long, default_value_t = 1)]
+        vcpus: u8,
+        #[arg(long = "mem", value_name = "MiB", default_value_t = 256)]
+        mem_mib: u64,
+        #[arg(long, default_value_t = 3)]
+        cid: u64,
+        /// Seconds to wait for the agent.
+        #[arg(long, default_value_t = 120.0)]
+        boot_timeout: f64,
+    },
+    /// Run a command in the VM through its agent; exits with the command's exit code.
+    Exec {
+        dir: PathBuf,
+        #[arg(trailing_var_arg = true, required = true)]
+        argv: Vec<String>,
+    },
+    /// Pause the VM's vCPUs and devices.
+    Pause { dir: PathBuf },
+    /// Resume a paused VM.
+    Resume { dir: PathBuf },
+    /// Snapshot the VM into SNAPSHOT (a new directory); a running VM is paused meanwhile.
+    Snapshot {
+        dir: PathBuf,
+        snapshot: PathBuf,
+        /// Only pages written since the previous snapshot of this VM.
+        #[arg(long)]
+        diff: bool,
+    },
+    /// Restore a snapshot into a new VM directory and wait until its agent answers.
+    Restore {
+        snapshot: PathBuf,
+        dir: PathBuf,
+        #[arg(long, default_value_t = 3)]
+        cid: u64,
+        /// Fill memory lazily through userfaultfd.
+        #[arg(long)]
+        lazy: bool,
+        #[arg(long, default_value_t = 120.0)]
+        boot_timeout: f64,
+    },
+    /// Start N children from one snapshot, each with its own vsock socket and CID.
+    Fork {
+        snapshot: PathBuf,
+        /// Children are created as PREFIX-0, PREFIX-1, ...
+        prefix: PathBuf,
+        #[arg(short = 'n', long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 100)]
+        first_cid: u64,
+        #[arg(long, default_value_t = 120.0)]
+        boot_timeout: f64,
+    },
+    /// Stop the VM (its VMM exits) and remove its directory.
+    Rm { dir: PathBuf },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("the VMM refused: {0}")]
+    Vmm(String),
+    #[error(transparent)]
+    Edge(#[from] dsec_edge::EdgeError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
+    let what = what.into();
+    move |source| VmError::Io { what, source }
+}
+
+/// One request on the VMM's control socket.
+fn control(dir: &Path, request: serde_json::Value) -> Result<serde_json::Value, VmError> {
+    let path = dir.join("api.sock");
+    let mut stream = UnixStream::connect(&path).map_err(io(format!(
+        "connect to {} (is the VM running?)",
+        path.display()
+    )))?;
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .map_err(io("send to the VMM"))?;
+    let mut line = String::new();
+    BufReader::new(stream)
+        .read_line(&mut line)
+        .map_err(io("read the VMM's answer"))?;
+    let reply: serde_json::Value = serde_json::from_str(&line)
+        .map_err(|e| VmError::Vmm(format!("unreadable answer {line:?}: {e}")))?;
+    if reply["ok"] != true {
+        return Err(VmError::Vmm(
+            reply["error"]
+                .as_str()
+                .unwrap_or("unknown error")
+                .to_string(),
+        ));
+    }
+    Ok(reply)
+}
+
+fn agent(dir: &Path) -> AgentClient {
+    AgentClient::connect_lazy(AgentAddr::VsockUds {
+        uds: dir.join("vsock.sock"),
+        port: dsec_api::AGENT_VSOCK_PORT,
+    })
+}
+
+/// Starts `dsec-vmm` detached (own process group: it outlives this command).
+fn spawn_vmm(dir: &Path, args: &[String]) -> Result<u32, VmError> {
+    let vmm = find_binary("dsec-vmm").ok_or_else(|| {
+        VmError::Usage("dsec-vmm not found next to dsec, in $DSEC_HOME/bin or on PATH".into())
+    })?;
+    if dir.exists() {
+        return Err(VmError::Usage(format!(
+            "{} already exists; pick a new VM directory",
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
+    let log = std::fs::File::create(dir.join("vmm.log")).map_err(io("create vmm.log"))?;
+    let child = Command::new(vmm)
+        .args(args)
+        .arg("--api-sock")
+        .arg(dir.join("api.sock"))
+        .arg("--vsock-uds")
+        .arg(dir.join("vsock.sock"))
+        .arg("--serial-log")
+        .arg(dir.join("serial.log"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .map_err(io("start dsec-vmm"))?;
+    std::fs::write(dir.join("pid"), child.id().to_string()).map_err(io("write pid"))?;
+    Ok(child.id())
+}
+
+async fn wait_agent(dir: &Path, timeout: f64) -> Result<Duration, VmError> {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(timeout.max(0.1));
+    loop {
+        if let Ok(client) = AgentClient::connect(AgentAddr::VsockUds {
+            uds: dir.join("vsock.sock"),
+            port: dsec_api::AGENT_VSOCK_PORT,
+        })
+        .await
+        {
+            if client.info().await.is_ok() {
+                return Ok(started.elapsed());
+            }
+        }
+        let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+        if !dir.join("api.sock").exists() && !log.is_empty() {
+            return Err(VmError::Vmm(format!("VMM exited: {}", log.trim())));
+        }
+        if Instant::now() > deadline {
+            return Err(VmError::Vmm(format!(
+                "agent did not answer within {timeout} s; see {}",
+                dir.join("serial.log").display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub async fn run(command: VmCommand) -> Result<i32, VmError> {
+    match command {
+        VmCommand::Boot {
+            dir,
+            kernel,
+            initrd,
+            vcpus,
+            mem_mib,
+            cid,
+            boot_timeout,
+        } => {
+            let artifacts = Artifacts::from_env();
+            let kernel = kernel.unwrap_or(artifacts.kernel);
+            let initrd = initrd.unwrap_or(artifacts.initramfs);
+            let args: Vec<String> = vec![
+                "--kernel".into(),
+                kernel.display().to_string(),
+                "--initrd".into(),
+                initrd.display().to_string(),
+                "--cmdline".into(),
+                CMDLINE.into(),
+                "--vcpus".into(),
+                vcpus.to_string(),
+                "--mem-mib".into(),
+                mem_mib.to_string(),
+                "--vsock-cid".into(),
+                cid.to_string(),
+            ];
+            let pid = spawn_vmm(&dir, &args)?;
+            let ready = wait_agent(&dir, boot_timeout).await?;
+            println!(
+                "booted {} (pid {pid}): agent ready after {:.0} ms",
+                dir.display(),
+                ready.as_secs_f64() * 1e3
+            );
+            Ok(0)
+        }
+        VmCommand::Exec { dir, argv } => {
+            let outcome = agent(&dir)
+                .exec(
+                    &ExecSpec::new(argv),
+                    None::<tokio::io::Stdin>,
+                    &mut tokio::io::stdout(),
+                    &mut tokio::io::stderr(),
+                )
+                .await?;
+            Ok(outcome.exit_code())
+        }
+        VmCommand::Pause { dir } => {
+            control(&dir, serde_json::json!({"op": "pause"}))?;
+            println!("paused {}", dir.display());
+            Ok(0)
+        }
+        VmCommand::Resume { dir } => {
+            control(&dir, serde_json::json!({"op": "resume"}))?;
+            println!("resumed {}", dir.display());
+            Ok(0)
+        }
+        VmCommand::Snapshot {
+            dir,
+            snapshot,
+            diff,
+        } => {
+            let snapshot = std::path::absolute(&snapshot).map_err(io("resolve snapshot path"))?;
+            let r = control(
+                &dir,
+                serde_json::json!({"op": "snapshot", "path": snapshot, "diff": diff}),
+            )?;
+            println!(
+                "snapshot {} ({}): {} pages written, VM paused {:.1} ms",
+                snapshot.display(),
+                if diff { "diff" } else { "full" },
+                r["pages_written"],
+                r["paused_ms"].as_f64().unwrap_or(0.0)
+            );
+            Ok(0)
+        }
+        VmCommand::Restore {
+            snapshot,
+            dir,
+            cid,
+            lazy,
+            boot_timeout,
+        } => {
+            let mut args = vec![
+                "--restore".to_string(),
+                snapshot.display().to_string(),
+                "--vsock-cid".into(),
+                cid.to_string(),
+            ];
+            if lazy {
+                args.push("--lazy".into());
+            }
+            let pid = spawn_vmm(&dir, &args)?;
+            let ready = wait_agent(&dir, boot_timeout).await?;
+            println!(
+                "restored {} into {} (pid {pid}): agent ready after {:.1} ms",
+                snapshot.display(),
+                dir.display(),
+                ready.as_secs_f64() * 1e3
+            );
+            Ok(0)
+        }
+        VmCommand::Fork {
+            snapshot,
+            prefix,
+            count,
+            first_cid,
+            boot_timeout,
+        } => {
+            let started = Instant::now();
+            let mut dirs = Vec::new();
+            for i in 0..count {
+                let mut name = prefix.clone().into_os_string();
+                name.push(format!("-{i}"));
+                let dir = PathBuf::from(name);
+                let args = vec![
+                    "--restore".to_string(),
+                    snapshot.display().to_string(),
+                    "--vsock-cid".into(),
+                    (first_cid + u64::from(i)).to_string(),
+                ];
+                spawn_vmm(&dir, &args)?;
+                dirs.push(dir);
+            }
+            for dir in &dirs {
+                wait_agent(dir, boot_timeout).await?;
+                println!("{}", dir.display());
+            }
+            let total = started.elapsed().as_secs_f64() * 1e3;
+            eprintln!(
+                "forked {count} children of {} in {total:.0} ms ({:.1} ms per child, agents answering)",
+                snapshot.display(),
+                total / f64::from(count.max(1))
+            );
+            Ok(0)
+        }
+        VmCommand::Rm { dir } => {
+            if let Err(e) = control(&dir, serde_json::json!({"op": "stop"})) {
+                eprintln!("dsec: {e}; removing the directory anyway");
+            }
+            // The VMM removes its sockets as it exits; give it a moment before the rest.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while dir.join("api.sock").exists() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            std::fs::remove_dir_all(&dir).map_err(io(format!("remove {}", dir.display())))?;
+            println!("removed {}", dir.display());
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,57 @@
+#!/bin/sh
+# Runs inside the rig's L1: snapshot, restore and fork of a real Linux guest through
+# `dsec vm`. A file and a background process started before the snapshot must both still be
+# there after the VM is killed and restored, and the process must keep running; forks each
+# answer on their own socket and write privately.
+# Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
+pass=0; fail=0
+ok()  { echo "PASS $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
+now() { cut -d' ' -f1 /proc/uptime; }
+ms() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.0f", (b-a)*1000}'; }
+K=/guest/vmlinux
+I=/guest/initramfs.cpio
+cd /tmp
+
+t0=$(now)
+if ! dsec vm boot /tmp/vm1 --kernel $K --initrd $I >/tmp/boot.out 2>&1; then
+    bad boot "$(cat /tmp/boot.out)"; tail -20 /tmp/vm1/serial.log /tmp/vm1/vmm.log
+    echo "$pass passed, $fail failed"; exit 1
+fi
+echo "METRIC boot_to_agent_ms $(ms "$t0" "$(now)")"
+dsec vm exec /tmp/vm1 -- sh -c 'echo kept > /root/file
+(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) </dev/null >/dev/null 2>&1 &
+echo $! > /root/bgpid'
+sleep 1
+before=$(dsec vm exec /tmp/vm1 -- cat /tmp/count)
+t0=$(now)
+dsec vm snapshot /tmp/vm1 /tmp/snap1 && ok snapshot || bad snapshot "exit $?"
+echo "METRIC snapshot_ms $(ms "$t0" "$(now)")"
+dsec vm rm /tmp/vm1 >/dev/null && [ ! -e /tmp/vm1 ] && ok kill-original || bad kill-original "vm1 still there"
+
+t0=$(now)
+dsec vm restore /tmp/snap1 /tmp/vm2 && ok restore || bad restore "exit $?; $(cat /tmp/vm2/vmm.log 2>/dev/null)"
+echo "METRIC restore_to_agent_ms $(ms "$t0" "$(now)")"
+[ "$(dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] && ok file-survives || bad file-survives "file lost"
+pid=$(dsec vm exec /tmp/vm2 -- cat /root/bgpid)
+dsec vm exec /tmp/vm2 -- kill -0 "$pid" && ok process-survives || bad process-survives "pid $pid gone"
+c1=$(dsec vm exec /tmp/vm2 -- cat /tmp/count); sleep 1; c2=$(dsec vm exec /tmp/vm2 -- cat /tmp/count)
+if [ "$c1" -ge "$before" ] 2>/dev/null && [ "$c2" -gt "$c1" ] 2>/dev/null; then
+    ok process-keeps-running
+else
+    bad process-keeps-running "count before=$before after restore=$c1 then $c2"
+fi
+
+t0=$(now)
+if dsec vm fork /tmp/snap1 /tmp/child -n 3 >/tmp/fork.out 2>&1; then ok fork; else bad fork "$(cat /tmp/fork.out)"; fi
+echo "METRIC fork3_to_agents_ms $(ms "$t0" "$(now)")"
+for i in 0 1 2; do dsec vm exec /tmp/child-$i -- sh -c "echo child-$i > /root/file"; done
+private=1
+for i in 0 1 2; do [ "$(dsec vm exec /tmp/child-$i -- cat /root/file)" = "child-$i" ] || private=0; done
+[ "$(dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] || private=0
+[ $private = 1 ] && ok forks-write-privately || bad forks-write-privately "a child saw another's write"
+[ -S /tmp/child-0/vsock.sock ] && [ -S /tmp/child-2/vsock.sock ] && ok forks-own-sockets || bad forks-own-sockets "missing"
+
+for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2; do dsec vm rm $d >/dev/null 2>&1; done
+echo "$pass passed, $fail failed"
+exit $fail

@@ -59,23 +59,27 @@ pub enum VmCommand {
     Restore {
         snapshot: PathBuf,
         dir: PathBuf,
-        #[arg(long, default_value_t = 3)]
-        cid: u64,
+        /// Give the restored guest this CID (default: the snapshot's).
+        #[arg(long)]
+        cid: Option<u64>,
         /// Fill memory lazily through userfaultfd.
         #[arg(long)]
         lazy: bool,
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
     },
-    /// Start N children from one snapshot, each with its own vsock socket and CID.
+    /// Start N children from one snapshot, each with its own vsock socket. They keep the
+    /// snapshot's guest CID unless --first-cid is given: the CID only addresses the guest on
+    /// its own device, and a Linux guest does not yet pick up a new one after a restore.
     Fork {
         snapshot: PathBuf,
         /// Children are created as PREFIX-0, PREFIX-1, ...
         prefix: PathBuf,
         #[arg(short = 'n', long, default_value_t = 1)]
         count: u32,
-        #[arg(long, default_value_t = 100)]
-        first_cid: u64,
+        /// Give child i the CID FIRST_CID + i.
+        #[arg(long)]
+        first_cid: Option<u64>,
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
     },
@@ -280,12 +284,11 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             lazy,
             boot_timeout,
         } => {
-            let mut args = vec![
-                "--restore".to_string(),
-                snapshot.display().to_string(),
-                "--vsock-cid".into(),
-                cid.to_string(),
-            ];
+            let mut args = vec!["--restore".to_string(), snapshot.display().to_string()];
+            if let Some(cid) = cid {
+                args.push("--vsock-cid".into());
+                args.push(cid.to_string());
+            }
             if lazy {
                 args.push("--lazy".into());
             }
@@ -312,12 +315,11 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                 let mut name = prefix.clone().into_os_string();
                 name.push(format!("-{i}"));
                 let dir = PathBuf::from(name);
-                let args = vec![
-                    "--restore".to_string(),
-                    snapshot.display().to_string(),
-                    "--vsock-cid".into(),
-                    (first_cid + u64::from(i)).to_string(),
-                ];
+                let mut args = vec!["--restore".to_string(), snapshot.display().to_string()];
+                if let Some(first) = first_cid {
+                    args.push("--vsock-cid".into());
+                    args.push((first + u64::from(i)).to_string());
+                }
                 spawn_vmm(&dir, &args)?;
                 dirs.push(dir);
             }

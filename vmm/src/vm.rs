@@ -371,8 +371,9 @@ impl Vm {
         let (exit_tx, exit_rx) = channel();
         let times = Arc::new(BootTimes::default());
         let sink = serial_sink(&config.serial, &times)?;
-        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, Some(&state.devices))?;
-        // In-kernel devices and the clock before the vCPUs run.
+        // In-kernel interrupt controllers before the devices: a device that raises an
+        // interrupt as it comes back (vsock announcing the transport reset) must not have it
+        // wiped by restoring the controller state afterwards.
         for chip in &state.irqchips {
             fd.set_irqchip(chip)
                 .map_err(kvm_err("restore the interrupt controller"))?;
@@ -383,6 +384,7 @@ impl Vm {
         clock.flags = 0;
         fd.set_clock(&clock)
             .map_err(kvm_err("restore the guest clock"))?;
+        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, Some(&state.devices))?;
         let regions = state.memory.regions.clone();
         let mut vm = Vm::assemble(
             config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,

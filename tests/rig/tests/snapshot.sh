@@ -43,12 +43,12 @@ else
 fi
 
 t0=$(now)
-if dsec vm fork /tmp/snap1 /tmp/child -n 3 >/tmp/fork.out 2>&1; then ok fork; else bad fork "$(cat /tmp/fork.out)"; fi
+if timeout 200 dsec vm fork /tmp/snap1 /tmp/child -n 3 >/tmp/fork.out 2>&1; then ok fork; else bad fork "$(cat /tmp/fork.out)"; fi
 echo "METRIC fork3_to_agents_ms $(ms "$t0" "$(now)")"
-for i in 0 1 2; do dsec vm exec /tmp/child-$i -- sh -c "echo child-$i > /root/file"; done
+for i in 0 1 2; do timeout 60 dsec vm exec /tmp/child-$i -- sh -c "echo child-$i > /root/file"; done
 private=1
-for i in 0 1 2; do [ "$(dsec vm exec /tmp/child-$i -- cat /root/file)" = "child-$i" ] || private=0; done
-[ "$(dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] || private=0
+for i in 0 1 2; do [ "$(timeout 60 dsec vm exec /tmp/child-$i -- cat /root/file)" = "child-$i" ] || private=0; done
+[ "$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] || private=0
 [ $private = 1 ] && ok forks-write-privately || bad forks-write-privately "a child saw another's write"
 [ -S /tmp/child-0/vsock.sock ] && [ -S /tmp/child-2/vsock.sock ] && ok forks-own-sockets || bad forks-own-sockets "missing"
 

@@ -288,7 +288,7 @@ impl Muxer {
     pub fn announce_transport_reset(&mut self) {
         let mem = self.mem.clone();
         let Some(chain) = self.event.pop_descriptor_chain(&mem) else {
-            tracing::debug!("guest gave no vsock event buffer; cannot announce the reset");
+            tracing::warn!("guest gave no vsock event buffer; cannot announce the reset");
             return;
         };
         let head = chain.head_index();
@@ -300,6 +300,7 @@ impl Muxer {
             Err(_) => 0,
         };
         if self.event.add_used(&mem, head, written).is_ok() {
+            tracing::debug!(written, "announced vsock transport reset");
             self.interrupt.signal_used_queue();
         }
     }

@@ -172,6 +172,28 @@ fn spawn_vmm(dir: &Path, args: &[String]) -> Result<u32, VmError> {
     Ok(child.id())
 }
 
+/// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot: give it
+/// fresh host entropy and the host's time. Returns the clock skew that was corrected.
+async fn refresh(dir: &Path) -> Result<Duration, VmError> {
+    use std::io::Read;
+    let mut entropy = vec![0u8; 64];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(io("read host entropy"))?;
+    Ok(agent(dir).refresh(entropy).await?)
+}
+
+/// A restored VM that could not be given fresh entropy must not be used: stop it.
+async fn refresh_or_remove(dir: &Path) -> Result<Duration, VmError> {
+    match refresh(dir).await {
+        Ok(skew) => Ok(skew),
+        Err(e) => {
+            let _ = control(dir, serde_json::json!({"op": "stop"}));
+            Err(e)
+        }
+    }
+}
+
 async fn wait_agent(dir: &Path, timeout: f64) -> Result<Duration, VmError> {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(timeout.max(0.1));
@@ -294,11 +316,13 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             }
             let pid = spawn_vmm(&dir, &args)?;
             let ready = wait_agent(&dir, boot_timeout).await?;
+            let skew = refresh_or_remove(&dir).await?;
             println!(
-                "restored {} into {} (pid {pid}): agent ready after {:.1} ms",
+                "restored {} into {} (pid {pid}): agent ready after {:.1} ms; RNG reseeded, clock corrected by {:.1} s",
                 snapshot.display(),
                 dir.display(),
-                ready.as_secs_f64() * 1e3
+                ready.as_secs_f64() * 1e3,
+                skew.as_secs_f64()
             );
             Ok(0)
         }
@@ -325,6 +349,8 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             }
             for dir in &dirs {
                 wait_agent(dir, boot_timeout).await?;
+                // Each child gets its own entropy: forks must not share random streams.
+                refresh_or_remove(dir).await?;
                 println!("{}", dir.display());
             }
             let total = started.elapsed().as_secs_f64() * 1e3;

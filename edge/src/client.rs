@@ -173,6 +173,25 @@ impl AgentClient {
             .map_err(|s| EdgeError::agent("info", s))
     }
 
+    /// After a restore or fork: reseed the guest RNG with `entropy` and set its wall clock
+    /// to the host's. Returns how far the guest clock was off (guest minus host).
+    pub async fn refresh(&self, entropy: Vec<u8>) -> Result<std::time::Duration> {
+        let realtime_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0);
+        let response = AgentRpc::new(self.channel.clone())
+            .refresh(dsec_api::agent::v1::RefreshRequest {
+                entropy,
+                realtime_ns,
+            })
+            .await
+            .map_err(|s| EdgeError::agent("refresh", s))?;
+        Ok(std::time::Duration::from_nanos(
+            response.into_inner().clock_skew_ns.unsigned_abs(),
+        ))
+    }
+
     pub async fn shutdown(&self) -> Result<()> {
         AgentRpc::new(self.channel.clone())
             .shutdown(ShutdownRequest {})

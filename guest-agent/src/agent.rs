@@ -1,9 +1,11 @@
-//! The Agent service: identity and shutdown.
+//! The Agent service: identity, refresh after restore, and shutdown.
 
 use std::time::Duration;
 
 use dsec_api::agent::v1::agent_server::Agent;
-use dsec_api::agent::v1::{InfoRequest, InfoResponse, ShutdownRequest, ShutdownResponse};
+use dsec_api::agent::v1::{
+    InfoRequest, InfoResponse, RefreshRequest, RefreshResponse, ShutdownRequest, ShutdownResponse,
+};
 use tonic::{Request, Response, Status};
 
 use crate::Mode;
@@ -11,6 +13,37 @@ use crate::Mode;
 /// Serves `dsec.agent.v1.Agent`.
 pub struct AgentService {
     pub mode: Mode,
+}
+
+/// More than enough to reseed a CRNG; bounds what a caller can make us write.
+const MAX_ENTROPY: usize = 4096;
+
+/// Adds `entropy` to the input pool, credited (the host's getrandom output is full-entropy, and
+/// a young guest's CRNG may not be initialised yet), then forces an immediate CRNG reseed, so
+/// two forks of one snapshot diverge from their very next read.
+fn reseed(entropy: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // RNDADDENTROPY = _IOW('R', 0x03, int[2]); RNDRESEEDCRNG = _IO('R', 0x07).
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    let urandom = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info: Vec<u8> = Vec::with_capacity(8 + entropy.len());
+    info.extend_from_slice(&((entropy.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(entropy);
+    // SAFETY: `info` is a complete rand_pool_info whose buf_size matches the bytes after its
+    // header; the kernel only reads it. The result is checked.
+    if unsafe { libc::ioctl(urandom.as_raw_fd(), RNDADDENTROPY as _, info.as_ptr()) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: an argument-less ioctl on a descriptor we own; the result is checked.
+    if unsafe { libc::ioctl(urandom.as_raw_fd(), RNDRESEEDCRNG as _) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Time since the kernel booted (in a container: the host's).
@@ -33,6 +66,42 @@ impl Agent for AgentService {
             uptime_ms: uptime_ms(),
             hostname: uname.nodename().to_string_lossy().into_owned(),
             mode: self.mode.as_str().to_string(),
+        }))
+    }
+
+    async fn refresh(
+        &self,
+        request: Request<RefreshRequest>,
+    ) -> Result<Response<RefreshResponse>, Status> {
+        let request = request.into_inner();
+        if request.entropy.len() > MAX_ENTROPY {
+            return Err(Status::invalid_argument(format!(
+                "entropy is {} bytes; send at most {MAX_ENTROPY}",
+                request.entropy.len()
+            )));
+        }
+        if !request.entropy.is_empty() {
+            reseed(&request.entropy)
+                .map_err(|e| Status::internal(format!("cannot reseed the kernel RNG: {e}")))?;
+        }
+        let mut skew = 0;
+        if request.realtime_ns > 0 {
+            let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_REALTIME)
+                .map_err(|e| Status::internal(format!("read the clock: {e}")))?;
+            let guest_ns = now.tv_sec() as i64 * 1_000_000_000 + now.tv_nsec() as i64;
+            skew = guest_ns - request.realtime_ns;
+        }
+        // Only a VM owns its clock: a container or plain process shares the host's.
+        if request.realtime_ns > 0 && self.mode == Mode::Vm {
+            let ts = nix::sys::time::TimeSpec::new(
+                request.realtime_ns / 1_000_000_000,
+                request.realtime_ns % 1_000_000_000,
+            );
+            nix::time::clock_settime(nix::time::ClockId::CLOCK_REALTIME, ts)
+                .map_err(|e| Status::permission_denied(format!("cannot set the clock: {e}")))?;
+        }
+        Ok(Response::new(RefreshResponse {
+            clock_skew_ns: skew,
         }))
     }
 

@@ -273,3 +273,17 @@ async fn signals_reach_the_process_group() {
     );
     assert_eq!(outcome.code, Some(5));
 }
+
+#[tokio::test]
+async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() {
+    let agent = Agent::start("refresh").await;
+    // A plain process shares the host clock: the skew is measured, the clock is left alone.
+    let skew = agent.client.refresh(vec![7u8; 64]).await.unwrap();
+    assert!(skew < Duration::from_secs(5), "skew {skew:?}");
+    let err = agent
+        .client
+        .refresh(vec![0u8; 64 * 1024])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("at most"), "{err}");
+}

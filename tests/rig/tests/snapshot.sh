@@ -28,11 +28,16 @@ t0=$(now)
 dsec vm snapshot /tmp/vm1 /tmp/snap1 && ok snapshot || bad snapshot "exit $?"
 echo "METRIC snapshot_ms $(ms "$t0" "$(now)")"
 dsec vm rm /tmp/vm1 >/dev/null && [ ! -e /tmp/vm1 ] && ok kill-original || bad kill-original "vm1 still there"
+# The guest clock stops at the snapshot; restore must bring it back to the host's time.
+sleep 4
 
 t0=$(now)
 dsec vm restore /tmp/snap1 /tmp/vm2 && ok restore || bad restore "exit $?; $(cat /tmp/vm2/vmm.log 2>/dev/null)"
 echo "METRIC restore_to_agent_ms $(ms "$t0" "$(now)")"
 [ "$(dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] && ok file-survives || bad file-survives "file lost"
+guest_now=$(dsec vm exec /tmp/vm2 -- date +%s); host_now=$(date +%s)
+diff=$((guest_now - host_now)); [ $diff -lt 0 ] && diff=$((-diff))
+[ $diff -le 2 ] && ok clock-corrected || bad clock-corrected "guest $guest_now vs host $host_now"
 pid=$(dsec vm exec /tmp/vm2 -- cat /root/bgpid)
 dsec vm exec /tmp/vm2 -- kill -0 "$pid" && ok process-survives || bad process-survives "pid $pid gone"
 c1=$(dsec vm exec /tmp/vm2 -- cat /tmp/count); sleep 1; c2=$(dsec vm exec /tmp/vm2 -- cat /tmp/count)
@@ -51,6 +56,9 @@ for i in 0 1 2; do [ "$(timeout 60 dsec vm exec /tmp/child-$i -- cat /root/file)
 [ "$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] || private=0
 [ $private = 1 ] && ok forks-write-privately || bad forks-write-privately "a child saw another's write"
 [ -S /tmp/child-0/vsock.sock ] && [ -S /tmp/child-2/vsock.sock ] && ok forks-own-sockets || bad forks-own-sockets "missing"
+r0=$(timeout 60 dsec vm exec /tmp/child-0 -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
+r1=$(timeout 60 dsec vm exec /tmp/child-1 -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
+[ -n "$r0" ] && [ "$r0" != "$r1" ] && ok forks-fresh-entropy || bad forks-fresh-entropy "children read the same random bytes: $r0"
 
 for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2; do dsec vm rm $d >/dev/null 2>&1; done
 echo "$pass passed, $fail failed"

@@ -466,3 +466,45 @@ fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
     second.stop();
     assert!(counter(&out) > at_snapshot, "prefetched guest did not run");
 }
+
+#[test]
+fn full_disk_fails_the_snapshot_and_leaves_nothing() {
+    let s = Scratch::new("full-disk");
+    let small = s.path("small");
+    std::fs::create_dir_all(&small).unwrap();
+    // 16 KiB cannot hold the state file (~23 KiB) plus the touched pages.
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16k", "dsec-test-full"])
+        .arg(&small)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(mounted, "this test needs root to mount a small tmpfs");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(small.clone());
+    let mut vm = boot_counter(&s);
+    wait_until("the guest to start counting", || {
+        let probe = s.path("probe");
+        let _ = std::fs::remove_dir_all(&probe);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": probe}));
+        counter(&probe) > 0
+    });
+    let dest = small.join("snap");
+    let r = vm.request(serde_json::json!({"op": "snapshot", "path": dest}));
+    assert_eq!(r["ok"], false, "{r}");
+    let error = r["error"].as_str().unwrap();
+    assert!(
+        error.contains("disk full") || error.contains("No space"),
+        "{error}"
+    );
+    // Nothing half-written remains, and the VM keeps running.
+    assert_eq!(std::fs::read_dir(&small).unwrap().count(), 0);
+    let after = s.path("after");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": after}));
+    vm.stop();
+}

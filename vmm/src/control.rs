@@ -34,13 +34,19 @@ enum Request {
 
 /// Binds the socket and serves it on a background thread.
 pub fn serve(vm: Arc<Vm>, path: &Path) -> std::io::Result<()> {
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path).map_err(|e| {
+    // Bind under a temporary name and rename: clients that wait for the path to appear
+    // must never find a socket that is not listening yet.
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|e| {
         std::io::Error::new(
             e.kind(),
             format!("bind control socket {}: {e}", path.display()),
         )
     })?;
+    std::fs::rename(&tmp, path)?;
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {

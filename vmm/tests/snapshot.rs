@@ -113,9 +113,17 @@ impl Vmm {
     }
 
     fn request(&mut self, req: serde_json::Value) -> serde_json::Value {
-        let mut s = match UnixStream::connect(&self.api) {
-            Ok(s) => s,
-            Err(e) => panic!("{req}: control socket: {e}; {}", self.post_mortem()),
+        // The socket file appears at bind(), a moment before listen(): retry briefly.
+        let mut attempt = 0;
+        let mut s = loop {
+            match UnixStream::connect(&self.api) {
+                Ok(s) => break s,
+                Err(e) if attempt < 100 && e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    attempt += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("{req}: control socket: {e}; {}", self.post_mortem()),
+            }
         };
         s.write_all(format!("{req}\n").as_bytes()).unwrap();
         let mut line = String::new();

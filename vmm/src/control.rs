@@ -47,6 +47,11 @@ pub fn serve(vm: Arc<Vm>, path: &Path) -> std::io::Result<()> {
         )
     })?;
     std::fs::rename(&tmp, path)?;
+    serve_on(vm, listener)
+}
+
+/// Serves an already-bound control socket on a background thread.
+pub fn serve_on(vm: Arc<Vm>, listener: UnixListener) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
@@ -152,4 +157,67 @@ fn execute(vm: &Vm, request: Request) -> Value {
         Ok(other) => json!({"ok": true, "result": other}),
         Err(e) => error(&e),
     }
+}
+
+/// What a prewarmed VMM is asked to restore (`{"op":"restore",...}`).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreRequest {
+    pub op: String,
+    pub path: PathBuf,
+    #[serde(default)]
+    pub vsock_uds: Option<PathBuf>,
+    #[serde(default)]
+    pub vsock_cid: Option<u64>,
+    #[serde(default)]
+    pub lazy: bool,
+    #[serde(default)]
+    pub prefetch: bool,
+}
+
+/// For a prewarmed VMM: waits on the control socket for one valid `restore` request and
+/// returns it with the connection to answer on. Other requests get an error reply.
+pub fn accept_restore(path: &Path) -> std::io::Result<(RestoreRequest, UnixStream, UnixListener)> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp)?;
+    std::fs::rename(&tmp, path)?;
+    for stream in listener.incoming().flatten() {
+        let Ok(mut writer) = stream.try_clone() else {
+            continue;
+        };
+        let mut line = String::new();
+        let mut reader = BufReader::new(std::io::Read::take(stream, MAX_REQUEST));
+        if reader.read_line(&mut line).is_err() {
+            continue;
+        }
+        match serde_json::from_str::<RestoreRequest>(line.trim()) {
+            Ok(request) if request.op == "restore" => {
+                // The same listener serves the normal control requests once the VM exists,
+                // so the socket never disappears in between.
+                return Ok((request, writer, listener));
+            }
+            Ok(_) => {
+                let _ = reply(
+                    &mut writer,
+                    &error("this VMM is prewarmed: send a restore first"),
+                );
+            }
+            Err(e) => {
+                let _ = reply(&mut writer, &error(&format!("bad restore request: {e}")));
+            }
+        }
+    }
+    Err(std::io::Error::other("control socket closed"))
+}
+
+/// Answers the restore request of a prewarmed VMM.
+pub fn answer_restore(mut stream: UnixStream, result: Result<f64, String>) {
+    let v = match result {
+        Ok(ms) => json!({"ok": true, "restore_ms": ms}),
+        Err(e) => error(&e),
+    };
+    let _ = reply(&mut stream, &v);
 }

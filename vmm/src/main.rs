@@ -38,6 +38,11 @@ struct Args {
     /// snapshot's working set (for --prefetch next time).
     #[arg(long, requires = "lazy", value_name = "MS")]
     record_working_set: Option<u64>,
+    /// Create the VM (memory slots, irqchip, vCPUs) now, with --mem-mib/--vcpus, and wait on
+    /// --api-sock for `{"op":"restore","path":DIR[,"vsock_uds":P,"vsock_cid":N,"lazy":true]}`:
+    /// a pool of these restores snapshots without paying for KVM setup.
+    #[arg(long, requires = "api_sock", conflicts_with_all = ["restore", "kernel", "config"])]
+    prewarm: bool,
     /// Do not start the vCPUs until a `resume` arrives on the control socket.
     #[arg(long, requires = "api_sock")]
     paused: bool,
@@ -191,6 +196,37 @@ fn overrides(args: &Args) -> RestoreOverrides {
 
 /// Builds (or restores) the VM, serves the control socket, runs until the VM stops.
 /// Also returns when the VM was ready to run (ns since the epoch) for the metrics.
+/// Builds the VM shell now, then restores the snapshot named by the first restore request.
+fn restore_prewarmed(
+    args: &Args,
+    sock: &std::path::Path,
+) -> Result<(Vm, std::os::unix::net::UnixListener), String> {
+    let shell = dsec_vmm::vm::Prewarmed::new(args.mem_mib.unwrap_or(256), args.vcpus.unwrap_or(1))
+        .map_err(|e| e.to_string())?;
+    let (request, answer, listener) =
+        dsec_vmm::control::accept_restore(sock).map_err(|e| e.to_string())?;
+    let started = std::time::Instant::now();
+    let mut overrides = overrides(args);
+    overrides.vsock_uds = request.vsock_uds.or(overrides.vsock_uds);
+    overrides.vsock_cid = request.vsock_cid.or(overrides.vsock_cid);
+    if request.lazy {
+        overrides.lazy = Some(dsec_vmm::LazyRestore {
+            prefetch: request.prefetch,
+            record: None,
+        });
+    }
+    let result =
+        Vm::restore_into(Some(shell), &request.path, &overrides).map_err(|e| e.to_string());
+    dsec_vmm::control::answer_restore(
+        answer,
+        result
+            .as_ref()
+            .map(|_| started.elapsed().as_secs_f64() * 1e3)
+            .map_err(Clone::clone),
+    );
+    result.map(|vm| (vm, listener))
+}
+
 fn block_stop_signals() -> libc::sigset_t {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it, and
     // pthread_sigmask only changes this thread's mask.
@@ -221,9 +257,14 @@ fn watch_stop_signals(vm: Arc<Vm>, set: libc::sigset_t) {
 }
 
 fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport, String>, u64) {
-    let vm: Result<Vm, String> = match &args.restore {
-        Some(dir) => Vm::restore(dir, &overrides(args)).map_err(|e| e.to_string()),
-        None => build_config(args).and_then(|c| Vm::new(c).map_err(|e| e.to_string())),
+    let mut prewarm_listener = None;
+    let vm: Result<Vm, String> = match (&args.restore, args.prewarm, &args.api_sock) {
+        (Some(dir), _, _) => Vm::restore(dir, &overrides(args)).map_err(|e| e.to_string()),
+        (None, true, Some(sock)) => restore_prewarmed(args, sock).map(|(vm, listener)| {
+            prewarm_listener = Some(listener);
+            vm
+        }),
+        _ => build_config(args).and_then(|c| Vm::new(c).map_err(|e| e.to_string())),
     };
     let vm = match vm {
         Ok(vm) => Arc::new(vm),
@@ -236,10 +277,13 @@ fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport
     if !args.paused {
         vm.start();
     }
-    if let Some(sock) = &args.api_sock {
-        if let Err(e) = dsec_vmm::control::serve(vm.clone(), sock) {
-            return (Err(e.to_string()), loaded_ns);
-        }
+    let served = match (prewarm_listener, &args.api_sock) {
+        (Some(listener), _) => dsec_vmm::control::serve_on(vm.clone(), listener),
+        (None, Some(sock)) => dsec_vmm::control::serve(vm.clone(), sock),
+        (None, None) => Ok(()),
+    };
+    if let Err(e) = served {
+        return (Err(e.to_string()), loaded_ns);
     }
     let report = vm.wait();
     // Device threads die with the process: remove the sockets they own here.

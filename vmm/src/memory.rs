@@ -109,6 +109,63 @@ pub fn from_file(file: File, regions: &[RegionLayout]) -> Result<GuestMemory, Me
     })
 }
 
+/// Replaces the pages of already-mapped (and KVM-registered) guest memory with a private
+/// mapping of a snapshot's memory file at the same addresses. KVM follows the new mapping
+/// through its MMU notifiers; the memory slots stay as they are.
+pub fn map_file_over(
+    mem: &GuestMemory,
+    file: &File,
+    regions: &[RegionLayout],
+) -> Result<(), MemoryError> {
+    use std::os::fd::AsRawFd;
+    let needed = regions
+        .iter()
+        .map(|r| r.file_offset + r.size)
+        .max()
+        .unwrap_or(0);
+    let actual = file.metadata().map_err(MemoryError::Write)?.len();
+    if actual < needed {
+        return Err(MemoryError::FileSize {
+            expected: needed,
+            actual,
+        });
+    }
+    for (region, layout) in mem.iter().zip(regions) {
+        if region.len() != layout.size || region.start_addr().0 != layout.guest_addr {
+            return Err(MemoryError::Map {
+                size: layout.size,
+                reason: "prewarmed memory layout differs from the snapshot's".into(),
+            });
+        }
+        let host = region
+            .get_host_address(MemoryRegionAddress(0))
+            .map_err(|e| MemoryError::Map {
+                size: layout.size,
+                reason: e.to_string(),
+            })?;
+        // SAFETY: MAP_FIXED over a range that is exactly one of our own live mappings (same
+        // address and length), so no other mapping is clobbered; vm-memory keeps owning and
+        // eventually unmapping the range.
+        let mapped = unsafe {
+            libc::mmap(
+                host.cast(),
+                layout.size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                layout.file_offset as libc::off_t,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            return Err(MemoryError::Map {
+                size: layout.size,
+                reason: std::io::Error::last_os_error().to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Hands every region to KVM, optionally with dirty-page logging (for diff snapshots).
 pub fn register(vm: &VmFd, mem: &GuestMemory, dirty_log: bool) -> Result<(), MemoryError> {
     for (slot, region) in mem.iter().enumerate() {

@@ -345,6 +345,16 @@ impl Vm {
 
     /// Restores a VM from a snapshot directory (and its diff chain). It starts paused.
     pub fn restore(dir: &Path, overrides: &RestoreOverrides) -> Result<Vm, VmError> {
+        Vm::restore_into(None, dir, overrides)
+    }
+
+    /// Restores into `shell` when given: its VM, memory slots and vCPUs already exist, so only
+    /// the snapshot's state is loaded (the KVM setup is what dominates a restore).
+    pub fn restore_into(
+        shell: Option<Prewarmed>,
+        dir: &Path,
+        overrides: &RestoreOverrides,
+    ) -> Result<Vm, VmError> {
         let state = snapshot::read_state(dir)?;
         let mut config = state.config.clone();
         if let Some(vsock) = config.vsock.as_mut() {
@@ -358,16 +368,38 @@ impl Vm {
         if let Some(serial) = &overrides.serial {
             config.serial = serial.clone();
         }
-        let kvm = open_kvm()?;
-        let fd = create_vm_fd(&kvm)?;
+        let (kvm, fd, shell_mem, mut shell_vcpus) = match shell {
+            Some(p) => {
+                if p.mem_mib != state.config.mem_mib
+                    || p.vcpus.len() != usize::from(state.config.vcpus)
+                {
+                    return Err(VmError::State(format!(
+                        "prewarmed VM has {} MiB and {} vCPUs; the snapshot needs {} MiB and {}",
+                        p.mem_mib,
+                        p.vcpus.len(),
+                        state.config.mem_mib,
+                        state.config.vcpus
+                    )));
+                }
+                (p.kvm, p.fd, Some(p.mem), p.vcpus)
+            }
+            None => {
+                let kvm = open_kvm()?;
+                let fd = create_vm_fd(&kvm)?;
+                (kvm, fd, None, Vec::new())
+            }
+        };
+        let prewarmed = shell_mem.is_some();
         let (mem, uffd) = match &overrides.lazy {
-            None => (restore_memory(dir, &state)?, None),
+            None => (restore_memory(dir, &state, shell_mem)?, None),
             Some(lazy) => {
-                let (mem, handler) = restore_memory_lazily(dir, &state, lazy)?;
+                let (mem, handler) = restore_memory_lazily(dir, &state, lazy, shell_mem)?;
                 (mem, Some(handler))
             }
         };
-        memory::register(&fd, &mem, false)?;
+        if !prewarmed {
+            memory::register(&fd, &mem, false)?;
+        }
         let (exit_tx, exit_rx) = channel();
         let times = Arc::new(BootTimes::default());
         let sink = serial_sink(&config.serial, &times)?;
@@ -395,11 +427,15 @@ impl Vm {
                 "snapshot vCPU count does not match its config".into(),
             ));
         }
+        shell_vcpus.reverse();
         for saved in &state.vcpus {
-            let vcpu = vm
-                .fd
-                .create_vcpu(u64::from(saved.id))
-                .map_err(kvm_err("create a vCPU"))?;
+            let vcpu = match shell_vcpus.pop() {
+                Some(vcpu) => vcpu,
+                None => vm
+                    .fd
+                    .create_vcpu(u64::from(saved.id))
+                    .map_err(kvm_err("create a vCPU"))?,
+            };
             vcpu::restore_state(&vcpu, saved).map_err(VmError::State)?;
             vm.spawn_vcpu(saved.id, vcpu, true)?;
         }
@@ -572,6 +608,40 @@ impl Vm {
     }
 }
 
+/// A VM created ahead of time (KVM VM, irqchip, PIT, memory slots, vCPUs) waiting for a
+/// snapshot to restore: the ioctls that dominate a restore (the memory-slot one waits for an
+/// SRCU grace period) are paid before the request arrives.
+pub struct Prewarmed {
+    kvm: Kvm,
+    fd: VmFd,
+    mem: GuestMemory,
+    mem_mib: u64,
+    vcpus: Vec<kvm_ioctls::VcpuFd>,
+}
+
+impl Prewarmed {
+    pub fn new(mem_mib: u64, vcpus: u8) -> Result<Prewarmed, VmError> {
+        if vcpus == 0 || vcpus > crate::config::MAX_VCPUS {
+            return Err(ConfigError::Vcpus(vcpus).into());
+        }
+        let kvm = open_kvm()?;
+        let fd = create_vm_fd(&kvm)?;
+        let mem = memory::anonymous(mem_mib << 20)?;
+        memory::register(&fd, &mem, false)?;
+        let vcpus = (0..vcpus)
+            .map(|id| fd.create_vcpu(u64::from(id)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(kvm_err("create a vCPU"))?;
+        Ok(Prewarmed {
+            kvm,
+            fd,
+            mem,
+            mem_mib,
+            vcpus,
+        })
+    }
+}
+
 /// What a snapshot wrote.
 #[derive(Clone, Copy, Debug)]
 pub struct SnapshotSummary {
@@ -606,6 +676,7 @@ fn restore_memory_lazily(
     dir: &Path,
     state: &VmState,
     lazy: &LazyRestore,
+    into: Option<GuestMemory>,
 ) -> Result<(GuestMemory, UffdHandler), VmError> {
     let chain = snapshot_chain(dir, state)?;
     let open = |d: &Path| {
@@ -638,7 +709,11 @@ fn restore_memory_lazily(
             "snapshot memory layout does not match its config".into(),
         ));
     }
-    let mem = memory::anonymous(state.config.mem_mib << 20)?;
+    // A prewarmed VM's memory is untouched anonymous memory, just what userfaultfd needs.
+    let mem = match into {
+        Some(mem) => mem,
+        None => memory::anonymous(state.config.mem_mib << 20)?,
+    };
     let working_set = dir.join(WORKING_SET_FILE);
     let options = uffd::LazyOptions {
         prefetch: if lazy.prefetch {
@@ -654,7 +729,11 @@ fn restore_memory_lazily(
 }
 
 /// Maps the full snapshot's memory MAP_PRIVATE, then applies each diff in order.
-fn restore_memory(dir: &Path, state: &VmState) -> Result<GuestMemory, VmError> {
+fn restore_memory(
+    dir: &Path,
+    state: &VmState,
+    into: Option<GuestMemory>,
+) -> Result<GuestMemory, VmError> {
     let chain = snapshot_chain(dir, state)?;
     let (base_dir, _) = &chain[0];
     let base_path = base_dir.join(snapshot::MEMORY_FILE);
@@ -662,7 +741,13 @@ fn restore_memory(dir: &Path, state: &VmState) -> Result<GuestMemory, VmError> {
         path: base_path.clone(),
         source,
     })?;
-    let mem = memory::from_file(base, &state.memory.regions)?;
+    let mem = match into {
+        Some(mem) => {
+            memory::map_file_over(&mem, &base, &state.memory.regions)?;
+            mem
+        }
+        None => memory::from_file(base, &state.memory.regions)?,
+    };
     let file_size: u64 = state
         .memory
         .regions

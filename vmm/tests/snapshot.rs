@@ -516,3 +516,58 @@ fn full_disk_fails_the_snapshot_and_leaves_nothing() {
     vm.ok(serde_json::json!({"op": "snapshot", "path": after}));
     vm.stop();
 }
+
+#[test]
+fn prewarmed_vmm_restores_on_request_and_refuses_a_mismatched_snapshot() {
+    let s = Scratch::new("prewarm");
+    let mut vm = boot_counter(&s);
+    let base = s.path("base");
+    wait_until("the guest to start counting", || {
+        let _ = std::fs::remove_dir_all(&base);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
+        counter(&base) > 0
+    });
+    vm.stop();
+    let at_snapshot = counter(&base);
+
+    // Wrong size: the shell has 64 MiB, the snapshot 32 MiB.
+    let mut wrong = Vmm::spawn(
+        &["--prewarm", "--mem-mib", "64", "--vcpus", "1"],
+        &s.path("wrong.sock"),
+    );
+    let r = wrong.request(serde_json::json!({"op": "restore", "path": base}));
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap()
+            .contains("prewarmed VM has 64 MiB"),
+        "{r}"
+    );
+    let status = wrong.child.wait().unwrap();
+    assert_eq!(status.code(), Some(1));
+
+    for lazy in [false, true] {
+        let api = s.path(&format!("shell-{lazy}.sock"));
+        let mut shell = Vmm::spawn(&["--prewarm", "--mem-mib", "32", "--vcpus", "1"], &api);
+        // Only a restore is accepted before the VM exists.
+        let early = shell.request(serde_json::json!({"op": "status"}));
+        assert_eq!(early["ok"], false, "{early}");
+        let uds = s.path(&format!("shell-{lazy}.vsock"));
+        let r = shell.ok(serde_json::json!({
+            "op": "restore", "path": base, "vsock_uds": uds, "lazy": lazy
+        }));
+        assert!(r["restore_ms"].as_f64().unwrap() >= 0.0, "{r}");
+        let out = s.path(&format!("out-{lazy}"));
+        wait_until("the restored guest to count on", || {
+            let _ = std::fs::remove_dir_all(&out);
+            shell.ok(serde_json::json!({"op": "snapshot", "path": out}));
+            counter(&out) > at_snapshot
+        });
+        assert!(
+            uds.exists(),
+            "the restore request's vsock socket was not used"
+        );
+        shell.stop();
+    }
+}

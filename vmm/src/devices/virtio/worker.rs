@@ -154,6 +154,30 @@ impl Worker {
     }
 }
 
+/// A device's worker slot: empty before activation and after a reset, when there is nothing
+/// to pause and no live queue state. Devices delegate their snapshot hooks to it.
+pub trait WorkerSlot {
+    fn pause(&self) -> Result<(), String>;
+    fn resume(&self);
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>>;
+}
+
+impl WorkerSlot for Option<Worker> {
+    fn pause(&self) -> Result<(), String> {
+        self.as_ref().map_or(Ok(()), Worker::pause)
+    }
+
+    fn resume(&self) {
+        if let Some(w) = self {
+            w.resume();
+        }
+    }
+
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        self.as_ref().map(Worker::queue_states)
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         // A parked thread must wake up to see the stop.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use virtio_queue::{Queue, QueueT, Reader, Writer};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{QueueHandler, Worker};
+use super::worker::{QueueHandler, Worker, WorkerSlot};
 use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::memory::GuestMemory;
 
@@ -359,20 +359,15 @@ impl VirtioDevice for Net {
     }
 
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        Some(self.worker.as_ref()?.queue_states())
+        self.worker.queue_states()
     }
 
     fn pause(&mut self) -> Result<(), String> {
-        match &self.worker {
-            Some(w) => w.pause(),
-            None => Ok(()),
-        }
+        self.worker.pause()
     }
 
     fn resume(&mut self) {
-        if let Some(w) = &self.worker {
-            w.resume();
-        }
+        self.worker.resume();
     }
 }
 

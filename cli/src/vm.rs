@@ -180,7 +180,14 @@ async fn refresh(dir: &Path) -> Result<Duration, VmError> {
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut entropy))
         .map_err(io("read host entropy"))?;
-    Ok(agent(dir).refresh(entropy).await?)
+    match tokio::time::timeout(REFRESH_TIMEOUT, agent(dir).refresh(entropy)).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(VmError::Vmm(format!(
+            "the restored guest did not answer the refresh call within {} s; see {}",
+            REFRESH_TIMEOUT.as_secs(),
+            dir.join("serial.log").display()
+        ))),
+    }
 }
 
 /// A restored VM that could not be given fresh entropy must not be used: stop it.
@@ -194,19 +201,29 @@ async fn refresh_or_remove(dir: &Path) -> Result<Duration, VmError> {
     }
 }
 
+/// Bounds of one readiness attempt (connect + Info).
+const ATTEMPT_MIN: Duration = Duration::from_millis(100);
+const ATTEMPT_MAX: Duration = Duration::from_secs(5);
+/// How long a restored guest may take to accept fresh entropy and time.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn wait_agent(dir: &Path, timeout: f64) -> Result<Duration, VmError> {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(timeout.max(0.1));
     loop {
-        if let Ok(client) = AgentClient::connect(AgentAddr::VsockUds {
-            uds: dir.join("vsock.sock"),
-            port: dsec_api::AGENT_VSOCK_PORT,
-        })
-        .await
-        {
-            if client.info().await.is_ok() {
-                return Ok(started.elapsed());
-            }
+        // A guest that accepts the connection but never answers must not hang us: bound
+        // every attempt, not just the loop.
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let attempt = tokio::time::timeout(remaining.clamp(ATTEMPT_MIN, ATTEMPT_MAX), async {
+            let client = AgentClient::connect(AgentAddr::VsockUds {
+                uds: dir.join("vsock.sock"),
+                port: dsec_api::AGENT_VSOCK_PORT,
+            })
+            .await?;
+            client.info().await
+        });
+        if let Ok(Ok(_)) = attempt.await {
+            return Ok(started.elapsed());
         }
         let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
         if !dir.join("api.sock").exists() && !log.is_empty() {

@@ -303,6 +303,27 @@ pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
     })
 }
 
+const MSR_IA32_TSC: u32 = 0x10;
+const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+
+/// KVM reads the TSC-deadline MSR back as 0 once the timer has fired, even when the guest
+/// has not yet seen that interrupt; restoring the 0 disarms the timer and a tickless guest
+/// waits for it forever. A deadline equal to the saved TSC fires at once instead, and one
+/// early timer interrupt is harmless.
+fn rearm_tsc_deadline(saved: &[kvm_msr_entry]) -> Vec<kvm_msr_entry> {
+    let tsc = saved
+        .iter()
+        .find(|m| m.index == MSR_IA32_TSC)
+        .map(|m| m.data);
+    saved
+        .iter()
+        .map(|m| match (m.index, m.data, tsc) {
+            (MSR_IA32_TSC_DEADLINE, 0, Some(tsc)) => kvm_msr_entry { data: tsc, ..*m },
+            _ => *m,
+        })
+        .collect()
+}
+
 /// Loads a saved state into a fresh vCPU (order matters: CPUID first, events last).
 pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
     let cpuid = CpuId::from_entries(&state.cpuid).map_err(|e| format!("CPUID: {e:?}"))?;
@@ -320,7 +341,8 @@ pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
         .map_err(kvm_err("set debug registers"))?;
     fd.set_lapic(&state.lapic)
         .map_err(kvm_err("set the local APIC"))?;
-    let msrs = Msrs::from_entries(&state.msrs).map_err(|e| format!("MSRs: {e:?}"))?;
+    let msrs =
+        Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(|e| format!("MSRs: {e:?}"))?;
     let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
     if written != state.msrs.len() {
         return Err(format!(
@@ -332,4 +354,31 @@ pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
     fd.set_vcpu_events(&state.events)
         .map_err(kvm_err("set pending events"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msr(index: u32, data: u64) -> kvm_msr_entry {
+        kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn zero_tsc_deadline_is_rearmed_at_the_saved_tsc() {
+        let saved = [
+            msr(MSR_IA32_TSC, 5000),
+            msr(0x1a0, 1),
+            msr(MSR_IA32_TSC_DEADLINE, 0),
+        ];
+        let fixed = rearm_tsc_deadline(&saved);
+        assert_eq!(fixed[2].data, 5000);
+        assert_eq!(fixed[1].data, 1);
+        let armed = [msr(MSR_IA32_TSC, 5000), msr(MSR_IA32_TSC_DEADLINE, 9000)];
+        assert_eq!(rearm_tsc_deadline(&armed)[1].data, 9000);
+    }
 }

@@ -14,33 +14,33 @@ I=/guest/initramfs.cpio
 cd /tmp
 
 t0=$(now)
-if ! dsec vm boot /tmp/vm1 --kernel $K --initrd $I >/tmp/boot.out 2>&1; then
+if ! timeout 300 dsec vm boot /tmp/vm1 --kernel $K --initrd $I >/tmp/boot.out 2>&1; then
     bad boot "$(cat /tmp/boot.out)"; tail -20 /tmp/vm1/serial.log /tmp/vm1/vmm.log
     echo "$pass passed, $fail failed"; exit 1
 fi
 echo "METRIC boot_to_agent_ms $(ms "$t0" "$(now)")"
-dsec vm exec /tmp/vm1 -- sh -c 'echo kept > /root/file
+timeout 60 dsec vm exec /tmp/vm1 -- sh -c 'echo kept > /root/file
 (i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) </dev/null >/dev/null 2>&1 &
 echo $! > /root/bgpid'
 sleep 1
-before=$(dsec vm exec /tmp/vm1 -- cat /tmp/count)
+before=$(timeout 60 dsec vm exec /tmp/vm1 -- cat /tmp/count)
 t0=$(now)
-dsec vm snapshot /tmp/vm1 /tmp/snap1 && ok snapshot || bad snapshot "exit $?"
+timeout 120 dsec vm snapshot /tmp/vm1 /tmp/snap1 && ok snapshot || bad snapshot "exit $?"
 echo "METRIC snapshot_ms $(ms "$t0" "$(now)")"
-dsec vm rm /tmp/vm1 >/dev/null && [ ! -e /tmp/vm1 ] && ok kill-original || bad kill-original "vm1 still there"
+timeout 60 dsec vm rm /tmp/vm1 >/dev/null && [ ! -e /tmp/vm1 ] && ok kill-original || bad kill-original "vm1 still there"
 # The guest clock stops at the snapshot; restore must bring it back to the host's time.
 sleep 4
 
 t0=$(now)
-dsec vm restore /tmp/snap1 /tmp/vm2 && ok restore || bad restore "exit $?; $(cat /tmp/vm2/vmm.log 2>/dev/null)"
+timeout 120 dsec vm restore /tmp/snap1 /tmp/vm2 --boot-timeout 60 && ok restore || bad restore "exit $?; $(cat /tmp/vm2/vmm.log 2>/dev/null)"
 echo "METRIC restore_to_agent_ms $(ms "$t0" "$(now)")"
-[ "$(dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] && ok file-survives || bad file-survives "file lost"
-guest_now=$(dsec vm exec /tmp/vm2 -- date +%s); host_now=$(date +%s)
+[ "$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] && ok file-survives || bad file-survives "file lost"
+guest_now=$(timeout 60 dsec vm exec /tmp/vm2 -- date +%s); host_now=$(date +%s)
 diff=$((guest_now - host_now)); [ $diff -lt 0 ] && diff=$((-diff))
 [ $diff -le 2 ] && ok clock-corrected || bad clock-corrected "guest $guest_now vs host $host_now"
-pid=$(dsec vm exec /tmp/vm2 -- cat /root/bgpid)
-dsec vm exec /tmp/vm2 -- kill -0 "$pid" && ok process-survives || bad process-survives "pid $pid gone"
-c1=$(dsec vm exec /tmp/vm2 -- cat /tmp/count); sleep 1; c2=$(dsec vm exec /tmp/vm2 -- cat /tmp/count)
+pid=$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/bgpid)
+timeout 60 dsec vm exec /tmp/vm2 -- kill -0 "$pid" && ok process-survives || bad process-survives "pid $pid gone"
+c1=$(timeout 60 dsec vm exec /tmp/vm2 -- cat /tmp/count); sleep 1; c2=$(timeout 60 dsec vm exec /tmp/vm2 -- cat /tmp/count)
 if [ "$c1" -ge "$before" ] 2>/dev/null && [ "$c2" -gt "$c1" ] 2>/dev/null; then
     ok process-keeps-running
 else
@@ -60,6 +60,6 @@ r0=$(timeout 60 dsec vm exec /tmp/child-0 -- sh -c 'head -c 16 /dev/urandom | od
 r1=$(timeout 60 dsec vm exec /tmp/child-1 -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
 [ -n "$r0" ] && [ "$r0" != "$r1" ] && ok forks-fresh-entropy || bad forks-fresh-entropy "children read the same random bytes: $r0"
 
-for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2; do dsec vm rm $d >/dev/null 2>&1; done
+for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2; do timeout 30 dsec vm rm $d >/dev/null 2>&1; done
 echo "$pass passed, $fail failed"
 exit $fail

@@ -33,6 +33,9 @@ pub enum VmCommand {
         mem_mib: u64,
         #[arg(long, default_value_t = 3)]
         cid: u64,
+        /// Attach a virtio-net device on this tap (the VMM creates it if it does not exist).
+        #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
+        net: Option<String>,
         /// Seconds to wait for the agent.
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
@@ -65,14 +68,28 @@ pub enum VmCommand {
         /// Fill memory lazily through userfaultfd.
         #[arg(long)]
         lazy: bool,
+        /// With --lazy: load the working set recorded in the snapshot in the background.
+        #[arg(long, requires = "lazy")]
+        prefetch: bool,
+        /// With --lazy: record the pages the guest touches in its first MS milliseconds as
+        /// the snapshot's working set (for --prefetch).
+        #[arg(long, requires = "lazy", value_name = "MS")]
+        record_working_set: Option<u64>,
+        /// Put the snapshot's network device on this tap, with a new random MAC that the
+        /// agent also gives the guest interface.
+        #[arg(long, value_name = "TAP")]
+        tap: Option<String>,
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
     },
-    /// Start N children from one snapshot, each with its own vsock socket. They keep the
-    /// snapshot's guest CID unless --first-cid is given: the CID only addresses the guest on
-    /// its own device, and a Linux guest does not yet pick up a new one after a restore.
+    /// Start N children from a snapshot, or from a running VM's directory (paused,
+    /// snapshotted into PREFIX.snapshot, resumed), each with its own vsock socket, entropy
+    /// and clock, and with --tap-prefix its own tap and MAC. They keep the snapshot's guest
+    /// CID unless --first-cid is given (the CID only addresses the guest on its own device;
+    /// the guest learns a new one from the vsock transport reset).
     Fork {
-        snapshot: PathBuf,
+        /// A snapshot directory, or the directory of a running VM.
+        source: PathBuf,
         /// Children are created as PREFIX-0, PREFIX-1, ...
         prefix: PathBuf,
         #[arg(short = 'n', long, default_value_t = 1)]
@@ -80,6 +97,9 @@ pub enum VmCommand {
         /// Give child i the CID FIRST_CID + i.
         #[arg(long)]
         first_cid: Option<u64>,
+        /// Put child i's network device on tap TAP_PREFIX<i> with a MAC of its own.
+        #[arg(long)]
+        tap_prefix: Option<String>,
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
     },
@@ -142,7 +162,7 @@ fn agent(dir: &Path) -> AgentClient {
 }
 
 /// Starts `dsec-vmm` detached (own process group: it outlives this command).
-fn spawn_vmm(dir: &Path, args: &[String]) -> Result<u32, VmError> {
+fn spawn_vmm(dir: &Path, args: &[String]) -> Result<std::process::Child, VmError> {
     let vmm = find_binary("dsec-vmm").ok_or_else(|| {
         VmError::Usage("dsec-vmm not found next to dsec, in $DSEC_HOME/bin or on PATH".into())
     })?;
@@ -169,18 +189,24 @@ fn spawn_vmm(dir: &Path, args: &[String]) -> Result<u32, VmError> {
         .spawn()
         .map_err(io("start dsec-vmm"))?;
     std::fs::write(dir.join("pid"), child.id().to_string()).map_err(io("write pid"))?;
-    Ok(child.id())
+    Ok(child)
 }
 
 /// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot: give it
-/// fresh host entropy and the host's time. Returns the clock skew that was corrected.
-async fn refresh(dir: &Path) -> Result<Duration, VmError> {
+/// fresh host entropy, the host's time and (on a new tap) its new MAC. Returns the clock skew
+/// that was corrected.
+async fn refresh(dir: &Path, mac: Option<&str>) -> Result<Duration, VmError> {
     use std::io::Read;
     let mut entropy = vec![0u8; 64];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut entropy))
         .map_err(io("read host entropy"))?;
-    match tokio::time::timeout(REFRESH_TIMEOUT, agent(dir).refresh(entropy)).await {
+    match tokio::time::timeout(
+        REFRESH_TIMEOUT,
+        agent(dir).refresh(entropy, mac.map(str::to_owned)),
+    )
+    .await
+    {
         Ok(result) => Ok(result?),
         Err(_) => Err(VmError::Vmm(format!(
             "the restored guest did not answer the refresh call within {} s; see {}",
@@ -191,8 +217,8 @@ async fn refresh(dir: &Path) -> Result<Duration, VmError> {
 }
 
 /// A restored VM that could not be given fresh entropy must not be used: stop it.
-async fn refresh_or_remove(dir: &Path) -> Result<Duration, VmError> {
-    match refresh(dir).await {
+async fn refresh_or_remove(dir: &Path, mac: Option<&str>) -> Result<Duration, VmError> {
+    match refresh(dir, mac).await {
         Ok(skew) => Ok(skew),
         Err(e) => {
             let _ = control(dir, serde_json::json!({"op": "stop"}));
@@ -201,13 +227,32 @@ async fn refresh_or_remove(dir: &Path) -> Result<Duration, VmError> {
     }
 }
 
+/// A random locally administered unicast MAC (`06:xx:xx:xx:xx:xx`).
+fn random_mac() -> Result<String, VmError> {
+    use std::io::Read;
+    let mut bytes = [0u8; 5];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(io("read host entropy"))?;
+    Ok(std::iter::once(0x06)
+        .chain(bytes)
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":"))
+}
+
 /// Bounds of one readiness attempt (connect + Info).
 const ATTEMPT_MIN: Duration = Duration::from_millis(100);
 const ATTEMPT_MAX: Duration = Duration::from_secs(5);
 /// How long a restored guest may take to accept fresh entropy and time.
 const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
 
-async fn wait_agent(dir: &Path, timeout: f64) -> Result<Duration, VmError> {
+/// Waits until the agent of the VM that `vmm` runs answers, or the VMM exits.
+async fn wait_agent(
+    dir: &Path,
+    vmm: &mut std::process::Child,
+    timeout: f64,
+) -> Result<Duration, VmError> {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(timeout.max(0.1));
     loop {
@@ -225,9 +270,12 @@ async fn wait_agent(dir: &Path, timeout: f64) -> Result<Duration, VmError> {
         if let Ok(Ok(_)) = attempt.await {
             return Ok(started.elapsed());
         }
-        let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-        if !dir.join("api.sock").exists() && !log.is_empty() {
-            return Err(VmError::Vmm(format!("VMM exited: {}", log.trim())));
+        if let Ok(Some(status)) = vmm.try_wait() {
+            let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
+            return Err(VmError::Vmm(format!(
+                "VMM exited ({status}): {}",
+                log.trim()
+            )));
         }
         if Instant::now() > deadline {
             return Err(VmError::Vmm(format!(
@@ -248,12 +296,13 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             vcpus,
             mem_mib,
             cid,
+            net,
             boot_timeout,
         } => {
             let artifacts = Artifacts::from_env();
             let kernel = kernel.unwrap_or(artifacts.kernel);
             let initrd = initrd.unwrap_or(artifacts.initramfs);
-            let args: Vec<String> = vec![
+            let mut args: Vec<String> = vec![
                 "--kernel".into(),
                 kernel.display().to_string(),
                 "--initrd".into(),
@@ -267,8 +316,12 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                 "--vsock-cid".into(),
                 cid.to_string(),
             ];
-            let pid = spawn_vmm(&dir, &args)?;
-            let ready = wait_agent(&dir, boot_timeout).await?;
+            if let Some(net) = net {
+                args.extend(["--net".into(), net]);
+            }
+            let mut vmm = spawn_vmm(&dir, &args)?;
+            let pid = vmm.id();
+            let ready = wait_agent(&dir, &mut vmm, boot_timeout).await?;
             println!(
                 "booted {} (pid {pid}): agent ready after {:.0} ms",
                 dir.display(),
@@ -321,6 +374,9 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             dir,
             cid,
             lazy,
+            prefetch,
+            record_working_set,
+            tap,
             boot_timeout,
         } => {
             let mut args = vec!["--restore".to_string(), snapshot.display().to_string()];
@@ -331,9 +387,23 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             if lazy {
                 args.push("--lazy".into());
             }
-            let pid = spawn_vmm(&dir, &args)?;
-            let ready = wait_agent(&dir, boot_timeout).await?;
-            let skew = refresh_or_remove(&dir).await?;
+            if prefetch {
+                args.push("--prefetch".into());
+            }
+            if let Some(ms) = record_working_set {
+                args.extend(["--record-working-set".into(), ms.to_string()]);
+            }
+            let mac = tap.as_ref().map(|_| random_mac()).transpose()?;
+            if let (Some(tap), Some(mac)) = (&tap, &mac) {
+                args.extend(["--net".into(), format!("tap={tap},mac={mac}")]);
+            }
+            let mut vmm = spawn_vmm(&dir, &args)?;
+            let pid = vmm.id();
+            let ready = wait_agent(&dir, &mut vmm, boot_timeout).await?;
+            let skew = refresh_or_remove(&dir, mac.as_deref()).await?;
+            if let Some(mac) = &mac {
+                println!("{} has MAC {mac}", dir.display());
+            }
             println!(
                 "restored {} into {} (pid {pid}): agent ready after {:.1} ms; RNG reseeded, clock corrected by {:.1} s",
                 snapshot.display(),
@@ -344,14 +414,34 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             Ok(0)
         }
         VmCommand::Fork {
-            snapshot,
+            source,
             prefix,
             count,
             first_cid,
+            tap_prefix,
             boot_timeout,
         } => {
             let started = Instant::now();
-            let mut dirs = Vec::new();
+            let snapshot = if source.join("api.sock").exists() {
+                // A running VM: pause, snapshot, resume (the VMM does all three).
+                let mut name = prefix.clone().into_os_string();
+                name.push(".snapshot");
+                let snapshot = std::path::absolute(PathBuf::from(name))
+                    .map_err(io("resolve snapshot path"))?;
+                control(
+                    &source,
+                    serde_json::json!({"op": "snapshot", "path": snapshot}),
+                )?;
+                eprintln!(
+                    "snapshotted {} into {}",
+                    source.display(),
+                    snapshot.display()
+                );
+                snapshot
+            } else {
+                source
+            };
+            let mut children = Vec::new();
             for i in 0..count {
                 let mut name = prefix.clone().into_os_string();
                 name.push(format!("-{i}"));
@@ -361,14 +451,21 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                     args.push("--vsock-cid".into());
                     args.push((first + u64::from(i)).to_string());
                 }
-                spawn_vmm(&dir, &args)?;
-                dirs.push(dir);
+                let mac = tap_prefix.as_ref().map(|_| random_mac()).transpose()?;
+                if let (Some(tap), Some(mac)) = (&tap_prefix, &mac) {
+                    args.extend(["--net".into(), format!("tap={tap}{i},mac={mac}")]);
+                }
+                let vmm = spawn_vmm(&dir, &args)?;
+                children.push((dir, mac, vmm));
             }
-            for dir in &dirs {
-                wait_agent(dir, boot_timeout).await?;
+            for (dir, mac, vmm) in &mut children {
+                wait_agent(dir, vmm, boot_timeout).await?;
                 // Each child gets its own entropy: forks must not share random streams.
-                refresh_or_remove(dir).await?;
-                println!("{}", dir.display());
+                refresh_or_remove(dir, mac.as_deref()).await?;
+                match mac {
+                    Some(mac) => println!("{} {mac}", dir.display()),
+                    None => println!("{}", dir.display()),
+                }
             }
             let total = started.elapsed().as_secs_f64() * 1e3;
             eprintln!(

@@ -173,9 +173,14 @@ impl AgentClient {
             .map_err(|s| EdgeError::agent("info", s))
     }
 
-    /// After a restore or fork: reseed the guest RNG with `entropy` and set its wall clock
-    /// to the host's. Returns how far the guest clock was off (guest minus host).
-    pub async fn refresh(&self, entropy: Vec<u8>) -> Result<std::time::Duration> {
+    /// After a restore or fork: reseed the guest RNG with `entropy`, set its wall clock to
+    /// the host's and, given a `mac`, give its network interface that address. Returns how
+    /// far the guest clock was off (guest minus host).
+    pub async fn refresh(
+        &self,
+        entropy: Vec<u8>,
+        mac: Option<String>,
+    ) -> Result<std::time::Duration> {
         let realtime_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as i64)
@@ -184,6 +189,7 @@ impl AgentClient {
             .refresh(dsec_api::agent::v1::RefreshRequest {
                 entropy,
                 realtime_ns,
+                mac: mac.unwrap_or_default(),
             })
             .await
             .map_err(|s| EdgeError::agent("refresh", s))?;

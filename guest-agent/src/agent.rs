@@ -18,6 +18,20 @@ pub struct AgentService {
 /// More than enough to reseed a CRNG; bounds what a caller can make us write.
 const MAX_ENTROPY: usize = 4096;
 
+/// `aa:bb:cc:dd:ee:ff` as a unicast, non-zero address.
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next()?;
+        if part.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    (parts.next().is_none() && mac[0] & 1 == 0 && mac != [0; 6]).then_some(mac)
+}
+
 /// Adds `entropy` to the input pool, credited (the host's getrandom output is full-entropy, and
 /// a young guest's CRNG may not be initialised yet), then forces an immediate CRNG reseed, so
 /// two forks of one snapshot diverge from their very next read.
@@ -84,6 +98,29 @@ impl Agent for AgentService {
             reseed(&request.entropy)
                 .map_err(|e| Status::internal(format!("cannot reseed the kernel RNG: {e}")))?;
         }
+        let mac = match request.mac.as_str() {
+            "" => None,
+            text => Some(parse_mac(text).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "mac {text:?} is not a unicast address like 06:00:0a:00:00:02"
+                ))
+            })?),
+        };
+        if let Some(mac) = mac {
+            // A container or plain process shares its interfaces with others.
+            if self.mode != Mode::Vm {
+                return Err(Status::failed_precondition(
+                    "only an agent running as a VM's init owns the network interface; send no mac",
+                ));
+            }
+            let name = crate::init::first_ethernet().ok_or_else(|| {
+                Status::failed_precondition(
+                    "a MAC was given but the guest has no network interface",
+                )
+            })?;
+            crate::init::set_mac(&name, mac)
+                .map_err(|e| Status::internal(format!("cannot set the MAC of {name}: {e}")))?;
+        }
         let mut skew = 0;
         if request.realtime_ns > 0 {
             let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_REALTIME)
@@ -116,5 +153,26 @@ impl Agent for AgentService {
             crate::init::power_off(mode);
         });
         Ok(Response::new(ShutdownResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_mac;
+
+    #[test]
+    fn macs_are_parsed_strictly() {
+        assert_eq!(parse_mac("06:00:0a:00:00:02"), Some([6, 0, 10, 0, 0, 2]));
+        for bad in [
+            "",
+            "06:00:0a:00:00",
+            "06:00:0a:00:00:02:03",
+            "07:00:00:00:00:01",
+            "00:00:00:00:00:00",
+            "6:00:0a:00:00:02",
+            "zz:00:0a:00:00:02",
+        ] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
     }
 }

@@ -73,20 +73,69 @@ pub fn loopback_up() {
     }
 }
 
-fn set_loopback_up() -> std::io::Result<()> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+/// A datagram socket for interface ioctls.
+fn ioctl_socket() -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
     // SAFETY: plain socket(2) call; the returned fd is checked and owned right away.
     let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `raw` is a fresh, valid fd that nothing else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(raw) };
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// An interface request naming `name` (at most 15 bytes), everything else zero.
+fn ifreq_for(name: &str) -> std::io::Result<libc::ifreq> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("bad interface name {name:?}"),
+        ));
+    }
     // SAFETY: ifreq is plain old data; all-zero is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
     }
+    Ok(req)
+}
+
+/// The guest's first network interface other than loopback (virtio-net: `eth0`).
+pub fn first_ethernet() -> Option<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "lo")
+        .collect();
+    names.sort();
+    names.into_iter().next()
+}
+
+/// Sets the hardware address of interface `name` (virtio-net allows this while it is up).
+pub fn set_mac(name: &str, mac: [u8; 6]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let sock = ioctl_socket()?;
+    let mut req = ifreq_for(name)?;
+    // SAFETY: writing the sockaddr member of the union; ifreq is plain old data.
+    unsafe {
+        req.ifr_ifru.ifru_hwaddr.sa_family = libc::ARPHRD_ETHER;
+        for (dst, src) in req.ifr_ifru.ifru_hwaddr.sa_data.iter_mut().zip(mac) {
+            *dst = src as libc::c_char;
+        }
+    }
+    // SAFETY: SIOCSIFHWADDR only reads `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFHWADDR, &req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn set_loopback_up() -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let sock = ioctl_socket()?;
+    let mut req = ifreq_for("lo")?;
     // SAFETY: SIOCGIFFLAGS reads the flags of the interface named in `req` into `req`.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
         return Err(std::io::Error::last_os_error());

@@ -226,12 +226,25 @@ async fn signals_reach_the_process_group() {
 async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() {
     let agent = Agent::start("refresh").await;
     // A plain process shares the host clock: the skew is measured, the clock is left alone.
-    let skew = agent.client.refresh(vec![7u8; 64]).await.unwrap();
+    let skew = agent.client.refresh(vec![7u8; 64], None).await.unwrap();
     assert!(skew < Duration::from_secs(5), "skew {skew:?}");
     let err = agent
         .client
-        .refresh(vec![0u8; 64 * 1024])
+        .refresh(vec![0u8; 64 * 1024], None)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("at most"), "{err}");
+    // A bad MAC is refused, and a plain process never touches the host's interfaces.
+    let err = agent
+        .client
+        .refresh(Vec::new(), Some("07:00:00:00:00:01".into()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("unicast"), "{err}");
+    let err = agent
+        .client
+        .refresh(Vec::new(), Some("06:00:00:00:00:01".into()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("VM's init"), "{err}");
 }

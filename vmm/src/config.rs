@@ -82,6 +82,25 @@ pub struct NetConfig {
 }
 
 impl NetConfig {
+    /// Checks the tap name and the MAC.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let t = &self.tap;
+        if t.is_empty()
+            || t.len() > 15
+            || t.bytes()
+                .any(|b| b == b'/' || b == b':' || !b.is_ascii_graphic())
+        {
+            return Err(ConfigError::TapName(t.clone()));
+        }
+        if let Some(mac) = &self.mac {
+            match parse_mac(mac) {
+                Some(m) if m[0] & 1 == 0 && m != [0; 6] => {}
+                _ => return Err(ConfigError::Mac(mac.clone())),
+            }
+        }
+        Ok(())
+    }
+
     /// The guest's MAC address (validate() has checked the string).
     pub fn mac_bytes(&self) -> [u8; 6] {
         match self.mac.as_deref().and_then(parse_mac) {
@@ -323,20 +342,7 @@ impl VmConfig {
                 })?;
         }
         if let Some(net) = &self.net {
-            let t = &net.tap;
-            if t.is_empty()
-                || t.len() > 15
-                || t.bytes()
-                    .any(|b| b == b'/' || b == b':' || !b.is_ascii_graphic())
-            {
-                return Err(ConfigError::TapName(t.clone()));
-            }
-            if let Some(mac) = &net.mac {
-                match parse_mac(mac) {
-                    Some(m) if m[0] & 1 == 0 && m != [0; 6] => {}
-                    _ => return Err(ConfigError::Mac(mac.clone())),
-                }
-            }
+            net.validate()?;
         }
         let n = usize::from(self.vsock.is_some())
             + usize::from(self.rng)

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::config::NetConfig;
 use crate::vm::{Vm, VmExitReason};
 
 /// Longest request line we read; anything longer is refused (no unbounded buffering).
@@ -169,6 +170,9 @@ pub struct RestoreRequest {
     pub vsock_uds: Option<PathBuf>,
     #[serde(default)]
     pub vsock_cid: Option<u64>,
+    /// `tap=NAME[,mac=MAC]` for the snapshot's network device.
+    #[serde(default)]
+    pub net: Option<NetConfig>,
     #[serde(default)]
     pub lazy: bool,
     #[serde(default)]

@@ -21,9 +21,9 @@ struct Args {
     /// JSON config file; flags given here override its fields.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Restore from a snapshot directory instead of booting (vsock and serial flags
+    /// Restore from a snapshot directory instead of booting (vsock, net and serial flags
     /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "net"])]
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives"])]
     restore: Option<PathBuf>,
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
@@ -185,6 +185,7 @@ fn overrides(args: &Args) -> RestoreOverrides {
             (None, true) => Some(SerialOutput::Stdout),
             (None, false) => None,
         },
+        net: args.net.clone(),
         lazy: args.lazy.then(|| dsec_vmm::LazyRestore {
             prefetch: args.prefetch,
             record: args
@@ -194,8 +195,6 @@ fn overrides(args: &Args) -> RestoreOverrides {
     }
 }
 
-/// Builds (or restores) the VM, serves the control socket, runs until the VM stops.
-/// Also returns when the VM was ready to run (ns since the epoch) for the metrics.
 /// Builds the VM shell now, then restores the snapshot named by the first restore request.
 fn restore_prewarmed(
     args: &Args,
@@ -209,6 +208,7 @@ fn restore_prewarmed(
     let mut overrides = overrides(args);
     overrides.vsock_uds = request.vsock_uds.or(overrides.vsock_uds);
     overrides.vsock_cid = request.vsock_cid.or(overrides.vsock_cid);
+    overrides.net = request.net.or(overrides.net);
     if request.lazy {
         overrides.lazy = Some(dsec_vmm::LazyRestore {
             prefetch: request.prefetch,

@@ -18,7 +18,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::{boot, cpu, layout, mptable};
-use crate::config::{ConfigError, SerialOutput, VmConfig};
+use crate::config::{ConfigError, NetConfig, SerialOutput, VmConfig};
 use crate::devices::bus::{lock, Bus};
 use crate::devices::legacy::{Cmos, Serial, SerialSink, I8042};
 use crate::devices::virtio::mmio::MmioTransport;
@@ -172,6 +172,8 @@ pub struct RestoreOverrides {
     pub vsock_uds: Option<PathBuf>,
     pub vsock_cid: Option<u64>,
     pub serial: Option<SerialOutput>,
+    /// A new tap (and MAC) for the snapshot's network device: a fork's own link.
+    pub net: Option<NetConfig>,
     /// Fill memory lazily through userfaultfd instead of mapping the file MAP_PRIVATE.
     pub lazy: Option<LazyRestore>,
 }
@@ -368,6 +370,18 @@ impl Vm {
         if let Some(serial) = &overrides.serial {
             config.serial = serial.clone();
         }
+        if let Some(net) = &overrides.net {
+            net.validate()?;
+            match config.net.as_mut() {
+                Some(own) => *own = net.clone(),
+                None => {
+                    return Err(VmError::State(format!(
+                        "the snapshot has no network device, so tap `{}` cannot be attached; drop the net override",
+                        net.tap
+                    )))
+                }
+            }
+        }
         let (kvm, fd, shell_mem, mut shell_vcpus) = match shell {
             Some(p) => {
                 if p.mem_mib != state.config.mem_mib
@@ -438,6 +452,11 @@ impl Vm {
             };
             vcpu::restore_state(&vcpu, saved).map_err(VmError::State)?;
             vm.spawn_vcpu(saved.id, vcpu, true)?;
+        }
+        // Devices came back (and may have signalled, e.g. the vsock transport reset) before
+        // the LAPICs were loaded, which dropped those interrupts: raise them again.
+        for device in &vm.virtio {
+            lock(device).reassert_pending_interrupt();
         }
         // The restored memory is the baseline for the next diff snapshot.
         *lock(&vm.last_snapshot) = Some(dir.to_owned());

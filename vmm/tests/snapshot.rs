@@ -12,15 +12,41 @@ const VMM: &str = env!("CARGO_BIN_EXE_dsec-vmm");
 const COUNTER_ADDR: u64 = 0x30_0000;
 const CID_COPY_ADDR: u64 = 0x30_0008;
 
+/// Where the net guest copies its MAC (the 6 bytes of the net device's config space).
+const MAC_COPY_ADDR: u64 = 0x30_0010;
+/// The net device's config space when vsock (slot 0) and net are the only devices.
+const NET_CONFIG_ADDR: u32 = 0xd000_1100;
+
 /// 32-bit guest: forever { eax = vsock config guest_cid; [0x300008] = eax; [0x300000] += 1 }.
 fn counter_guest_code() -> Vec<u8> {
+    looping(&[copy_dword(0xd000_0100, CID_COPY_ADDR as u32)])
+}
+
+/// The counter guest that also copies its MAC from the net device's config space.
+fn counter_with_mac_guest_code() -> Vec<u8> {
+    looping(&[
+        copy_dword(0xd000_0100, CID_COPY_ADDR as u32),
+        copy_dword(NET_CONFIG_ADDR, MAC_COPY_ADDR as u32),
+        copy_dword(NET_CONFIG_ADDR + 4, MAC_COPY_ADDR as u32 + 4),
+    ])
+}
+
+/// `mov eax, [from]; mov [to], eax`.
+fn copy_dword(from: u32, to: u32) -> Vec<u8> {
     let mut code = vec![0xa1];
-    code.extend_from_slice(&0xd000_0100u32.to_le_bytes()); // mov eax, [cid]
+    code.extend_from_slice(&from.to_le_bytes());
     code.push(0xa3);
-    code.extend_from_slice(&(CID_COPY_ADDR as u32).to_le_bytes()); // mov [copy], eax
+    code.extend_from_slice(&to.to_le_bytes());
+    code
+}
+
+/// `body; inc dword [counter]; jmp <start>`.
+fn looping(body: &[Vec<u8>]) -> Vec<u8> {
+    let mut code: Vec<u8> = body.concat();
     code.extend_from_slice(&[0xff, 0x05]);
     code.extend_from_slice(&(COUNTER_ADDR as u32).to_le_bytes()); // inc dword [counter]
-    code.extend_from_slice(&[0xeb, 0xee]); // jmp back 18 bytes
+    let back = i8::try_from(-(code.len() as i64 + 2)).expect("loop body fits a short jump");
+    code.extend_from_slice(&[0xeb, back as u8]);
     code
 }
 
@@ -178,22 +204,25 @@ fn counter(snapshot: &Path) -> u64 {
 }
 
 fn boot_counter(s: &Scratch) -> Vmm {
+    boot_guest(s, &counter_guest_code(), &[])
+}
+
+fn boot_guest(s: &Scratch, code: &[u8], extra: &[&str]) -> Vmm {
     let kernel = s.path("counter.elf");
-    std::fs::write(&kernel, pvh_elf(&counter_guest_code())).unwrap();
+    std::fs::write(&kernel, pvh_elf(code)).unwrap();
     let uds = s.path("vsock.sock");
-    Vmm::spawn(
-        &[
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--mem-mib",
-            "32",
-            "--vsock-uds",
-            uds.to_str().unwrap(),
-            "--vsock-cid",
-            "7",
-        ],
-        &s.path("api.sock"),
-    )
+    let mut args = vec![
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--mem-mib",
+        "32",
+        "--vsock-uds",
+        uds.to_str().unwrap(),
+        "--vsock-cid",
+        "7",
+    ];
+    args.extend_from_slice(extra);
+    Vmm::spawn(&args, &s.path("api.sock"))
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -296,17 +325,32 @@ fn diff_snapshot_chain_restores_identical_memory() {
 fn forks_get_their_own_identity_and_private_memory() {
     const CHILDREN: u64 = 20;
     let s = Scratch::new("fork");
-    let mut vm = boot_counter(&s);
+    // The VMM creates each tap (and the kernel removes it when the VMM exits).
+    let tag = std::process::id() % 10_000;
+    let mut vm = boot_guest(
+        &s,
+        &counter_with_mac_guest_code(),
+        &["--net", &format!("tap=dsfb{tag},mac=06:00:00:00:00:01")],
+    );
     std::thread::sleep(Duration::from_millis(100));
     let base = s.path("base");
     vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
     vm.stop();
     let base_memory = std::fs::read(base.join("memory")).unwrap();
 
+    let mac = |i: u64| [0x06, 0, 0, 0, 1, i as u8];
     let mut children = Vec::new();
     for i in 0..CHILDREN {
         let uds = s.path(&format!("child{i}.vsock"));
         let cid = (100 + i).to_string();
+        let m = mac(i);
+        let net = format!(
+            "tap=dsf{tag}c{i},mac={}",
+            m.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        );
         let child = Vmm::spawn(
             &[
                 "--restore",
@@ -315,20 +359,33 @@ fn forks_get_their_own_identity_and_private_memory() {
                 uds.to_str().unwrap(),
                 "--vsock-cid",
                 &cid,
+                "--net",
+                &net,
             ],
             &s.path(&format!("child{i}.api")),
         );
         children.push((i, uds, child));
     }
+    let mut seen = std::collections::HashSet::new();
     for (i, uds, mut child) in children {
         assert!(uds.exists(), "child {i} has no vsock socket of its own");
+        let tap = format!("/sys/class/net/dsf{tag}c{i}");
+        assert!(Path::new(&tap).exists(), "child {i} has no tap of its own");
         let snap = s.path(&format!("child{i}.snap"));
-        wait_until("the child to see its own CID", || {
+        let mut guest_mac = 0;
+        wait_until("the child to see its own CID and MAC", || {
             let _ = std::fs::remove_dir_all(&snap);
             child.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+            guest_mac = read_u64(&snap.join("memory"), MAC_COPY_ADDR) & 0xffff_ffff_ffff;
             read_u64(&snap.join("memory"), CID_COPY_ADDR) & 0xffff_ffff == 100 + i
+                && guest_mac.to_le_bytes()[..6] == mac(i)
         });
+        assert!(seen.insert(guest_mac), "child {i} shares a MAC");
         child.stop();
+        assert!(
+            !Path::new(&tap).exists(),
+            "child {i}'s tap outlived its VMM"
+        );
     }
     // Children wrote to their copies only.
     assert!(std::fs::read(base.join("memory")).unwrap() == base_memory);
@@ -379,6 +436,21 @@ fn damaged_snapshots_fail_cleanly() {
         .unwrap()
         .set_len(4096)
         .unwrap();
+
+    // A net override needs a network device in the snapshot.
+    let out = Command::new(VMM)
+        .args(["--restore", good.to_str().unwrap(), "--net", "tap=dsfnone"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no network device"), "{stderr}");
+    let out = Command::new(VMM)
+        .args(["--restore", good.to_str().unwrap(), "--net", "tap=a/b"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("net.tap"), "{stderr}");
 
     for (dir, expect) in [
         (truncated, "truncated"),

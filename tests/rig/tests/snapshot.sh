@@ -14,7 +14,7 @@ I=/guest/initramfs.cpio
 cd /tmp
 
 t0=$(now)
-if ! timeout 300 dsec vm boot /tmp/vm1 --kernel $K --initrd $I >/tmp/boot.out 2>&1; then
+if ! timeout 300 dsec vm boot /tmp/vm1 --kernel $K --initrd $I --net tap=dsvm1 >/tmp/boot.out 2>&1; then
     bad boot "$(cat /tmp/boot.out)"; tail -20 /tmp/vm1/serial.log /tmp/vm1/vmm.log
     echo "$pass passed, $fail failed"; exit 1
 fi
@@ -48,8 +48,18 @@ else
 fi
 
 t0=$(now)
-if timeout 200 dsec vm fork /tmp/snap1 /tmp/child -n 3 >/tmp/fork.out 2>&1; then ok fork; else bad fork "$(cat /tmp/fork.out)"; fi
+if timeout 200 dsec vm fork /tmp/snap1 /tmp/child -n 3 --tap-prefix dsfk --first-cid 40 >/tmp/fork.out 2>/tmp/fork.err; then ok fork; else bad fork "$(cat /tmp/fork.out /tmp/fork.err)"; fi
 echo "METRIC fork3_to_agents_ms $(ms "$t0" "$(now)")"
+# Each child sits on its own tap and its guest interface took the MAC it was given; the
+# children answer on new CIDs (40-42), which the guest learns from the transport reset.
+macs_ok=1
+for i in 0 1 2; do
+    want=$(awk -v d=/tmp/child-$i '$1 == d {print $2}' /tmp/fork.out)
+    got=$(timeout 60 dsec vm exec /tmp/child-$i -- cat /sys/class/net/eth0/address)
+    [ -n "$want" ] && [ "$got" = "$want" ] && [ -e /sys/class/net/dsfk$i ] || { macs_ok=0; echo "child-$i: want MAC '$want', guest has '$got'"; }
+done
+n=$(awk '{print $2}' /tmp/fork.out | sort -u | wc -l)
+[ $macs_ok = 1 ] && [ "$n" = 3 ] && ok forks-own-taps-and-macs || bad forks-own-taps-and-macs "$(cat /tmp/fork.out)"
 for i in 0 1 2; do timeout 60 dsec vm exec /tmp/child-$i -- sh -c "echo child-$i > /root/file"; done
 private=1
 for i in 0 1 2; do [ "$(timeout 60 dsec vm exec /tmp/child-$i -- cat /root/file)" = "child-$i" ] || private=0; done
@@ -60,6 +70,15 @@ r0=$(timeout 60 dsec vm exec /tmp/child-0 -- sh -c 'head -c 16 /dev/urandom | od
 r1=$(timeout 60 dsec vm exec /tmp/child-1 -- sh -c 'head -c 16 /dev/urandom | od -An -tx1')
 [ -n "$r0" ] && [ "$r0" != "$r1" ] && ok forks-fresh-entropy || bad forks-fresh-entropy "children read the same random bytes: $r0"
 
-for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2; do timeout 30 dsec vm rm $d >/dev/null 2>&1; done
+# Forking a running VM: it is paused, snapshotted and resumed; the child answers too.
+if timeout 200 dsec vm fork /tmp/vm2 /tmp/live -n 1 --tap-prefix dslive >/tmp/live.out 2>&1 \
+    && [ "$(timeout 60 dsec vm exec /tmp/live-0 -- cat /root/file)" = kept ] \
+    && [ "$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ]; then
+    ok fork-running-vm
+else
+    bad fork-running-vm "$(cat /tmp/live.out)"
+fi
+
+for d in /tmp/vm2 /tmp/child-0 /tmp/child-1 /tmp/child-2 /tmp/live-0; do timeout 30 dsec vm rm $d >/dev/null 2>&1; done
 echo "$pass passed, $fail failed"
 exit $fail

@@ -82,6 +82,11 @@ impl MmioTransport {
         }
     }
 
+    /// See `Interrupt::reassert_pending`.
+    pub fn reassert_pending_interrupt(&self) {
+        self.interrupt.reassert_pending();
+    }
+
     /// Eventfds the VMM can register as ioeventfds for QueueNotify (index = queue).
     pub fn queue_events(&self) -> &[EventFd] {
         &self.queue_events

@@ -47,6 +47,16 @@ impl Interrupt {
         self.status.load(Ordering::SeqCst)
     }
 
+    /// Raises the line again if the guest has not acknowledged an interrupt yet: one sent
+    /// while a restore was still loading vCPU state was wiped with the old LAPIC state.
+    pub fn reassert_pending(&self) {
+        if self.status() != 0 {
+            if let Err(e) = self.irqfd.write(1) {
+                tracing::warn!("cannot raise virtio interrupt: {e}");
+            }
+        }
+    }
+
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
     }

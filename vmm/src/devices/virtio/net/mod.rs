@@ -58,6 +58,8 @@ pub enum NetError {
         name: String,
         source: std::io::Error,
     },
+    #[error("tap `{name}` is already attached to another process (a running VM, or the VM this snapshot came from); give this VM a tap of its own (dsec-vmm --net tap=NEW, dsec vm fork --tap-prefix)")]
+    Busy { name: String },
     #[error("tap `{name}` rejected the 12-byte virtio-net header: {source}")]
     VnetHdr {
         name: String,
@@ -98,9 +100,13 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
     // SAFETY: TUNSETIFF reads and writes a `struct ifreq`; `req` has its layout (16-byte name,
     // flags, padding to 40 bytes) and lives across the call.
     if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, &mut req as *mut IfReq) } < 0 {
+        let source = std::io::Error::last_os_error();
+        if source.raw_os_error() == Some(libc::EBUSY) {
+            return Err(NetError::Busy { name: name.into() });
+        }
         return Err(NetError::Attach {
             name: name.into(),
-            source: std::io::Error::last_os_error(),
+            source,
         });
     }
     let hdr_len: libc::c_int = HDR_LEN as libc::c_int;

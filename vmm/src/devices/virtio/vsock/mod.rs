@@ -114,7 +114,7 @@ impl VirtioDevice for Vsock {
     ) -> Result<(), ActivateError> {
         let [rx, tx, event]: [Queue; 3] =
             queues.try_into().map_err(|_| ActivateError::BadQueues)?;
-        let [rx_evt, tx_evt, _]: [EventFd; 3] = queue_events
+        let [rx_evt, tx_evt, event_evt]: [EventFd; 3] = queue_events
             .try_into()
             .map_err(|_| ActivateError::BadQueues)?;
         let pause_evt = EventFd::new(libc::EFD_NONBLOCK)?;
@@ -131,6 +131,7 @@ impl VirtioDevice for Vsock {
             [rx, tx, event],
             rx_evt,
             tx_evt,
+            event_evt,
             stop.try_clone()?,
             (pause_evt.try_clone()?, self.run.clone()),
             interrupt,

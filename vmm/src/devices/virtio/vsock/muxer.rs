@@ -44,6 +44,10 @@ const TOKEN_TX: u64 = 1;
 const TOKEN_LISTENER: u64 = 2;
 const TOKEN_STOP: u64 = 3;
 const TOKEN_PAUSE: u64 = 4;
+const TOKEN_EVENT: u64 = 5;
+/// How long host connections wait for the guest to take in a transport reset before they
+/// are offered anyway (a guest that never refills its event queue).
+const RESET_ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 const TOKEN_FD_BASE: u64 = 16;
 /// virtio-vsock event id telling the guest every connection is gone (after a restore).
 const EVENT_TRANSPORT_RESET: u32 = 0;
@@ -158,6 +162,7 @@ pub struct Muxer {
     event: Queue,
     rx_evt: EventFd,
     tx_evt: EventFd,
+    event_evt: EventFd,
     stop: EventFd,
     pause_evt: EventFd,
     run: Arc<DeviceRun>,
@@ -170,6 +175,11 @@ pub struct Muxer {
     orphan_rsts: VecDeque<Header>,
     next_host_port: u32,
     rx_starved: bool,
+    /// Set when a transport reset was announced and the guest has not yet handed back its
+    /// event buffer: until then a connection request could reach the guest ahead of the
+    /// reset, which would then kill it without a word to the host (Linux sends no RST for
+    /// sockets it resets), so new host connections wait.
+    reset_unacked_since: Option<std::time::Instant>,
 }
 
 impl Muxer {
@@ -182,6 +192,7 @@ impl Muxer {
         [rx, tx, event]: [Queue; 3],
         rx_evt: EventFd,
         tx_evt: EventFd,
+        event_evt: EventFd,
         stop: EventFd,
         (pause_evt, run): (EventFd, Arc<DeviceRun>),
         interrupt: Arc<Interrupt>,
@@ -191,6 +202,7 @@ impl Muxer {
         for (fd, token) in [
             (rx_evt.as_raw_fd(), TOKEN_RX),
             (tx_evt.as_raw_fd(), TOKEN_TX),
+            (event_evt.as_raw_fd(), TOKEN_EVENT),
             (listener.as_raw_fd(), TOKEN_LISTENER),
             (stop.as_raw_fd(), TOKEN_STOP),
             (pause_evt.as_raw_fd(), TOKEN_PAUSE),
@@ -211,6 +223,7 @@ impl Muxer {
             event,
             rx_evt,
             tx_evt,
+            event_evt,
             stop,
             pause_evt,
             run,
@@ -222,6 +235,7 @@ impl Muxer {
             orphan_rsts: VecDeque::new(),
             next_host_port: FIRST_HOST_PORT,
             rx_starved: false,
+            reset_unacked_since: None,
         })
     }
 
@@ -230,7 +244,13 @@ impl Muxer {
         // The guest may have queued packets before we started listening for kicks.
         self.process_tx();
         loop {
-            let n = match self.epoll.wait(-1, &mut events) {
+            // While a reset is unacknowledged, wake up to give up waiting on it.
+            let timeout_ms = if self.reset_unacked_since.is_some() {
+                100
+            } else {
+                -1
+            };
+            let n = match self.epoll.wait(timeout_ms, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -252,6 +272,11 @@ impl Muxer {
                         let _ = self.tx_evt.read();
                         self.process_tx();
                     }
+                    TOKEN_EVENT => {
+                        // The guest refilled its event queue: it has handled the reset.
+                        let _ = self.event_evt.read();
+                        self.reset_unacked_since = None;
+                    }
                     TOKEN_LISTENER => self.accept(),
                     TOKEN_PAUSE => {
                         let _ = self.pause_evt.read();
@@ -259,6 +284,13 @@ impl Muxer {
                     }
                     token => self.handle_fd((token - TOKEN_FD_BASE) as RawFd, event.event_set()),
                 }
+            }
+            if self
+                .reset_unacked_since
+                .is_some_and(|t| t.elapsed() >= RESET_ACK_TIMEOUT)
+            {
+                tracing::warn!("guest did not acknowledge the vsock transport reset; going on");
+                self.reset_unacked_since = None;
             }
             self.process_rx();
             self.update_interests();
@@ -301,6 +333,7 @@ impl Muxer {
         };
         if self.event.add_used(&mem, head, written).is_ok() {
             tracing::debug!(written, "announced vsock transport reset");
+            self.reset_unacked_since = Some(std::time::Instant::now());
             self.interrupt.signal_used_queue();
         }
     }
@@ -605,7 +638,11 @@ impl Muxer {
     /// Picks the next packet for the guest, if any: (key, op, flags, payload length).
     fn next_outgoing(&mut self, room: usize) -> Option<(Key, u16, u32, usize)> {
         let mut pick = None;
+        let hold_requests = self.reset_unacked_since.is_some();
         for (key, conn) in &mut self.conns {
+            if hold_requests && conn.state == State::AwaitingGuest {
+                continue;
+            }
             if let Some(&(op, flags)) = conn.control.front() {
                 pick = Some((*key, op, flags, 0));
                 break;

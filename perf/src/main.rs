@@ -9,6 +9,7 @@ mod kvmfloor;
 mod machine;
 mod report;
 mod rig;
+mod rig_snapshot;
 mod run;
 mod snapshot;
 mod stats;
@@ -150,6 +151,26 @@ struct SnapArgs {
     /// Our VMM binary [default: dsec-vmm next to this binary, else target/release, else PATH].
     #[arg(long, value_name = "PATH")]
     vmm: Option<PathBuf>,
+    /// Samples per contender of the guest-inclusive scenario in the rig (Linux guest:
+    /// restore MAP_PRIVATE / lazy / lazy + prefetch vs cold boot, to the first exec through
+    /// the agent; one L1, about 10 s per sample); 0 skips it.
+    #[arg(long, default_value_t = 3)]
+    rig_samples: usize,
+    /// The rig driver [default: tests/rig/rig.sh in the repo].
+    #[arg(long, value_name = "PATH")]
+    rig: Option<PathBuf>,
+    /// Guest kernel for the rig [default: guest-kernel/build.sh's cached build].
+    #[arg(long, value_name = "PATH")]
+    guest_kernel: Option<PathBuf>,
+    /// Agent initramfs for the rig [default: $DSEC_HOME/images/busybox/initramfs.cpio].
+    #[arg(long, value_name = "PATH")]
+    guest_initramfs: Option<PathBuf>,
+    /// The dsec CLI run inside L1 [default: next to this binary, else target/release/dsec].
+    #[arg(long, value_name = "PATH")]
+    dsec: Option<PathBuf>,
+    /// Guest memory in the rig.
+    #[arg(long, default_value_t = 256)]
+    rig_mem_mib: u32,
     /// Keep the scratch directory (snapshot, stderr of every VMM).
     #[arg(long)]
     keep_workdir: bool,
@@ -374,6 +395,35 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
         workdir: workdir.clone(),
     };
     let r = snapshot::bench(&opts);
+    let dsec = a.dsec.clone().unwrap_or_else(|| {
+        let beside = opts.vmm.with_file_name("dsec");
+        if beside.is_file() {
+            beside
+        } else {
+            root.join("target/release/dsec")
+        }
+    });
+    let rig_restore = rig_snapshot::bench(&rig_snapshot::RigSnapOpts {
+        samples: a.rig_samples,
+        rig: a
+            .rig
+            .clone()
+            .unwrap_or_else(|| root.join("tests/rig/rig.sh")),
+        kernel: a
+            .guest_kernel
+            .clone()
+            .map(Ok)
+            .unwrap_or_else(|| default_kernel(&root)),
+        initramfs: a
+            .guest_initramfs
+            .clone()
+            .or_else(|| default_initramfs(&root)),
+        dsec,
+        vmm: opts.vmm.clone(),
+        mem_mib: a.rig_mem_mib,
+        record_ms: 2000,
+        workdir: workdir.join("rig"),
+    });
     print!("{}", r.restore.table());
     println!();
     print!("{}", r.kvm.table());
@@ -381,6 +431,8 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     print!("{}", r.fork.table());
     println!();
     print!("{}", r.memory.table());
+    println!();
+    print!("{}", rig_restore.table());
     if let Some(path) = &a.json {
         let doc = json!({
             "tool": "dsec-perf",
@@ -392,11 +444,13 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
                 "samples": a.samples, "warmup": a.warmup, "fleet_samples": a.fleet_samples,
                 "children": a.children, "memory_vms": a.memory_vms, "mem_mib": a.mem_mib,
                 "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
+                "rig_samples": a.rig_samples, "rig_mem_mib": a.rig_mem_mib,
             },
             "restore": r.restore.to_json(),
             "kvm": r.kvm.to_json(),
             "fork": r.fork.to_json(),
             "memory": r.memory.to_json(),
+            "rig_restore": rig_restore.to_json(),
         });
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;

@@ -224,7 +224,12 @@ pub struct OuterOpts {
 
 /// A parsed `PERF-RIG key=value ... [error=rest of line]` line.
 pub fn parse_line(line: &str) -> Option<BTreeMap<String, String>> {
-    let rest = line.trim_end_matches('\r').strip_prefix("PERF-RIG ")?;
+    parse_tagged(line, "PERF-RIG ")
+}
+
+/// A parsed `<tag>key=value ... [error=rest of line]` line with a `contender` key.
+pub fn parse_tagged(line: &str, tag: &str) -> Option<BTreeMap<String, String>> {
+    let rest = line.trim_end_matches('\r').strip_prefix(tag)?;
     let (kv, error) = match rest.split_once(" error=") {
         Some((kv, e)) => (kv, Some(e)),
         None => (rest, None),

@@ -56,6 +56,7 @@ pub fn serve_on(vm: Arc<Vm>, listener: UnixListener) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
+            crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vmm);
             for stream in listener.incoming().flatten() {
                 // One client at a time: requests are short and must not interleave.
                 handle_client(&vm, stream);

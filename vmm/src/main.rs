@@ -3,12 +3,13 @@
 //! Exit status: 0 when the guest resets or powers off, 3 when the guest crashes
 //! (triple fault or a vCPU error), 1 when the VM cannot be built.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
 use dsec_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use dsec_vmm::jail::Exposure;
 use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
 
 #[derive(Parser, Debug)]
@@ -83,6 +84,31 @@ struct Args {
     /// Copy the serial console to standard output.
     #[arg(long)]
     serial_stdout: bool,
+    /// Run in a jail rooted at DIR (created if missing): new PID, mount, IPC, UTS and network
+    /// namespaces, only the VM's own files bind-mounted in at their usual paths, /dev/kvm
+    /// and /dev/net/tun, rlimits, and --jail-uid/--jail-gid once the VM is built.
+    #[arg(long, value_name = "DIR")]
+    jail: Option<PathBuf>,
+    /// Unprivileged uid the jailed VMM runs the guest as.
+    #[arg(long, default_value_t = 65534, requires = "jail")]
+    jail_uid: u32,
+    #[arg(long, default_value_t = 65534, requires = "jail")]
+    jail_gid: u32,
+    /// Join this network namespace (e.g. /run/netns/sb1) instead of a new, empty one.
+    #[arg(long, value_name = "PATH", requires = "jail")]
+    jail_netns: Option<PathBuf>,
+    /// Also make PATH visible in the jail (read-only; `,rw` for writable), e.g. where
+    /// snapshots are written or, for --prewarm, where they are read from.
+    #[arg(long = "jail-expose", value_name = "PATH[,rw]", requires = "jail")]
+    jail_expose: Vec<dsec_vmm::jail::Exposure>,
+    /// (Tests) once jailed and filtered, report whether PATH can be opened, then make a
+    /// forbidden system call.
+    #[arg(long, value_name = "PATH", requires = "jail", hide = true)]
+    jail_check: Option<PathBuf>,
+    /// Run without the per-thread seccomp filters (for debugging a filter that is too strict:
+    /// a forbidden call stops the VMM with exit status 159 and names the syscall).
+    #[arg(long)]
+    no_seccomp: bool,
     /// Write run metrics (exit reason, VM exits, boot milestones) as JSON here on exit.
     #[arg(long)]
     metrics_json: Option<PathBuf>,
@@ -146,6 +172,21 @@ fn main() -> ExitCode {
     // signal thread receives them: SIGTERM/SIGINT end the VM cleanly (sockets removed,
     // metrics written) instead of killing the process mid-write.
     let stop_signals = block_stop_signals();
+    if !args.no_seccomp {
+        if let Err(e) = dsec_vmm::seccomp::enable() {
+            eprintln!("dsec-vmm: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    if let Some(root) = &args.jail {
+        if let Err(e) = enter_jail(&args, root) {
+            eprintln!("dsec-vmm: {e}");
+            return ExitCode::from(1);
+        }
+        if let Some(path) = &args.jail_check {
+            return jail_check(&args, path);
+        }
+    }
     let (result, loaded_ns) = build_and_run(&args, stop_signals);
     let report = match result {
         Ok(r) => r,
@@ -193,6 +234,127 @@ fn overrides(args: &Args) -> RestoreOverrides {
                 .map(std::time::Duration::from_millis),
         }),
     }
+}
+
+/// Everything the VM will open, made visible in the jail at the same paths.
+fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
+    let mut expose = Vec::new();
+    let parent_rw = |path: &Path| {
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+        Exposure::writable(dir.unwrap_or(Path::new(".")))
+    };
+    let mut drives = Vec::new();
+    let mut vsock = None;
+    match (&args.restore, args.prewarm) {
+        (Some(dir), _) => {
+            let state = dsec_vmm::snapshot::read_state(dir).map_err(|e| e.to_string())?;
+            expose.push(if args.record_working_set.is_some() {
+                Exposure::writable(dir)
+            } else {
+                Exposure::read_only(dir)
+            });
+            // A diff snapshot reads its parents too.
+            let mut parent = state.memory.parent.clone();
+            while let Some(p) = parent {
+                parent = dsec_vmm::snapshot::read_state(&p)
+                    .map_err(|e| e.to_string())?
+                    .memory
+                    .parent;
+                expose.push(Exposure::read_only(p));
+            }
+            drives = state.config.drives.clone();
+            vsock = state.config.vsock.as_ref().map(|v| v.uds_path.clone());
+        }
+        (None, true) => {}
+        (None, false) => {
+            let config = build_config(args)?;
+            expose.push(Exposure::read_only(&config.kernel));
+            if let Some(initrd) = &config.initrd {
+                expose.push(Exposure::read_only(initrd));
+            }
+            if let SerialOutput::File(path) = &config.serial {
+                expose.push(parent_rw(path));
+            }
+            drives = config.drives.clone();
+            vsock = config.vsock.as_ref().map(|v| v.uds_path.clone());
+        }
+    }
+    if !args.drives.is_empty() {
+        drives = args.drives.clone();
+    }
+    for d in drives {
+        expose.push(Exposure {
+            writable: !d.read_only,
+            path: d.path,
+        });
+    }
+    for path in [
+        args.vsock_uds.clone().or(vsock),
+        args.api_sock.clone(),
+        args.serial_log.clone(),
+        args.metrics_json.clone(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        expose.push(parent_rw(&path));
+    }
+    expose.extend(args.jail_expose.iter().cloned());
+    // Absolute paths: the jail recreates them under its root.
+    expose
+        .into_iter()
+        .map(|e| {
+            std::path::absolute(&e.path)
+                .map(|path| Exposure { path, ..e })
+                .map_err(|err| format!("resolve {}: {err}", e.path.display()))
+        })
+        .collect()
+}
+
+fn enter_jail(args: &Args, root: &Path) -> Result<(), String> {
+    let expose = jail_exposures(args)?;
+    dsec_vmm::seccomp::allow_privilege_drop_to(args.jail_uid, args.jail_gid);
+    let root = std::path::absolute(root).map_err(|e| format!("resolve --jail: {e}"))?;
+    dsec_vmm::jail::enter(&dsec_vmm::jail::JailSpec {
+        root,
+        uid: args.jail_uid,
+        gid: args.jail_gid,
+        netns: args.jail_netns.clone(),
+        expose,
+        max_open_files: 4096,
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// What a jailed, filtered VMM can still do: prints its view, then makes a forbidden call.
+fn jail_check(args: &Args, path: &Path) -> ExitCode {
+    if let Err(e) = dsec_vmm::jail::drop_privileges(args.jail_uid, args.jail_gid) {
+        eprintln!("dsec-vmm: {e}");
+        return ExitCode::from(1);
+    }
+    if let Err(e) = dsec_vmm::seccomp::install(dsec_vmm::seccomp::ThreadKind::Vmm) {
+        eprintln!("dsec-vmm: {e}");
+        return ExitCode::from(1);
+    }
+    // SAFETY: getpid/getuid cannot fail.
+    let (pid, uid) = unsafe { (libc::getpid(), libc::getuid()) };
+    println!("jail-check: pid {pid} uid {uid}");
+    match std::fs::File::open(path) {
+        Ok(_) => println!("jail-check: opened {}", path.display()),
+        Err(e) => println!("jail-check: cannot open {}: {e}", path.display()),
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let sh = std::ffi::CString::new("/bin/sh").unwrap_or_default();
+    let argv = [sh.as_ptr(), std::ptr::null()];
+    // SAFETY: execv with a NUL-terminated path and a NULL-terminated argv; it is expected to
+    // be refused by the seccomp filter (the process then stops with status 159).
+    unsafe { libc::execv(sh.as_ptr(), argv.as_ptr()) };
+    println!(
+        "jail-check: execv returned: {}",
+        std::io::Error::last_os_error()
+    );
+    ExitCode::from(1)
 }
 
 /// Builds the VM shell now, then restores the snapshot named by the first restore request.
@@ -245,6 +407,7 @@ fn watch_stop_signals(vm: Arc<Vm>, set: libc::sigset_t) {
     let spawned = std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
+            dsec_vmm::seccomp::install_or_exit(dsec_vmm::seccomp::ThreadKind::Vmm);
             let mut signal = 0;
             // SAFETY: `set` is an initialised signal set; sigwait writes one int.
             if unsafe { libc::sigwait(&set, &mut signal) } == 0 {
@@ -271,6 +434,15 @@ fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport
         Err(e) => return (Err(e), 0),
     };
     let loaded_ns = dsec_vmm::vm::now_ns();
+    if args.jail.is_some() {
+        if let Err(e) = dsec_vmm::jail::drop_privileges(args.jail_uid, args.jail_gid) {
+            return (Err(e.to_string()), loaded_ns);
+        }
+    }
+    // Setup is over: from here on the main thread only waits, serves and cleans up.
+    if let Err(e) = dsec_vmm::seccomp::install(dsec_vmm::seccomp::ThreadKind::Vmm) {
+        return (Err(e.to_string()), loaded_ns);
+    }
     watch_stop_signals(vm.clone(), stop_signals);
     let uds = vm.config().vsock.as_ref().map(|v| v.uds_path.clone());
     // Start before serving requests: a request must never see the VM mid-start.

@@ -250,7 +250,10 @@ pub fn start(
         let stop = stop.clone();
         std::thread::Builder::new()
             .name("uffd".into())
-            .spawn(move || server.run(&stop, options))
+            .spawn(move || {
+                crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vmm);
+                server.run(&stop, options)
+            })
             .map_err(UffdError::Thread)?
     };
     Ok(UffdHandler {

@@ -91,6 +91,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vcpu);
                 let reason = runner.run(&fd, &control);
                 let _ = exit.send(reason);
             })?

@@ -78,6 +78,7 @@ impl Worker {
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
+                crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
                 // The guest may have queued buffers before we started listening for kicks.
                 let mut used = false;
                 for i in 0..queues.len() {

@@ -142,7 +142,10 @@ impl VirtioDevice for Vsock {
         }
         let worker = std::thread::Builder::new()
             .name("vsock".into())
-            .spawn(move || muxer.run())?;
+            .spawn(move || {
+                crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
+                muxer.run()
+            })?;
         self.stop = Some(stop);
         self.pause_evt = Some(pause_evt);
         self.worker = Some(worker);

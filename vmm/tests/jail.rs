@@ -1,0 +1,145 @@
+//! The jailed VMM (`--jail`): what it can see and do, and that a guest still runs, snapshots
+//! and restores inside it. Needs root (namespaces, mounts, a uid switch).
+
+mod common;
+
+use std::os::unix::fs::chown;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const JAIL_UID: u32 = 65534;
+
+/// A directory the jailed VMM (running as the jail uid) may write to.
+fn jail_writable_dir(s: &Scratch, name: &str) -> PathBuf {
+    let dir = s.path(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    chown(&dir, Some(JAIL_UID), Some(JAIL_UID)).unwrap();
+    dir
+}
+
+fn write_counter_kernel(s: &Scratch) -> PathBuf {
+    let kernel = s.path("counter.elf");
+    std::fs::write(&kernel, pvh_elf(&counter_guest_code())).unwrap();
+    kernel
+}
+
+#[test]
+fn jailed_vmm_sees_only_its_files_and_dies_on_a_forbidden_syscall() {
+    let s = Scratch::new("jail-check");
+    let kernel = write_counter_kernel(&s);
+    let secret = s.path("host-secret");
+    std::fs::write(&secret, "not for the VMM").unwrap();
+    let root = s.path("root");
+    let out = Command::new(VMM)
+        .args(["--kernel", kernel.to_str().unwrap(), "--jail"])
+        .arg(&root)
+        .arg("--jail-check")
+        .arg(&secret)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stdout.contains(&format!("pid 1 uid {JAIL_UID}")),
+        "not PID 1 of its own namespace as the jail uid: {stdout} {stderr}"
+    );
+    assert!(
+        stdout.contains(&format!("cannot open {}", secret.display())),
+        "the jailed VMM could open a host file: {stdout}"
+    );
+    assert!(
+        stderr.contains("forbidden system call 59"),
+        "execve was not refused: {stderr}"
+    );
+    assert_eq!(out.status.code(), Some(159), "{stdout} {stderr}");
+    assert!(!root.exists(), "the jail root outlived the VMM");
+}
+
+/// The host pid of the jailed VMM: the only child of the supervisor we spawned.
+fn jailed_pid(supervisor: u32) -> u32 {
+    let mut pid = None;
+    wait_until("the jailed VMM to exist", || {
+        pid = std::fs::read_to_string(format!("/proc/{supervisor}/task/{supervisor}/children"))
+            .ok()
+            .and_then(|c| c.split_whitespace().next().and_then(|p| p.parse().ok()));
+        pid.is_some()
+    });
+    pid.unwrap()
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field).map(|v| v.trim().to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
+    let s = Scratch::new("jail-run");
+    let kernel = write_counter_kernel(&s);
+    let vm_dir = jail_writable_dir(&s, "vm");
+    let api = vm_dir.join("api.sock");
+    let mut vm = Vmm::spawn(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem-mib",
+            "32",
+            "--vsock-uds",
+            vm_dir.join("vsock.sock").to_str().unwrap(),
+            "--jail",
+            s.path("root1").to_str().unwrap(),
+        ],
+        &api,
+    );
+    let pid = jailed_pid(vm.child.id());
+    let uids = status_field(pid, "Uid:");
+    assert!(
+        uids.split_whitespace().all(|u| u == JAIL_UID.to_string()),
+        "jailed VMM runs as uid {uids}"
+    );
+    let nspid = status_field(pid, "NSpid:");
+    assert!(
+        nspid.ends_with(" 1") || nspid.ends_with("\t1"),
+        "NSpid {nspid}"
+    );
+    assert_eq!(status_field(pid, "Seccomp:"), "2", "no seccomp filter");
+    let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let vm_ns = std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_ne!(
+        host_ns, vm_ns,
+        "the jailed VMM shares the host's network namespace"
+    );
+
+    std::thread::sleep(Duration::from_millis(100));
+    let snap = vm_dir.join("snap");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+    let at_snapshot = counter(&snap);
+    assert!(at_snapshot > 0, "the jailed guest did not run");
+    vm.stop();
+
+    let mut restored = Vmm::spawn(
+        &[
+            "--restore",
+            snap.to_str().unwrap(),
+            "--vsock-uds",
+            vm_dir.join("vsock2.sock").to_str().unwrap(),
+            "--jail",
+            s.path("root2").to_str().unwrap(),
+        ],
+        &vm_dir.join("api2.sock"),
+    );
+    let again = vm_dir.join("snap2");
+    wait_until("the restored jailed guest to count on", || {
+        let _ = std::fs::remove_dir_all(&again);
+        restored.ok(serde_json::json!({"op": "snapshot", "path": again}));
+        counter(&again) > at_snapshot
+    });
+    restored.stop();
+    assert!(!Path::new(&s.path("root1")).exists() && !s.path("root2").exists());
+}

@@ -1,8 +1,8 @@
 //! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
 //! daemon (`up`) and drive it (create, ls, exec, cp, ...).
 
+mod image;
 mod node;
-
 mod vm;
 
 use std::io::IsTerminal;
@@ -28,7 +28,7 @@ struct Cli {
     /// unix:/run/dsec/edge/edge.sock.
     #[arg(long, global = true)]
     endpoint: Option<String>,
-    /// JSON output (node commands).
+    /// JSON output (node and image commands).
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -42,6 +42,8 @@ enum Command {
     /// Drive single microVMs directly: boot, exec, pause, snapshot, restore, fork, rm.
     #[command(subcommand)]
     Vm(vm::VmCommand),
+    /// Manage images in the layer store: import, ls, inspect, rm, pack, gc.
+    Image(image::ImageArgs),
     /// Show KVM status, artifacts and versions on this host.
     Info,
     /// Start the node daemon with embedded defaults (same as `dsec-edge`).
@@ -178,6 +180,8 @@ enum CliError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Vm(#[from] vm::VmError),
+    #[error(transparent)]
+    Image(#[from] dsec_layerfs::Error),
 }
 
 fn vm_command(command: vm::VmCommand) -> Result<i32, CliError> {
@@ -204,6 +208,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Vm(command) => vm_command(command),
+        Command::Image(args) => image::run(args, json).map_err(CliError::from),
         Command::Info => info(json).map(|()| 0),
         Command::Up(args) => return dsec_edge::daemon::main_with(args),
         other => node_command(&endpoint, other, json),
@@ -268,7 +273,11 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 Command::Rm { ids } => node::lifecycle(&c, "rm", &ids, json).await.map(|()| 0),
                 Command::Fork { id, count } => node::fork(&c, &id, count, json).await.map(|()| 0),
                 Command::Top { once } => node::top(&c, once, json).await.map(|()| 0),
-                Command::Run(_) | Command::Info | Command::Up(_) | Command::Vm(_) => Ok(0),
+                Command::Run(_)
+                | Command::Info
+                | Command::Up(_)
+                | Command::Vm(_)
+                | Command::Image(_) => Ok(0),
             }
         })
         .map_err(CliError::Node)

@@ -12,6 +12,7 @@ use tracing::debug;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::index::{check_rel_path, ChunkRef, Entry, Kind, LayerIndex, XattrValue, INDEX_VERSION};
+use crate::progress::{NoProgress, Progress};
 use crate::store::{read_full, Store};
 
 /// Attributes shared by every kind of entry.
@@ -35,6 +36,16 @@ pub struct BuildStats {
     pub new_chunks: u64,
 }
 
+impl BuildStats {
+    /// Adds another build's counters (an image of several layers).
+    pub fn add(&mut self, other: &BuildStats) {
+        self.entries += other.entries;
+        self.file_bytes += other.file_bytes;
+        self.chunks += other.chunks;
+        self.new_chunks += other.new_chunks;
+    }
+}
+
 pub struct LayerBuilder<'a> {
     store: &'a Store,
     chunk_size: u32,
@@ -42,6 +53,7 @@ pub struct LayerBuilder<'a> {
     whiteouts: BTreeSet<String>,
     next_group: u32,
     buf: Vec<u8>,
+    progress: &'a dyn Progress,
     pub stats: BuildStats,
 }
 
@@ -57,8 +69,15 @@ impl<'a> LayerBuilder<'a> {
             whiteouts: BTreeSet::new(),
             next_group: 0,
             buf: Vec::new(),
+            progress: &NoProgress,
             stats: BuildStats::default(),
         }
+    }
+
+    /// Reports every stored chunk to `progress`.
+    pub fn with_progress(mut self, progress: &'a dyn Progress) -> Self {
+        self.progress = progress;
+        self
     }
 
     fn ensure_parents(&mut self, path: &str) -> Result<()> {
@@ -195,6 +214,7 @@ impl<'a> LayerBuilder<'a> {
                 self.stats.new_chunks += 1;
             }
             self.stats.chunks += 1;
+            self.progress.chunk_stored(n as u64, new);
             chunks.push(ChunkRef {
                 digest: d,
                 len: n as u32,
@@ -420,13 +440,20 @@ pub fn build_from_dir(
     root: &Path,
     mode: DirMode,
 ) -> Result<(Digest, LayerIndex, BuildStats)> {
-    let mut b = LayerBuilder::new(store);
+    build_from_dir_with_progress(store, root, mode, &NoProgress)
+}
+
+/// `build_from_dir`, reporting every stored chunk to `progress`.
+pub fn build_from_dir_with_progress(
+    store: &Store,
+    root: &Path,
+    mode: DirMode,
+    progress: &dyn Progress,
+) -> Result<(Digest, LayerIndex, BuildStats)> {
+    let mut b = LayerBuilder::new(store).with_progress(progress);
     let md = fs::symlink_metadata(root).map_err(|e| Error::io("reading", root, e))?;
     if !md.is_dir() {
-        return Err(Error::Invalid(format!(
-            "{} is not a directory",
-            root.display()
-        )));
+        return Err(Error::NotADirectory(root.to_path_buf()));
     }
     let meta = meta_of(root, &md, mode)?;
     b.add_dir("", meta)?;

@@ -221,7 +221,12 @@ impl NodeCache {
     }
 
     fn chunk_path(&self, d: &Digest) -> PathBuf {
-        self.dir.join("chunks").join(d.hex())
+        Self::cached_chunk_path(&self.dir, d)
+    }
+
+    /// Where a cache rooted at `dir` keeps chunk `d` (to look without opening the cache).
+    pub fn cached_chunk_path(dir: &Path, d: &Digest) -> PathBuf {
+        dir.join("chunks").join(d.hex())
     }
 
     fn touch(st: &mut State, d: &Digest) {

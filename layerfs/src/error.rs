@@ -22,9 +22,7 @@ pub enum Error {
         "chunk {digest} is missing from the store at {path}; re-import the layer that owns it"
     )]
     MissingChunk { digest: Digest, path: PathBuf },
-    #[error(
-        "layer {0} is not in the store; import it first (dsec-layerfs ls lists what is there)"
-    )]
+    #[error("layer {0} is not in the store; re-import the image that uses it (`dsec image ls` lists what is there)")]
     MissingLayer(Digest),
     #[error("layer index {id} is invalid: {detail}; the index file was damaged or written by an incompatible version, re-import the layer")]
     BadIndex { id: String, detail: String },
@@ -34,10 +32,26 @@ pub enum Error {
     Oci(String),
     #[error("registry {url}: {detail}")]
     Registry { url: String, detail: String },
-    #[error("image {0:?} not found; `dsec-layerfs ls` lists the known images")]
+    #[error("image {0:?} not found in the store; `dsec image ls` lists the known images")]
     NoSuchImage(String),
+    #[error("{0} is not a directory: give a directory (a plain tree, or a stopped sandbox's overlayfs upper dir)")]
+    NotADirectory(PathBuf),
+    #[error("no layer store at {path}: {detail}; check --store / DSEC_LAYERFS_STORE, or import an image first to create it")]
+    NoStore { path: PathBuf, detail: String },
+    #[error("layer store {path} is not writable: {source}; fix its permissions or mount, or choose another --store")]
+    StoreNotWritable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("invalid digest {0:?}: expected 64 hex digits, optionally prefixed with sha256:")]
     BadDigest(String),
+    #[error("layer tar {path}: {source}")]
+    InTar {
+        path: PathBuf,
+        #[source]
+        source: Box<Error>,
+    },
     #[error("{0}")]
     Invalid(String),
 }

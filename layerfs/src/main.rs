@@ -1,5 +1,5 @@
-//! `dsec-layerfs`: manage the layer store and mount images. The `dsec image ...` CLI can
-//! wrap the same library calls.
+//! `dsec-layerfs`: manage the layer store and mount images. `dsec image ...` wraps the same
+//! library calls (the `manage` module) for import, ls, inspect, rm, pack and gc.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,13 +8,13 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 
-use dsec_layerfs::build::{build_from_dir, DirMode};
 use dsec_layerfs::cache::NodeCache;
-use dsec_layerfs::index::Kind;
+use dsec_layerfs::manage::{self, human_bytes, ImageTable, ImportSource};
 use dsec_layerfs::oci::{self, Reference};
+use dsec_layerfs::progress::{NoProgress, Progress};
 use dsec_layerfs::sandbox::SandboxRoot;
-use dsec_layerfs::store::{now_secs, ImageRecord, Store, StoreConfig};
-use dsec_layerfs::{fuse, overlay, prefetch, tarfmt, Digest, Error, Result};
+use dsec_layerfs::store::{Store, StoreConfig};
+use dsec_layerfs::{fuse, prefetch, tarfmt, Digest, Error, Result};
 
 #[derive(Parser)]
 #[command(
@@ -24,10 +24,10 @@ use dsec_layerfs::{fuse, overlay, prefetch, tarfmt, Digest, Error, Result};
 )]
 struct Cli {
     /// Shared chunk store (a local dir or an NFS/CephFS/JuiceFS mount) [env
-    /// DSEC_LAYERFS_STORE, default /var/lib/dsec/layerfs/store].
+    /// DSEC_LAYERFS_STORE, default $DSEC_HOME/layerfs/store, DSEC_HOME=/var/lib/dsec].
     #[arg(long, global = true)]
     store: Option<PathBuf>,
-    /// Per-node chunk cache [env DSEC_LAYERFS_CACHE, default /var/lib/dsec/layerfs/cache].
+    /// Per-node chunk cache [env DSEC_LAYERFS_CACHE, default $DSEC_HOME/layerfs/cache].
     #[arg(long, global = true)]
     cache: Option<PathBuf>,
     /// Node cache size cap in MiB.
@@ -128,122 +128,34 @@ fn main() -> ExitCode {
     }
 }
 
-fn dir_arg(arg: &Option<PathBuf>, env: &str, default: &str) -> PathBuf {
-    arg.clone()
-        .or_else(|| std::env::var_os(env).map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(default))
+fn cache_dir(cli: &Cli) -> PathBuf {
+    manage::cache_dir(cli.cache.as_deref())
 }
 
-fn cache_dir(cli: &Cli) -> PathBuf {
-    dir_arg(
-        &cli.cache,
-        "DSEC_LAYERFS_CACHE",
-        "/var/lib/dsec/layerfs/cache",
-    )
+fn store_config(cli: &Cli) -> StoreConfig {
+    StoreConfig {
+        chunk_size: cli.chunk_kib.saturating_mul(1024),
+        zstd_level: (!cli.no_zstd).then_some(3),
+        fsync: false,
+    }
 }
 
 fn open_store(cli: &Cli) -> Result<Arc<Store>> {
     Ok(Arc::new(Store::open(
-        dir_arg(
-            &cli.store,
-            "DSEC_LAYERFS_STORE",
-            "/var/lib/dsec/layerfs/store",
-        ),
-        StoreConfig {
-            chunk_size: cli.chunk_kib.saturating_mul(1024),
-            zstd_level: (!cli.no_zstd).then_some(3),
-            fsync: false,
-        },
+        manage::store_dir(cli.store.as_deref()),
+        store_config(cli),
     )?))
-}
-
-fn human(n: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", units[u])
 }
 
 fn run(cli: &Cli) -> Result<()> {
     let store = open_store(cli)?;
     match &cli.cmd {
         Cmd::Import { source, name, dir } => {
-            let first = source.first().ok_or_else(|| {
-                Error::Invalid("import needs a source: a reference, tar files or --dir DIR".into())
-            })?;
-            if *dir {
-                let (id, idx, stats) = build_from_dir(&store, first.as_ref(), DirMode::Plain)?;
-                let name = name
-                    .clone()
-                    .unwrap_or_else(|| format!("dir-{}", id.short()));
-                store.put_image(&ImageRecord {
-                    name: name.clone(),
-                    layers: vec![id],
-                    diff_ids: vec![],
-                    config: None,
-                    hot_list: None,
-                    created: now_secs(),
-                })?;
-                return report(
-                    cli,
-                    json!({"name": name, "layer": id, "entries": idx.entries.len(), "stats": stats}),
-                    || {
-                        format!(
-                            "{name}: layer {} ({} entries, {})",
-                            id.short(),
-                            idx.entries.len(),
-                            human(stats.file_bytes)
-                        )
-                    },
-                );
-            }
-            let is_file = std::path::Path::new(first).exists() || first == "-";
-            if !is_file {
-                let r = Reference::parse(first)?;
-                let name = name.clone().unwrap_or_else(|| r.to_string());
-                eprintln!("pulling {r} ...");
-                let rep = oci::pull(&store, &r, &name)?;
-                return report(cli, serde_json::to_value(&rep).expect("serializes"), || {
-                    format!(
-                        "{name}: {} layers, {} downloaded, {} of files, {} new chunks",
-                        rep.image.layers.len(),
-                        human(rep.compressed_bytes),
-                        human(rep.file_bytes),
-                        rep.new_chunks
-                    )
-                });
-            }
-            let name = name
-                .clone()
-                .ok_or_else(|| Error::Invalid("importing tar files needs --name".into()))?;
-            let mut layers = Vec::new();
-            let mut diff_ids = Vec::new();
-            for (i, src) in source.iter().enumerate() {
-                eprintln!("[{}/{}] importing {src} ...", i + 1, source.len());
-                let imp = if src == "-" {
-                    tarfmt::import_tar(&store, std::io::stdin().lock())?
-                } else {
-                    let f = std::fs::File::open(src).map_err(|e| Error::io("opening", src, e))?;
-                    tarfmt::import_tar(&store, std::io::BufReader::new(f))?
-                };
-                layers.push(imp.layer);
-                diff_ids.push(imp.diff_id);
-            }
-            let rec = ImageRecord {
-                name: name.clone(),
-                layers,
-                diff_ids,
-                config: None,
-                hot_list: None,
-                created: now_secs(),
-            };
-            store.put_image(&rec)?;
-            report(cli, serde_json::to_value(&rec).expect("serializes"), || {
-                format!("{name}: {} layers", rec.layers.len())
+            let source = ImportSource::from_args(source, *dir)?;
+            store.check_writable()?;
+            let rep = manage::import(&store, &source, name.as_deref(), &LayerLines)?;
+            report(cli, serde_json::to_value(&rep).expect("serializes"), || {
+                rep.to_string()
             })
         }
         Cmd::Ls => {
@@ -251,53 +163,16 @@ fn run(cli: &Cli) -> Result<()> {
             report(
                 cli,
                 serde_json::to_value(&imgs).expect("serializes"),
-                || {
-                    let mut s = format!(
-                        "{:<40} {:>6} {:>12}  TOP LAYER",
-                        "NAME", "LAYERS", "CREATED"
-                    );
-                    for i in &imgs {
-                        s.push_str(&format!(
-                            "\n{:<40} {:>6} {:>12}  {}",
-                            i.name,
-                            i.layers.len(),
-                            i.created,
-                            i.layers.last().map(|l| l.short()).unwrap_or_default()
-                        ));
-                    }
-                    s
-                },
+                || ImageTable(&imgs).to_string(),
             )
         }
         Cmd::Inspect { name } => {
-            let img = store.get_image(name)?;
-            let mut layers = Vec::new();
-            for id in &img.layers {
-                let idx = store.get_layer(id)?;
-                let whiteouts = idx
-                    .entries
-                    .iter()
-                    .filter(|e| e.kind == Kind::Whiteout)
-                    .count();
-                layers.push(json!({
-                    "id": id, "entries": idx.entries.len(), "file_bytes": idx.total_file_bytes(),
-                    "whiteouts": whiteouts, "chunk_size": idx.chunk_size,
-                }));
-            }
-            let v = json!({"image": img, "layers": layers});
-            report(cli, v.clone(), || {
-                let mut s = format!("image {name}");
-                for l in &layers {
-                    s.push_str(&format!(
-                        "\n  layer {}  {} entries  {}  {} whiteouts",
-                        l["id"].as_str().unwrap_or(""),
-                        l["entries"],
-                        human(l["file_bytes"].as_u64().unwrap_or(0)),
-                        l["whiteouts"]
-                    ));
-                }
-                s
-            })
+            let details = manage::inspect(&store, name, Some(&cache_dir(cli)))?;
+            report(
+                cli,
+                serde_json::to_value(&details).expect("serializes"),
+                || details.to_string(),
+            )
         }
         Cmd::Rm { name } => {
             store.remove_image(name)?;
@@ -306,13 +181,7 @@ fn run(cli: &Cli) -> Result<()> {
         Cmd::Gc { grace_secs } => {
             let r = store.gc(std::time::Duration::from_secs(*grace_secs))?;
             report(cli, serde_json::to_value(&r).expect("serializes"), || {
-                format!(
-                    "removed {} layers, {} chunks ({}), {} blobs",
-                    r.layers_removed,
-                    r.chunks_removed,
-                    human(r.bytes_freed),
-                    r.blobs_removed
-                )
+                r.to_string()
             })
         }
         Cmd::Mount {
@@ -390,32 +259,11 @@ fn run(cli: &Cli) -> Result<()> {
             cache.persist()
         }
         Cmd::Pack { upper, base, name } => {
-            let b = store.get_image(base)?;
-            let (id, idx, stats) = overlay::pack_diff(&store, upper)?;
-            let mut layers = b.layers.clone();
-            layers.push(id);
-            let rec = ImageRecord {
-                name: name.clone(),
-                layers,
-                diff_ids: vec![],
-                config: b.config,
-                hot_list: None,
-                created: now_secs(),
-            };
-            store.put_image(&rec)?;
-            report(
-                cli,
-                json!({"image": rec, "layer": id, "entries": idx.entries.len(), "stats": stats}),
-                || {
-                    format!(
-                        "{name}: {} + layer {} ({} entries, {} new chunks)",
-                        base,
-                        id.short(),
-                        idx.entries.len(),
-                        stats.new_chunks
-                    )
-                },
-            )
+            store.check_writable()?;
+            let rep = manage::pack(&store, upper, base, name, &NoProgress)?;
+            report(cli, serde_json::to_value(&rep).expect("serializes"), || {
+                rep.to_string()
+            })
         }
         Cmd::Push { name, reference } => {
             let r = Reference::parse(reference)?;
@@ -459,7 +307,7 @@ fn run(cli: &Cli) -> Result<()> {
             report(
                 cli,
                 json!({"image": name, "out": out, "bytes": size}),
-                || format!("{name}: {} ({})", out.display(), human(size)),
+                || format!("{name}: {} ({})", out.display(), human_bytes(size)),
             )
         }
         Cmd::ExportLayer { layer, out } => {
@@ -471,6 +319,18 @@ fn run(cli: &Cli) -> Result<()> {
                 let f = std::fs::File::create(out).map_err(|e| Error::io("creating", out, e))?;
                 tarfmt::export_tar(&store, &idx, std::io::BufWriter::new(f))
             }
+        }
+    }
+}
+
+/// One stderr line per layer: this binary draws no progress bars (`dsec image` does).
+struct LayerLines;
+
+impl Progress for LayerLines {
+    fn layer_started(&self, index: usize, count: usize, source_bytes: Option<u64>) {
+        match source_bytes {
+            Some(n) => eprintln!("[{}/{count}] importing {} ...", index + 1, human_bytes(n)),
+            None => eprintln!("[{}/{count}] importing ...", index + 1),
         }
     }
 }

@@ -12,8 +12,10 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tracing::info;
 
+use crate::build::BuildStats;
 use crate::digest::{Digest, HashingWriter};
 use crate::error::{Error, Result};
+use crate::progress::{NoProgress, Progress};
 use crate::store::{now_secs, ImageRecord, Store};
 use crate::tarfmt;
 
@@ -167,12 +169,24 @@ pub struct PullReport {
     pub image: ImageRecord,
     pub manifest_digest: Digest,
     pub compressed_bytes: u64,
-    pub file_bytes: u64,
-    pub new_chunks: u64,
+    /// Counters of the layers downloaded (reused layers add nothing).
+    #[serde(flatten)]
+    pub stats: BuildStats,
 }
 
 /// Pulls `reference` into the store as image `name`.
 pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullReport> {
+    pull_with_progress(store, reference, name, &NoProgress)
+}
+
+/// `pull`, reporting each layer, the blob bytes downloaded and the chunks stored to
+/// `progress`.
+pub fn pull_with_progress(
+    store: &Store,
+    reference: &Reference,
+    name: &str,
+    progress: &dyn Progress,
+) -> Result<PullReport> {
     let agent = agent();
     let base = reference.base();
     let accept = [
@@ -258,15 +272,16 @@ pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullRepo
         },
         manifest_digest,
         compressed_bytes: 0,
-        file_bytes: 0,
-        new_chunks: 0,
+        stats: BuildStats::default(),
     };
     for (i, l) in layers.iter().enumerate() {
         let d = desc_digest(&url, l)?;
+        progress.layer_started(i, layers.len(), l["size"].as_u64());
         // Same uncompressed layer already imported (another image shares it): no download.
         if let Some(id) = store.layer_for_diff_id(&diff_ids[i]) {
             info!(layer = %id.short(), "layer already in the store");
             report.image.layers.push(id);
+            progress.layer_finished(true);
             continue;
         }
         let mt = l["mediaType"].as_str().unwrap_or("");
@@ -280,7 +295,8 @@ pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullRepo
         let mut resp = agent.get(&burl).call().map_err(|e| reg_err(&burl, e))?;
         check_status(&burl, &mut resp, &[200])?;
         let reader = resp.into_body().into_reader();
-        let imp = tarfmt::import_tar(store, reader)?;
+        let imp = tarfmt::import_tar_with_progress(store, reader, progress)?;
+        progress.layer_finished(false);
         if imp.blob_digest != d {
             return Err(reg_err(
                 &burl,
@@ -301,8 +317,7 @@ pub fn pull(store: &Store, reference: &Reference, name: &str) -> Result<PullRepo
         }
         info!(layer = %imp.layer.short(), blob = %d.short(), bytes = imp.blob_size, "layer imported");
         report.compressed_bytes += imp.blob_size;
-        report.file_bytes += imp.stats.file_bytes;
-        report.new_chunks += imp.stats.new_chunks;
+        report.stats.add(&imp.stats);
         store.record_diff_id(&imp.diff_id, &imp.layer)?;
         report.image.layers.push(imp.layer);
     }

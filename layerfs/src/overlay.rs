@@ -10,11 +10,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::build::{build_from_dir, BuildStats, DirMode};
+use crate::build::{build_from_dir, build_from_dir_with_progress, BuildStats, DirMode};
 use crate::cache::NodeCache;
 use crate::digest::Digest;
 use crate::error::{Error, Result};
 use crate::index::{Kind, LayerIndex};
+use crate::progress::Progress;
 use crate::store::Store;
 
 fn cstr(p: &Path) -> Result<CString> {
@@ -240,4 +241,13 @@ pub fn unmount(target: &Path) -> Result<()> {
 /// content, deletions as whiteouts, replaced directories opaque. Unmount the overlay first.
 pub fn pack_diff(store: &Store, upper: &Path) -> Result<(Digest, LayerIndex, BuildStats)> {
     build_from_dir(store, upper, DirMode::OverlayUpper)
+}
+
+/// `pack_diff`, reporting every stored chunk to `progress`.
+pub fn pack_diff_with_progress(
+    store: &Store,
+    upper: &Path,
+    progress: &dyn Progress,
+) -> Result<(Digest, LayerIndex, BuildStats)> {
+    build_from_dir_with_progress(store, upper, DirMode::OverlayUpper, progress)
 }

@@ -26,6 +26,8 @@ use crate::error::{Error, Result};
 use crate::index::LayerIndex;
 
 pub const DEFAULT_CHUNK_SIZE: u32 = 1 << 20;
+/// Subdirectories every store has.
+const STORE_DIRS: [&str; 6] = ["chunks", "layers", "blobs", "images", "diffids", "tmp"];
 const CODEC_RAW: u8 = 0;
 const CODEC_ZSTD: u8 = 1;
 
@@ -86,21 +88,84 @@ impl Store {
     /// Opens (creating if needed) a store rooted at `root`.
     pub fn open(root: impl Into<PathBuf>, config: StoreConfig) -> Result<Store> {
         let root = root.into();
-        for sub in ["chunks", "layers", "blobs", "images", "diffids", "tmp"] {
-            let p = root.join(sub);
-            fs::create_dir_all(&p).map_err(|e| Error::io("creating store directory", &p, e))?;
+        Self::check_config(&config)?;
+        if root.exists() && !root.is_dir() {
+            return Err(Error::NoStore {
+                path: root,
+                detail: "the path exists and is not a directory".into(),
+            });
         }
-        if config.chunk_size < 4096 {
-            return Err(Error::Invalid(format!(
-                "chunk size {} is too small: use at least 4096 bytes",
-                config.chunk_size
-            )));
+        for sub in STORE_DIRS {
+            let p = root.join(sub);
+            if let Err(source) = fs::create_dir_all(&p) {
+                return Err(Error::StoreNotWritable { path: p, source });
+            }
         }
         Ok(Store {
             root,
             config,
             tmp_seq: AtomicU64::new(0),
         })
+    }
+
+    /// Opens a store that must already exist (never creates anything): for commands that
+    /// only read or remove, so a mistyped path is an error instead of a new empty store.
+    pub fn open_existing(root: impl Into<PathBuf>, config: StoreConfig) -> Result<Store> {
+        let root = root.into();
+        Self::check_config(&config)?;
+        if !root.is_dir() {
+            let detail = match fs::symlink_metadata(&root) {
+                Ok(_) => "the path is not a directory".to_string(),
+                Err(e) => e.to_string(),
+            };
+            return Err(Error::NoStore { path: root, detail });
+        }
+        if let Some(sub) = STORE_DIRS.iter().find(|s| !root.join(s).is_dir()) {
+            return Err(Error::NoStore {
+                detail: format!("the directory has no {sub}/ (not a layer store)"),
+                path: root,
+            });
+        }
+        Ok(Store {
+            root,
+            config,
+            tmp_seq: AtomicU64::new(0),
+        })
+    }
+
+    fn check_config(config: &StoreConfig) -> Result<()> {
+        if config.chunk_size < 4096 {
+            return Err(Error::Invalid(format!(
+                "chunk size {} is too small: use at least 4096 bytes",
+                config.chunk_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Fails early, before any work, when the store cannot be written (read-only mount,
+    /// permissions): a probe file is created in `tmp/` and removed.
+    pub fn check_writable(&self) -> Result<()> {
+        let probe = self.root.join("tmp").join(format!(
+            "{}.{}.probe",
+            std::process::id(),
+            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
+        ));
+        match File::create(&probe) {
+            Ok(_) => {
+                let _ = fs::remove_file(&probe);
+                Ok(())
+            }
+            Err(source) => Err(Error::StoreNotWritable {
+                path: self.root.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// Checks an image name before any work is done under it.
+    pub fn check_image_name(name: &str) -> Result<()> {
+        encode_name(name).map(|_| ())
     }
 
     pub fn root(&self) -> &Path {

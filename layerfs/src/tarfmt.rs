@@ -17,6 +17,7 @@ use crate::build::{BuildStats, LayerBuilder, Meta};
 use crate::digest::{Digest, Hasher};
 use crate::error::{Error, Result};
 use crate::index::{Kind, LayerIndex, XattrValue};
+use crate::progress::{NoProgress, Progress};
 use crate::store::Store;
 
 /// Result of importing one layer tar.
@@ -42,17 +43,19 @@ pub enum Compression {
 
 /// Reader that hashes into shared state, so the hash survives the reader being moved into
 /// a decoder chain.
-struct SharedHash<R> {
+struct SharedHash<'p, R> {
     inner: R,
     state: Rc<RefCell<(Hasher, u64)>>,
+    progress: &'p dyn Progress,
 }
 
-impl<R: Read> Read for SharedHash<R> {
+impl<R: Read> Read for SharedHash<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         let mut s = self.state.borrow_mut();
         s.0.update(&buf[..n]);
         s.1 += n as u64;
+        self.progress.source_read(n as u64);
         Ok(n)
     }
 }
@@ -95,12 +98,22 @@ fn join(dir: &str, name: &str) -> String {
 
 /// Imports one layer tar stream into the store.
 pub fn import_tar(store: &Store, reader: impl Read) -> Result<TarImport> {
+    import_tar_with_progress(store, reader, &NoProgress)
+}
+
+/// `import_tar`, reporting bytes read from `reader` and chunks stored to `progress`.
+pub fn import_tar_with_progress(
+    store: &Store,
+    reader: impl Read,
+    progress: &dyn Progress,
+) -> Result<TarImport> {
     let raw_state = Rc::new(RefCell::new((Hasher::new(), 0u64)));
     let mut buffered = BufReader::with_capacity(
         256 * 1024,
         SharedHash {
             inner: reader,
             state: raw_state.clone(),
+            progress,
         },
     );
     let magic = buffered
@@ -125,14 +138,19 @@ pub fn import_tar(store: &Store, reader: impl Read) -> Result<TarImport> {
     let tar_in = SharedHash {
         inner: decoded,
         state: diff_state.clone(),
+        progress: &NoProgress,
     };
     let mut archive = tar::Archive::new(tar_in);
-    let mut b = LayerBuilder::new(store);
+    let mut b = LayerBuilder::new(store).with_progress(progress);
     let entries = archive
         .entries()
         .map_err(|e| Error::Oci(format!("reading tar: {e}")))?;
     for entry in entries {
-        let mut entry = entry.map_err(|e| Error::Oci(format!("reading tar entry: {e}")))?;
+        let mut entry = entry.map_err(|e| {
+            Error::Oci(format!(
+                "reading tar entry: {e} (the stream is truncated, or not a plain, gzip or zstd tar)"
+            ))
+        })?;
         add_tar_entry(&mut b, &mut entry)?;
     }
     // Read to the end so the digests cover trailing padding and compression trailers.

@@ -3,6 +3,8 @@
 #   1. smoke:       QEMU-KVM inside L1 boots our guest kernel (proves the rig itself)
 #   2. first-light: our dsec-vmm and `dsec run --backend microvm` in L1
 #   3. snapshot:    `dsec vm` snapshot/restore/fork of a Linux guest in L1
+#   4. devices:     the guest's own drivers on virtio-blk (2 disks, one read-only), virtio-net
+#                   (TCP both ways over a tap), virtio-rng, 2 vCPUs
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
 # Exit status: number of failed suites.
@@ -35,6 +37,13 @@ fi
 echo "==> rig snapshot (dsec vm snapshot/restore/fork of a Linux guest in L1)"
 if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/snapshot.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig devices (Linux drivers on our virtio-blk/net/rng, 2 vCPUs, in L1)"
+if ((${#missing[@]} == 0)); then
+    "$HERE/rig.sh" run "$HERE/tests/devices.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
         || failed=$((failed + 1))

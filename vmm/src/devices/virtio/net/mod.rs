@@ -205,10 +205,16 @@ impl NetQueues {
                 }
                 r.read_exact(&mut self.buf[..len]).ok()?;
                 if !tx_header_ok(&self.buf[..HDR_LEN], self.acked) {
+                    tracing::debug!(len, hdr = ?&self.buf[..HDR_LEN], "virtio-net: tx header refused");
                     return None;
                 }
                 // A full tap queue drops the frame, like a real NIC; TCP recovers.
-                (&*self.tap).write(&self.buf[..len]).ok()
+                (&*self.tap)
+                    .write(&self.buf[..len])
+                    .inspect_err(|e| {
+                        tracing::debug!(len, hdr = ?&self.buf[..HDR_LEN], "virtio-net: tap write failed: {e}")
+                    })
+                    .ok()
             });
             match sent {
                 Some(_) => self.stats.tx_frames += 1,
@@ -251,7 +257,18 @@ impl NetQueues {
                 Ok(mut w) if w.available_bytes() >= len => {
                     w.write_all(&self.rx_frame[..len]).ok().map(|_| len as u32)
                 }
-                _ => None,
+                Ok(w) => {
+                    tracing::debug!(
+                        len,
+                        room = w.available_bytes(),
+                        "virtio-net: rx frame larger than the guest buffer"
+                    );
+                    None
+                }
+                Err(e) => {
+                    tracing::debug!(len, "virtio-net: bad rx chain: {e}");
+                    None
+                }
             };
             match written {
                 Some(_) => self.stats.rx_frames += 1,

@@ -277,4 +277,85 @@ impl LayerIndex {
             })
             .sum()
     }
+
+    /// Bytes of the distinct chunks the files reference (shared chunks once): what fetching
+    /// the whole layer into an empty node cache moves.
+    pub fn distinct_chunk_bytes(&self) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        self.entries
+            .iter()
+            .filter_map(|e| match &e.kind {
+                Kind::File { chunks, .. } => Some(chunks),
+                _ => None,
+            })
+            .flatten()
+            .filter(|c| seen.insert(c.digest))
+            .map(|c| u64::from(c.len))
+            .sum()
+    }
+
+    /// The largest regular file as (path, size); among equal sizes the last path in order.
+    pub fn largest_file(&self) -> Option<(&str, u64)> {
+        self.entries
+            .iter()
+            .filter_map(|e| match &e.kind {
+                Kind::File { size, .. } => Some((*size, e.path.as_str())),
+                _ => None,
+            })
+            .max()
+            .map(|(size, path)| (path, size))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str, size: u64, chunks: &[(&[u8], u32)], link: Option<u32>) -> Entry {
+        Entry {
+            path: path.into(),
+            kind: Kind::File {
+                size,
+                chunks: chunks
+                    .iter()
+                    .map(|(data, len)| ChunkRef {
+                        digest: Digest::of(data),
+                        len: *len,
+                    })
+                    .collect(),
+            },
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+            mtime: 0,
+            mtime_nsec: 0,
+            xattrs: BTreeMap::new(),
+            link,
+        }
+    }
+
+    #[test]
+    fn byte_totals_count_shared_chunks_and_link_groups_once() {
+        let idx = LayerIndex {
+            version: INDEX_VERSION,
+            chunk_size: 8,
+            entries: vec![
+                file("a", 10, &[(b"x", 8), (b"y", 2)], None),
+                // Same content as `a`'s first chunk: stored and fetched once.
+                file("b", 8, &[(b"x", 8)], None),
+                file("c", 3, &[(b"z", 3)], Some(1)),
+                file("d", 3, &[(b"z", 3)], Some(1)),
+            ],
+        };
+        assert_eq!(idx.total_file_bytes(), 10 + 8 + 3);
+        assert_eq!(idx.distinct_chunk_bytes(), 8 + 2 + 3);
+        assert_eq!(idx.largest_file(), Some(("a", 10)));
+        let empty = LayerIndex {
+            version: INDEX_VERSION,
+            chunk_size: 8,
+            entries: vec![],
+        };
+        assert_eq!(empty.largest_file(), None);
+        assert_eq!(empty.distinct_chunk_bytes(), 0);
+    }
 }

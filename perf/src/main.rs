@@ -1,17 +1,20 @@
 //! dsec-perf: DSec's benchmark harness. `dsec-perf boot` measures boot latency of our VMM
 //! beside QEMU `-M microvm`, alternating between them, and reports percentiles and ratios;
-//! `dsec-perf snapshot` measures restore, fork and the memory of forked children.
+//! `dsec-perf snapshot` measures restore, fork and the memory of forked children;
+//! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads).
 
 mod direct;
 mod fleet;
 mod guest;
 mod kvmfloor;
+mod layerfs;
 mod machine;
 mod report;
 mod rig;
 mod rig_snapshot;
 mod run;
 mod snapshot;
+mod stage;
 mod stats;
 
 use std::path::{Path, PathBuf};
@@ -35,6 +38,10 @@ enum Cmd {
     /// Snapshot restore latency (MAP_PRIVATE, lazy, lazy + prefetch) vs a cold boot, fork
     /// latency for batches of children, host memory of forked children vs independent VMs.
     Snapshot(SnapArgs),
+    /// layerfs on an image staged from this host's files: empty node cache to the first
+    /// command (lazy FUSE mount vs fetch-all + extract), warm re-reads vs native ext4.
+    /// Needs root and /dev/fuse.
+    Layerfs(LayerfsArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -172,6 +179,34 @@ struct SnapArgs {
     #[arg(long, default_value_t = 256)]
     rig_mem_mib: u32,
     /// Keep the scratch directory (snapshot, stderr of every VMM).
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct LayerfsArgs {
+    /// Samples per contender in the cold and warm scenarios [default: 3; --quick: 1].
+    #[arg(long)]
+    samples: Option<usize>,
+    /// Size budget of the image staged from this host's files, in MiB (what the first
+    /// command needs always goes in) [default: 1024; --quick: 384].
+    #[arg(long, value_name = "MIB")]
+    image_mib: Option<u64>,
+    /// Random 4 KiB reads per warm sample [default: 2000; --quick: 500].
+    #[arg(long)]
+    random_reads: Option<usize>,
+    /// Small and fast (about 20 s on the 2-core dev machine): a smaller image, one sample,
+    /// fewer random reads. Explicit options still win.
+    #[arg(long)]
+    quick: bool,
+    /// Parent of the scratch directory; it must be on the filesystem of /usr (the image is
+    /// staged as hard links, else copied) [default: the temp dir].
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Keep the scratch directory (staged tree, store, the last extracted tree and cache).
     #[arg(long)]
     keep_workdir: bool,
 }
@@ -464,6 +499,73 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
+    let opts = layerfs::LayerfsOpts {
+        samples: layerfs::pick(a.samples, a.quick, 1, 3),
+        image_bytes: layerfs::pick(a.image_mib, a.quick, 384, 1024) << 20,
+        random_reads: layerfs::pick(a.random_reads, a.quick, 500, 2000),
+        workdir: a
+            .workdir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir)
+            .join(format!("dsec-perf-layerfs-{}", std::process::id())),
+    };
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    eprintln!(
+        "dsec-perf: layerfs, cpu={:?}, {} samples, image budget {} MiB, scratch {}",
+        machine["cpu_model"].as_str().unwrap_or("?"),
+        opts.samples,
+        opts.image_bytes >> 20,
+        opts.workdir.display()
+    );
+    layerfs::check_prerequisites().map_err(|e| e.to_string())?;
+    std::fs::create_dir(&opts.workdir).map_err(|e| {
+        format!(
+            "creating the scratch directory {}: {e} (it must not exist yet; choose another --workdir)",
+            opts.workdir.display()
+        )
+    })?;
+    let result = layerfs::bench(&opts);
+    let finish = |r: &layerfs::Results| -> Result<(), String> {
+        for sc in [&r.import, &r.cold, &r.warm] {
+            print!("{}", sc.table());
+            println!();
+        }
+        if let Some(path) = &a.json {
+            let doc = json!({
+                "tool": "dsec-perf",
+                "scenario": "layerfs",
+                "version": env!("CARGO_PKG_VERSION"),
+                "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+                "machine": machine,
+                "options": {
+                    "samples": opts.samples, "image_mib": opts.image_bytes >> 20,
+                    "random_reads": opts.random_reads, "quick": a.quick,
+                },
+                "image": r.image,
+                "import": r.import.to_json(),
+                "cold": r.cold.to_json(),
+                "warm": r.warm.to_json(),
+            });
+            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+            std::fs::write(path, text + "\n")
+                .map_err(|e| format!("write {}: {e}", path.display()))?;
+            eprintln!("dsec-perf: wrote {}", path.display());
+        }
+        Ok(())
+    };
+    let out = match &result {
+        Ok(r) => finish(r),
+        Err(e) => Err(e.to_string()),
+    };
+    if a.keep_workdir {
+        eprintln!("dsec-perf: scratch kept in {}", opts.workdir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&opts.workdir);
+    }
+    out
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -475,6 +577,13 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Snapshot(a) => match snapshot_cmd(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dsec-perf: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Cmd::Layerfs(a) => match layerfs_cmd(a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dsec-perf: {e}");

@@ -247,6 +247,35 @@ struct RatioRow {
     p90: Option<f64>,
 }
 
+/// Which side of a goal's limit meets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    Below,
+    AtMost,
+    AtLeast,
+}
+
+/// A note line checking `value` against a design goal: `goal WHAT < 5 ms: 4.000 ms -> met`.
+pub fn goal(what: &str, value: Option<f64>, bound: Bound, limit: f64, unit: &str) -> String {
+    let (op, met): (&str, fn(f64, f64) -> bool) = match bound {
+        Bound::Below => ("<", |v, l| v < l),
+        Bound::AtMost => ("<=", |v, l| v <= l),
+        Bound::AtLeast => (">=", |v, l| v >= l),
+    };
+    match value {
+        Some(v) => format!(
+            "goal {what} {op} {limit} {unit}: {v:.3} {unit} -> {}",
+            if met(v, limit) { "met" } else { "MISSED" }
+        ),
+        None => format!("goal {what} {op} {limit} {unit}: no data"),
+    }
+}
+
+/// `goal` with a strict upper limit.
+pub fn goal_line(what: &str, value: Option<f64>, limit: f64, unit: &str) -> String {
+    goal(what, value, Bound::Below, limit, unit)
+}
+
 fn fmt_num(v: f64) -> String {
     if v.abs() >= 1000.0 {
         format!("{v:.0}")
@@ -272,6 +301,23 @@ mod tests {
             values: [("t", v)].into_iter().collect(),
             error: err.then(|| "boom".to_string()),
         }
+    }
+
+    #[test]
+    fn goal_lines() {
+        assert_eq!(
+            goal_line("x p50", Some(4.0), 5.0, "ms"),
+            "goal x p50 < 5 ms: 4.000 ms -> met"
+        );
+        assert!(goal_line("x", Some(5.0), 5.0, "ms").ends_with("MISSED"));
+        assert!(goal_line("x", None, 5.0, "ms").ends_with("no data"));
+        assert!(goal("x", Some(2.0), Bound::AtMost, 2.0, "x").ends_with("-> met"));
+        assert!(goal("x", Some(2.1), Bound::AtMost, 2.0, "x").ends_with("MISSED"));
+        assert_eq!(
+            goal("seq", Some(0.75), Bound::AtLeast, 0.75, "x"),
+            "goal seq >= 0.75 x: 0.750 x -> met"
+        );
+        assert!(goal("seq", Some(0.5), Bound::AtLeast, 0.75, "x").ends_with("MISSED"));
     }
 
     #[test]

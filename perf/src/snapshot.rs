@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::direct::{ms, shell_words};
 use crate::fleet::{self, Fleet, Ready};
 use crate::guest;
-use crate::report::{Contender, Metric, Sample, Scenario};
+use crate::report::{goal_line, Contender, Metric, Sample, Scenario};
 use crate::run::{self, RunSpec};
 
 #[derive(Debug, Clone)]
@@ -1002,17 +1002,6 @@ pub struct Results {
     pub memory: Scenario,
 }
 
-/// "goal ...: value -> met/MISSED" for a p50 that must stay below `limit`.
-pub fn goal_line(what: &str, value: Option<f64>, limit: f64, unit: &str) -> String {
-    match value {
-        Some(v) => format!(
-            "goal {what} < {limit} {unit}: {v:.3} {unit} -> {}",
-            if v < limit { "met" } else { "MISSED" }
-        ),
-        None => format!("goal {what} < {limit} {unit}: no data"),
-    }
-}
-
 /// Appends the design goals, checked against the p50s, to the scenarios' notes.
 fn add_goals(r: &mut Results, o: &SnapOpts) {
     let p50 = |sc: &Scenario, c: &str, m: &str| sc.summary(c, m).map(|s| s.p50);
@@ -1104,16 +1093,6 @@ mod tests {
         assert_eq!(w, 4.0);
         assert_eq!(batch_wall_ms(&[], &[]), None);
         assert_eq!(batch_wall_ms(&[1], &[0, 5]), None);
-    }
-
-    #[test]
-    fn goal_lines() {
-        assert_eq!(
-            goal_line("x p50", Some(4.0), 5.0, "ms"),
-            "goal x p50 < 5 ms: 4.000 ms -> met"
-        );
-        assert!(goal_line("x", Some(5.0), 5.0, "ms").ends_with("MISSED"));
-        assert!(goal_line("x", None, 5.0, "ms").ends_with("no data"));
     }
 
     #[test]

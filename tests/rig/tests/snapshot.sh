@@ -45,7 +45,7 @@ if [ "$c1" -ge "$before" ] 2>/dev/null && [ "$c2" -gt "$c1" ] 2>/dev/null; then
     ok process-keeps-running
 else
     bad process-keeps-running "count before=$before after restore=$c1 then $c2"
-    timeout 30 dsec vm exec /tmp/vm2 -- sh -c 'grep LOC /proc/interrupts; sleep 1; grep LOC /proc/interrupts; cat /tmp/count'
+    timeout 30 dsec vm exec /tmp/vm2 -- sh -c 'cat /sys/devices/system/clocksource/clocksource0/current_clocksource; grep LOC /proc/interrupts; cat /proc/uptime; sleep 1; grep LOC /proc/interrupts; cat /proc/uptime /tmp/count; ps -o pid,stat,args'
 fi
 
 t0=$(now)

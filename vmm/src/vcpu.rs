@@ -418,7 +418,10 @@ mod tests {
         set_apic_reg(&mut lapic, APIC_TMICT, 1000);
         let irr_word = APIC_IRR + (0xec / 32) * 0x10;
         let bit = 1 << (0xec % 32);
-        assert_eq!(apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word) & bit, bit);
+        assert_eq!(
+            apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word) & bit,
+            bit
+        );
         // Still counting: nothing to do.
         set_apic_reg(&mut lapic, APIC_TMCCT, 10);
         assert_eq!(apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word), 0);

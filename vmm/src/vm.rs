@@ -424,8 +424,6 @@ impl Vm {
             fd.set_irqchip(chip)
                 .map_err(kvm_err("restore the interrupt controller"))?;
         }
-        fd.set_pit2(&state.pit)
-            .map_err(kvm_err("restore the PIT"))?;
         let mut clock = state.clock;
         clock.flags = 0;
         fd.set_clock(&clock)
@@ -458,6 +456,13 @@ impl Vm {
         for device in &vm.virtio {
             lock(device).reassert_pending_interrupt();
         }
+        // The PIT last: restoring it re-arms its counter, and a tick that fired before the
+        // vCPUs' LAPICs were loaded would be lost, after which KVM (reinjecting, so waiting
+        // for that tick's acknowledgement) never delivers another one: a guest whose clock
+        // events come from the PIT would then sleep forever.
+        vm.fd
+            .set_pit2(&state.pit)
+            .map_err(kvm_err("restore the PIT"))?;
         // The restored memory is the baseline for the next diff snapshot.
         *lock(&vm.last_snapshot) = Some(dir.to_owned());
         Ok(vm)

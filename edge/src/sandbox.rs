@@ -423,18 +423,18 @@ async fn create_container(config: &EdgeConfig, spec: &SandboxSpec) -> Result<San
             });
         }
         if socket.exists() {
-            if let Ok(client) = AgentClient::connect(AgentAddr::Unix(socket.clone())).await {
-                if tokio::time::timeout(Duration::from_secs(5), client.info())
-                    .await
-                    .is_ok_and(|r| r.is_ok())
-                {
-                    return Ok(Sandbox {
-                        id,
-                        kind,
-                        client,
-                        host,
-                    });
-                }
+            // Bound the whole attempt (connect, HTTP/2 handshake, Info): retry, never hang.
+            let attempt = tokio::time::timeout(Duration::from_secs(5), async {
+                let client = AgentClient::connect(AgentAddr::Unix(socket.clone())).await?;
+                client.info().await.map(|_| client)
+            });
+            if let Ok(Ok(client)) = attempt.await {
+                return Ok(Sandbox {
+                    id,
+                    kind,
+                    client,
+                    host,
+                });
             }
         }
         if Instant::now() > deadline {
@@ -651,18 +651,20 @@ async fn wait_microvm_ready(
             }
         }
         if vsock.exists() {
-            if let Ok(client) = AgentClient::connect(addr.clone()).await {
-                if tokio::time::timeout(Duration::from_secs(5), client.info())
-                    .await
-                    .is_ok_and(|r| r.is_ok())
-                {
-                    return Ok(Sandbox {
-                        id,
-                        kind,
-                        client,
-                        host,
-                    });
-                }
+            // Bound the whole attempt: before the guest's vsock driver is up the VMM accepts
+            // the connection but cannot answer the handshake yet, and a handshake that is
+            // never answered must turn into a retry, not a hang.
+            let attempt = tokio::time::timeout(Duration::from_secs(5), async {
+                let client = AgentClient::connect(addr.clone()).await?;
+                client.info().await.map(|_| client)
+            });
+            if let Ok(Ok(client)) = attempt.await {
+                return Ok(Sandbox {
+                    id,
+                    kind,
+                    client,
+                    host,
+                });
             }
         }
         if Instant::now() > deadline {

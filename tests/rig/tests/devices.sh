@@ -63,18 +63,22 @@ if x ping -c 1 -W 5 10.0.2.1 >/dev/null; then ok net-ping; else bad net-ping "no
 dd if=/dev/urandom of=/tmp/payload bs=1M count=4 2>/dev/null
 want=$(md5sum </tmp/payload | cut -d' ' -f1)
 # Host to guest: the host serves the payload, the guest reads and sums it.
-timeout 60 nc -l -p 5001 </tmp/payload &
+timeout 300 nc -l -p 5001 </tmp/payload &
 server=$!
 sleep 1
-got=$(x sh -c 'sleep 30 | nc 10.0.2.1 5001 | md5sum' | cut -d' ' -f1)
+got=$(timeout 300 dsec vm exec $D -- sh -c 'sleep 60 | nc 10.0.2.1 5001 | md5sum' | cut -d' ' -f1)
 kill $server 2>/dev/null
 [ "$got" = "$want" ] && ok net-tcp-host-to-guest || bad net-tcp-host-to-guest "guest got $got, want $want"
 # Guest to host: the guest sends 4 MiB, the host sums what arrives.
-(sleep 30 | timeout 60 nc -l -p 5000 >/tmp/received) &
+# The listener's stdin stays open well past the transfer, which takes tens of seconds on a
+# loaded machine (the guest's network stack runs emulated here).
+(sleep 600 | timeout 600 nc -l -p 5000 >/tmp/received) &
+receiver=$!
 sleep 1
 x sh -c 'head -c 4194304 /dev/urandom > /tmp/up; md5sum </tmp/up > /tmp/up.sum; nc 10.0.2.1 5000 </tmp/up' >/dev/null 2>&1
 up_want=$(x cat /tmp/up.sum | cut -d' ' -f1)
-for i in $(seq 1 30); do [ "$(wc -c </tmp/received)" -ge 4194304 ] && break; sleep 1; done
+for i in $(seq 1 240); do [ "$(wc -c </tmp/received)" -ge 4194304 ] && break; sleep 1; done
+pkill -P $receiver 2>/dev/null; kill $receiver 2>/dev/null
 [ -n "$up_want" ] && [ "$(md5sum </tmp/received | cut -d' ' -f1)" = "$up_want" ] \
     && ok net-tcp-guest-to-host || bad net-tcp-guest-to-host "host got $(wc -c </tmp/received) bytes"
 

@@ -22,7 +22,7 @@ use dsec_layerfs::store::{Store, StoreConfig};
 use dsec_layerfs::{fuse, overlay, Digest};
 use serde_json::{json, Value};
 
-use crate::report::{goal, goal_line, Bound, Contender, Metric, Sample, Scenario};
+use crate::report::{detail, goal, goal_line, metric, Bound, Contender, Sample, Scenario};
 use crate::stage::{self, Staged, PYTHON};
 use crate::stats::ratio;
 
@@ -70,23 +70,6 @@ pub struct Results {
     pub warm: Scenario,
     /// What was staged and imported, for the JSON.
     pub image: Value,
-}
-
-fn metric(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
-    Metric {
-        key,
-        label,
-        unit,
-        compare: true,
-    }
-}
-
-/// Shown in the table, left out of the ratios.
-fn detail(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
-    Metric {
-        compare: false,
-        ..metric(key, label, unit)
-    }
 }
 
 fn contender(name: &str, description: &str, command: String) -> Contender {

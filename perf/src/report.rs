@@ -17,6 +17,24 @@ pub struct Metric {
     pub compare: bool,
 }
 
+/// A metric compared across contenders (ratios reported).
+pub fn metric(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
+    Metric {
+        key,
+        label,
+        unit,
+        compare: true,
+    }
+}
+
+/// A metric shown in the table but left out of the ratios (a breakdown).
+pub fn detail(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
+    Metric {
+        compare: false,
+        ..metric(key, label, unit)
+    }
+}
+
 /// One VMM configuration being measured.
 #[derive(Debug, Clone)]
 pub struct Contender {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::direct::{ms, shell_words};
 use crate::fleet::{self, Fleet, Ready};
 use crate::guest;
-use crate::report::{goal_line, Contender, Metric, Sample, Scenario};
+use crate::report::{detail, goal_line, metric, Contender, Metric, Sample, Scenario};
 use crate::run::{self, RunSpec};
 
 #[derive(Debug, Clone)]
@@ -41,23 +41,6 @@ pub struct SnapOpts {
 }
 
 const GIVE_UP_AFTER: usize = 3;
-
-fn metric(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
-    Metric {
-        key,
-        label,
-        unit,
-        compare: true,
-    }
-}
-
-/// A metric shown in the table but left out of the ratios (a breakdown).
-fn detail(key: &'static str, label: &'static str, unit: &'static str) -> Metric {
-    Metric {
-        compare: false,
-        ..metric(key, label, unit)
-    }
-}
 
 fn os(v: &[&str]) -> Vec<OsString> {
     v.iter().map(OsString::from).collect()

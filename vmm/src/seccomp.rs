@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
@@ -19,7 +20,7 @@ pub const FORBIDDEN_SYSCALL_EXIT: i32 = 159;
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// The uid/gid a jailed VMM drops to. glibc changes credentials on every thread (a signal
 /// makes each thread repeat the call), so filtered threads must allow exactly this change.
-static JAIL_IDS: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+static JAIL_IDS: OnceLock<(u32, u32)> = OnceLock::new();
 
 /// Lets every filter installed from now on allow switching to `uid`/`gid` (and nothing else).
 pub fn allow_privilege_drop_to(uid: u32, gid: u32) {
@@ -242,8 +243,19 @@ pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     if !is_enabled() {
         return Ok(());
     }
-    let program = program(kind)?;
-    seccompiler::apply_filter(&program).map_err(|e| SeccompError::Install {
+    // Compiled once per kind and process: vCPU and device threads start on the restore path,
+    // before the first KVM_RUN. (The jail's uid/gid are fixed before any thread starts.)
+    static PROGRAMS: [OnceLock<BpfProgram>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = &PROGRAMS[kind as usize];
+    let program = match slot.get() {
+        Some(p) => p,
+        None => {
+            let compiled = program(kind)?;
+            slot.get_or_init(|| compiled)
+        }
+    };
+    seccompiler::apply_filter(program).map_err(|e| SeccompError::Install {
         kind,
         message: e.to_string(),
     })

@@ -325,48 +325,6 @@ fn rearm_tsc_deadline(saved: &[kvm_msr_entry]) -> Vec<kvm_msr_entry> {
         .collect()
 }
 
-const APIC_IRR: usize = 0x200;
-const APIC_ISR: usize = 0x100;
-const APIC_LVTT: usize = 0x320;
-const APIC_TMICT: usize = 0x380;
-const APIC_TMCCT: usize = 0x390;
-const LVT_MASKED: u32 = 1 << 16;
-const LVTT_MODE_MASK: u32 = 3 << 17;
-
-fn apic_reg(lapic: &kvm_lapic_state, offset: usize) -> u32 {
-    let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[offset + i] as u8);
-    u32::from_le_bytes(bytes)
-}
-
-fn set_apic_reg(lapic: &mut kvm_lapic_state, offset: usize, value: u32) {
-    for (i, b) in value.to_le_bytes().into_iter().enumerate() {
-        lapic.regs[offset + i] = b as _;
-    }
-}
-
-/// A one-shot LAPIC timer that ran out while the vCPU was paused for the snapshot has its
-/// interrupt pending inside KVM, not yet in the IRR that KVM_GET_LAPIC saves: restored as is,
-/// the timer is neither armed nor pending and a tickless guest sleeps forever. Mark its
-/// vector pending (an early timer interrupt is harmless).
-fn pend_expired_oneshot_timer(saved: &kvm_lapic_state) -> kvm_lapic_state {
-    let mut lapic = *saved;
-    let lvtt = apic_reg(&lapic, APIC_LVTT);
-    let expired = lvtt & LVT_MASKED == 0
-        && lvtt & LVTT_MODE_MASK == 0
-        && apic_reg(&lapic, APIC_TMICT) != 0
-        && apic_reg(&lapic, APIC_TMCCT) == 0;
-    let vector = (lvtt & 0xff) as usize;
-    if expired && vector >= 16 {
-        let word = APIC_IRR + (vector / 32) * 0x10;
-        let in_service = apic_reg(&lapic, APIC_ISR + (vector / 32) * 0x10) & (1 << (vector % 32));
-        if in_service == 0 {
-            let irr = apic_reg(&lapic, word) | (1 << (vector % 32));
-            set_apic_reg(&mut lapic, word, irr);
-        }
-    }
-    lapic
-}
-
 /// Loads a saved state into a fresh vCPU (order matters: CPUID first, events last).
 pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
     let cpuid = CpuId::from_entries(&state.cpuid).map_err(|e| format!("CPUID: {e:?}"))?;
@@ -382,7 +340,7 @@ pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
     fd.set_xcrs(&state.xcrs).map_err(kvm_err("set XCRs"))?;
     fd.set_debug_regs(&state.debug_regs)
         .map_err(kvm_err("set debug registers"))?;
-    fd.set_lapic(&pend_expired_oneshot_timer(&state.lapic))
+    fd.set_lapic(&state.lapic)
         .map_err(kvm_err("set the local APIC"))?;
     let msrs =
         Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(|e| format!("MSRs: {e:?}"))?;
@@ -409,28 +367,6 @@ mod tests {
             data,
             ..Default::default()
         }
-    }
-
-    #[test]
-    fn an_expired_oneshot_timer_is_left_pending() {
-        let mut lapic = kvm_lapic_state::default();
-        set_apic_reg(&mut lapic, APIC_LVTT, 0xec); // one-shot, vector 0xec, unmasked
-        set_apic_reg(&mut lapic, APIC_TMICT, 1000);
-        let irr_word = APIC_IRR + (0xec / 32) * 0x10;
-        let bit = 1 << (0xec % 32);
-        assert_eq!(
-            apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word) & bit,
-            bit
-        );
-        // Still counting: nothing to do.
-        set_apic_reg(&mut lapic, APIC_TMCCT, 10);
-        assert_eq!(apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word), 0);
-        // Masked, or in TSC-deadline mode: untouched.
-        set_apic_reg(&mut lapic, APIC_TMCCT, 0);
-        set_apic_reg(&mut lapic, APIC_LVTT, 0xec | LVT_MASKED);
-        assert_eq!(apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word), 0);
-        set_apic_reg(&mut lapic, APIC_LVTT, 0xec | (2 << 17));
-        assert_eq!(apic_reg(&pend_expired_oneshot_timer(&lapic), irr_word), 0);
     }
 
     #[test]

@@ -299,6 +299,24 @@ async fn sandbox_is_isolated_from_host_and_agent_socket() {
         let out = run(&sandbox, &["sh", "-c", script]).await;
         assert_ne!(out.outcome.code, Some(0), "sandbox could {what}");
     }
+    // The seccomp filter refuses what capabilities alone do not: an unprivileged user
+    // namespace (root inside it would regain every capability) and joining namespaces.
+    let out = run(&sandbox, &["grep", "^Seccomp:", "/proc/self/status"]).await;
+    assert_eq!(text(&out.stdout).split_whitespace().nth(1), Some("2"));
+    for (script, what) in [
+        ("unshare -U true", "create a user namespace"),
+        ("unshare -Ur true", "become root in a user namespace"),
+        ("nsenter -t 1 -m true", "join the agent's mount namespace"),
+    ] {
+        let out = run(&sandbox, &["sh", "-c", script]).await;
+        assert_ne!(out.outcome.code, Some(0), "sandbox could {what}");
+    }
+    let out = run(&sandbox, &["sh", "-c", "unshare -U true 2>&1"]).await;
+    assert!(
+        text(&out.stdout).contains("Operation not permitted"),
+        "unshare -U: {}",
+        text(&out.stdout)
+    );
     // Ordinary root work still succeeds.
     let out = run(
         &sandbox,

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::confine::Confinement;
 use crate::reaper::Reaper;
 
 /// Messages buffered per Exec before the command is slowed down (backpressure).
@@ -36,56 +37,20 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 
 type ResponseTx = mpsc::Sender<Result<ExecResponse, Status>>;
 
-/// Capabilities commands keep in a container (Docker's default set without MKNOD): enough
-/// for ordinary root work, not for mounting, loading modules, raw I/O or ptrace of the agent.
-const CONTAINER_CAPS: &[u32] = &[
-    0,  // CHOWN
-    1,  // DAC_OVERRIDE
-    3,  // FOWNER
-    4,  // FSETID
-    5,  // KILL
-    6,  // SETGID
-    7,  // SETUID
-    8,  // SETPCAP
-    10, // NET_BIND_SERVICE
-    13, // NET_RAW
-    18, // SYS_CHROOT
-    29, // AUDIT_WRITE
-    31, // SETFCAP
-];
-
 /// Serves `dsec.agent.v1.Process`.
 pub struct ProcessService {
     reaper: Arc<Reaper>,
-    /// Capabilities to remove from the bounding set of every command (container mode).
-    dropped_caps: Arc<Vec<u32>>,
+    /// Applied to every command before exec (capabilities and seccomp in containers).
+    confinement: Arc<Confinement>,
 }
 
 impl ProcessService {
-    /// `restrict_caps`: commands run with the container capability set only.
-    pub fn new(reaper: Arc<Reaper>, restrict_caps: bool) -> Self {
+    pub fn new(reaper: Arc<Reaper>, confinement: Arc<Confinement>) -> Self {
         Self {
             reaper,
-            dropped_caps: dropped_caps(restrict_caps),
+            confinement,
         }
     }
-}
-
-/// Capabilities to drop from every command's bounding set (all but the container set when
-/// `restrict_caps`, none otherwise).
-pub fn dropped_caps(restrict_caps: bool) -> Arc<Vec<u32>> {
-    let dropped = if restrict_caps {
-        let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-            .ok()
-            .and_then(|s| s.trim().parse::<u32>().ok())
-            .unwrap_or(40);
-        (0..=last_cap)
-            .filter(|c| !CONTAINER_CAPS.contains(c))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Arc::new(dropped)
 }
 
 #[tonic::async_trait]
@@ -107,7 +72,7 @@ impl Process for ProcessService {
                 ))
             }
         };
-        let running = spawn_command(&self.reaper, &start, self.dropped_caps.clone())?;
+        let running = spawn_command(&self.reaper, &start, self.confinement.clone())?;
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
         tokio::spawn(supervise(running, start, inbound, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -125,7 +90,7 @@ struct RunningCommand {
 fn spawn_command(
     reaper: &Reaper,
     start: &ExecStart,
-    dropped_caps: Arc<Vec<u32>>,
+    confinement: Arc<Confinement>,
 ) -> Result<RunningCommand, Status> {
     let Some(program) = start.argv.first() else {
         return Err(Status::invalid_argument(
@@ -181,18 +146,13 @@ fn spawn_command(
         None
     };
     // SAFETY: the closure runs between fork and exec and only makes raw syscalls (setsid,
-    // prctl), which are async-signal-safe; it reads `dropped_caps`, allocated before fork.
-    // A new session makes the command a process-group leader, so a timeout can kill the
-    // whole tree it starts. Dropping from the bounding set limits root's caps after exec.
+    // seccomp, prctl), which are async-signal-safe; it reads `confinement`, built before
+    // fork. A new session makes the command a process-group leader, so a timeout can kill
+    // the whole tree it starts.
     unsafe {
         command.pre_exec(move || {
             nix::unistd::setsid().map_err(io::Error::from)?;
-            for &cap in dropped_caps.iter() {
-                if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            Ok(())
+            confinement.apply()
         });
     }
     let (pid, status) = reaper.spawn(&mut command).map_err(|err| match err.kind() {

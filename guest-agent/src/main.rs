@@ -3,6 +3,7 @@
 //! process serving on a Unix socket (tests).
 
 mod agent;
+mod confine;
 mod container;
 mod exec;
 mod files;
@@ -13,6 +14,7 @@ mod sessions;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
 use dsec_api::agent::v1::agent_server::AgentServer;
@@ -157,17 +159,23 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
     let incoming = listener
         .incoming()
         .map_err(|e| AgentError::Listen(format!("register listener: {e}")))?;
-    let restrict_caps = mode == Mode::Container;
+    // Containers share the host kernel: their commands get reduced capabilities and a
+    // seccomp filter. In a microVM the guest kernel is the boundary.
+    let confinement = Arc::new(if mode == Mode::Container {
+        confine::Confinement::container()?
+    } else {
+        confine::Confinement::none()
+    });
     let server = tonic::transport::Server::builder()
         .add_service(AgentServer::new(agent::AgentService { mode }))
         .add_service(ProcessServer::new(exec::ProcessService::new(
             reaper.clone(),
-            restrict_caps,
+            confinement.clone(),
         )))
         .add_service(FilesServer::new(files::FilesService))
         .add_service(SessionsServer::new(sessions::SessionsService::new(
             reaper,
-            exec::dropped_caps(restrict_caps),
+            confinement,
         )));
     init::announce_ready(mode);
     server

@@ -38,6 +38,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
+use crate::confine::Confinement;
 use crate::reaper::Reaper;
 
 /// Default per-command output cap (head + tail).
@@ -188,16 +189,16 @@ impl Session {
 /// Serves `dsec.agent.v1.Sessions`.
 pub struct SessionsService {
     reaper: Arc<Reaper>,
-    dropped_caps: Arc<Vec<u32>>,
+    confinement: Arc<Confinement>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     counter: AtomicU64,
 }
 
 impl SessionsService {
-    pub fn new(reaper: Arc<Reaper>, dropped_caps: Arc<Vec<u32>>) -> Self {
+    pub fn new(reaper: Arc<Reaper>, confinement: Arc<Confinement>) -> Self {
         Self {
             reaper,
-            dropped_caps,
+            confinement,
             sessions: Mutex::new(HashMap::new()),
             counter: AtomicU64::new(1),
         }
@@ -333,21 +334,16 @@ impl SessionsService {
             .stdin(Stdio::from(stdin_r))
             .stdout(Stdio::from(out_w))
             .stderr(Stdio::from(out_w2));
-        let dropped_caps = self.dropped_caps.clone();
+        let confinement = self.confinement.clone();
         // SAFETY: between fork and exec only async-signal-safe syscalls run (setsid, dup2,
-        // prctl); `dropped_caps` and `ctl_raw` were prepared before fork.
+        // seccomp, prctl); `confinement` and `ctl_raw` were prepared before fork.
         unsafe {
             command.pre_exec(move || {
                 nix::unistd::setsid().map_err(io::Error::from)?;
                 if libc::dup2(ctl_raw, 3) < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                for &cap in dropped_caps.iter() {
-                    if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
+                confinement.apply()
             });
         }
         let (pid, status) = self

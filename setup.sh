@@ -36,9 +36,9 @@ guest-kernel/install.sh >/dev/null
 step "binaries (cargo build --release)"
 cargo build --release --workspace --bins
 
-step "static guest agent"
+step "static guest agent (and the guest side of dsec-perf devices)"
 RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release -p dsec-agent --target x86_64-unknown-linux-gnu
+    cargo build --release -p dsec-agent -p dsec-guest-bench --target x86_64-unknown-linux-gnu
 mkdir -p "$DSEC_HOME/bin"
 install -m 0755 target/release/dsec-vmm "$DSEC_HOME/bin/dsec-vmm"
 install -m 0755 target/x86_64-unknown-linux-gnu/release/dsec-agent "$DSEC_HOME/bin/dsec-agent"

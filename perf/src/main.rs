@@ -11,6 +11,7 @@ mod layerfs;
 mod machine;
 mod report;
 mod rig;
+mod rig_devices;
 mod rig_snapshot;
 mod run;
 mod snapshot;
@@ -42,6 +43,9 @@ enum Cmd {
     /// command (lazy FUSE mount vs fetch-all + extract), warm re-reads vs native ext4.
     /// Needs root and /dev/fuse.
     Layerfs(LayerfsArgs),
+    /// Device throughput and VMM memory, ours vs QEMU microvm, in the rig (Linux guest):
+    /// block sequential/random reads, TCP both ways, idle VMM memory overhead.
+    Devices(DevicesArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -113,6 +117,48 @@ struct BootArgs {
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     rig_cmdline_extra: String,
     /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct DevicesArgs {
+    /// Rounds; each boots both VMMs idle and with devices, alternating which goes first.
+    #[arg(long, default_value_t = 3)]
+    samples: usize,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    mem_mib: u32,
+    /// Size of the raw disk image the guest reads.
+    #[arg(long, default_value_t = 64)]
+    disk_mib: u32,
+    /// Random 4 KiB reads per sample.
+    #[arg(long, default_value_t = 2000)]
+    rand_reads: u32,
+    /// MiB sent each way over TCP per sample.
+    #[arg(long, default_value_t = 16)]
+    tcp_mib: u32,
+    /// Write the full results here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Our VMM binary [default: dsec-vmm next to this binary, else target/release, else PATH].
+    #[arg(long, value_name = "PATH")]
+    vmm: Option<PathBuf>,
+    /// Static dsec-guest-bench [default: target/x86_64-unknown-linux-gnu/release/, built by
+    /// setup.sh].
+    #[arg(long, value_name = "PATH")]
+    guest_bench: Option<PathBuf>,
+    /// The rig driver [default: tests/rig/rig.sh in the repo].
+    #[arg(long, value_name = "PATH")]
+    rig: Option<PathBuf>,
+    /// Guest kernel [default: guest-kernel/build.sh's cached build].
+    #[arg(long, value_name = "PATH")]
+    guest_kernel: Option<PathBuf>,
+    /// Agent initramfs the benchmark init is appended to [default:
+    /// $DSEC_HOME/images/busybox/initramfs.cpio].
+    #[arg(long, value_name = "PATH")]
+    guest_initramfs: Option<PathBuf>,
+    /// Keep the scratch directory (bench.cpio, rig console) for inspection.
     #[arg(long)]
     keep_workdir: bool,
 }
@@ -499,6 +545,65 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn devices_cmd(a: DevicesArgs) -> Result<(), String> {
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-devices-{}", std::process::id()));
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    let opts = rig_devices::RigDevOpts {
+        samples: a.samples,
+        rig: a
+            .rig
+            .clone()
+            .unwrap_or_else(|| root.join("tests/rig/rig.sh")),
+        kernel: a
+            .guest_kernel
+            .clone()
+            .map(Ok)
+            .unwrap_or_else(|| default_kernel(&root)),
+        initramfs: a
+            .guest_initramfs
+            .clone()
+            .or_else(|| default_initramfs(&root)),
+        guest_bench: a.guest_bench.clone().unwrap_or_else(|| {
+            root.join("target/x86_64-unknown-linux-gnu/release/dsec-guest-bench")
+        }),
+        vmm: a.vmm.clone().unwrap_or_else(|| default_vmm(&root)),
+        mem_mib: a.mem_mib,
+        disk_mib: a.disk_mib,
+        rand_reads: a.rand_reads,
+        tcp_mib: a.tcp_mib,
+        workdir: workdir.clone(),
+    };
+    let sc = rig_devices::bench(&opts);
+    print!("{}", sc.table());
+    if let Some(path) = &a.json {
+        let doc = json!({
+            "tool": "dsec-perf",
+            "scenario": "devices",
+            "version": env!("CARGO_PKG_VERSION"),
+            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+            "machine": machine,
+            "options": {
+                "samples": a.samples, "mem_mib": a.mem_mib, "disk_mib": a.disk_mib,
+                "rand_reads": a.rand_reads, "tcp_mib": a.tcp_mib,
+            },
+            "rig_devices": sc.to_json(),
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
+        eprintln!("dsec-perf: wrote {}", path.display());
+    }
+    if a.keep_workdir {
+        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&workdir);
+    }
+    match &sc.skipped {
+        Some(why) => Err(format!("device scenario skipped: {why}")),
+        None => Ok(()),
+    }
+}
+
 fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
     let opts = layerfs::LayerfsOpts {
         samples: layerfs::pick(a.samples, a.quick, 1, 3),
@@ -577,6 +682,13 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Snapshot(a) => match snapshot_cmd(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dsec-perf: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Cmd::Devices(a) => match devices_cmd(a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dsec-perf: {e}");

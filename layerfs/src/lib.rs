@@ -19,6 +19,7 @@ pub mod oci;
 pub mod overlay;
 pub mod prefetch;
 pub mod progress;
+pub mod registry;
 pub mod sandbox;
 pub mod serve;
 pub mod tarfmt;

@@ -3,8 +3,7 @@
 //! verified), and push an image's layer stack back as an OCI image (deterministic:
 //! pushing the same layers twice gives the same manifest digest).
 //!
-//! Plain HTTP only in this build (a local registry or mirror); TLS registries are refused
-//! with a clear error.
+//! Transport and authentication (HTTPS, Basic or Bearer) are `registry::Client`'s.
 
 use std::io::{Seek, Write};
 use std::time::Duration;
@@ -16,6 +15,7 @@ use crate::build::BuildStats;
 use crate::digest::{Digest, HashingWriter};
 use crate::error::{Error, Result};
 use crate::progress::{NoProgress, Progress};
+use crate::registry::Client;
 use crate::store::{now_secs, ImageRecord, Store};
 use crate::tarfmt;
 
@@ -71,11 +71,6 @@ impl Reference {
             reference,
         })
     }
-
-    /// `http://host/v2/repo`.
-    pub fn base(&self) -> String {
-        format!("http://{}/v2/{}", self.registry, self.repo)
-    }
 }
 
 impl std::fmt::Display for Reference {
@@ -89,7 +84,13 @@ impl std::fmt::Display for Reference {
     }
 }
 
-/// HTTP agent for registry calls (statuses handled by the caller).
+/// Connects to the reference's registry, authenticated for `actions` (`pull`, `pull,push`)
+/// on its repository.
+pub fn connect(reference: &Reference, actions: &str) -> Result<Client> {
+    Client::connect(&reference.registry, &reference.repo, actions)
+}
+
+/// A plain HTTP agent (statuses handled by the caller), e.g. to wait for a local registry.
 pub fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -119,24 +120,19 @@ fn check_status(url: &str, resp: &mut ureq::http::Response<ureq::Body>, ok: &[u1
         .unwrap_or_default();
     let body: String = body.chars().take(300).collect();
     let hint = match st {
-        401 | 403 => "the registry wants credentials; this build only talks to open registries",
+        401 | 403 => "the registry refused the credentials or token for this repository",
         404 => "not found: check the repository and tag",
         _ => "unexpected status",
     };
     Err(reg_err(url, format!("HTTP {st}: {hint}: {}", body.trim())))
 }
 
-fn get_json(agent: &ureq::Agent, url: &str, accept: &str) -> Result<(Vec<u8>, Option<String>)> {
-    let mut resp = agent
+fn get_json(client: &Client, url: &str, accept: &str) -> Result<(Vec<u8>, Option<String>)> {
+    let mut resp = client
         .get(url)
         .header("Accept", accept)
         .call()
-        .map_err(|e| {
-            reg_err(
-                url,
-                format!("{e} (is the registry running and reachable over plain HTTP?)"),
-            )
-        })?;
+        .map_err(|e| reg_err(url, format!("{e} (is the registry running and reachable?)")))?;
     check_status(url, &mut resp, &[200])?;
     let ct = resp
         .headers()
@@ -187,8 +183,24 @@ pub fn pull_with_progress(
     name: &str,
     progress: &dyn Progress,
 ) -> Result<PullReport> {
-    let agent = agent();
-    let base = reference.base();
+    pull_with_client(
+        store,
+        reference,
+        name,
+        progress,
+        &connect(reference, "pull")?,
+    )
+}
+
+/// `pull_with_progress` through a client the caller connected (own CA, credentials).
+pub fn pull_with_client(
+    store: &Store,
+    reference: &Reference,
+    name: &str,
+    progress: &dyn Progress,
+    client: &Client,
+) -> Result<PullReport> {
+    let base = client.base(&reference.repo);
     let accept = [
         MT_OCI_INDEX,
         MT_DOCKER_LIST,
@@ -197,7 +209,7 @@ pub fn pull_with_progress(
     ]
     .join(", ");
     let url = format!("{base}/manifests/{}", reference.reference);
-    let (mut bytes, mut ct) = get_json(&agent, &url, &accept)?;
+    let (mut bytes, mut ct) = get_json(client, &url, &accept)?;
     let mut manifest_digest = Digest::of(&bytes);
     if reference.reference.starts_with("sha256:")
         && Digest::parse(&reference.reference)? != manifest_digest
@@ -225,7 +237,7 @@ pub fn pull_with_progress(
         let d = desc_digest(&url, chosen)?;
         let murl = format!("{base}/manifests/{d}");
         (bytes, ct) = get_json(
-            &agent,
+            client,
             &murl,
             &[MT_OCI_MANIFEST, MT_DOCKER_MANIFEST].join(", "),
         )?;
@@ -241,7 +253,7 @@ pub fn pull_with_progress(
     let _ = ct;
     let cfg_digest = desc_digest(&url, &doc["config"])?;
     let curl = format!("{base}/blobs/{cfg_digest}");
-    let (cfg_bytes, _) = get_json(&agent, &curl, "*/*")?;
+    let (cfg_bytes, _) = get_json(client, &curl, "*/*")?;
     if Digest::of(&cfg_bytes) != cfg_digest {
         return Err(reg_err(&curl, "config blob does not match its digest"));
     }
@@ -292,7 +304,7 @@ pub fn pull_with_progress(
             ));
         }
         let burl = format!("{base}/blobs/{d}");
-        let mut resp = agent.get(&burl).call().map_err(|e| reg_err(&burl, e))?;
+        let mut resp = client.get(&burl).call().map_err(|e| reg_err(&burl, e))?;
         check_status(&burl, &mut resp, &[200])?;
         let reader = resp.into_body().into_reader();
         let imp = tarfmt::import_tar_with_progress(store, reader, progress)?;
@@ -327,19 +339,19 @@ pub fn pull_with_progress(
 
 /// Uploads one blob unless the registry already has it.
 pub fn upload_blob(
-    agent: &ureq::Agent,
+    client: &Client,
     base: &str,
     digest: &Digest,
     body: impl ureq::AsSendBody,
 ) -> Result<()> {
     let head = format!("{base}/blobs/{digest}");
-    if let Ok(r) = agent.head(&head).call() {
+    if let Ok(r) = client.head(&head).call() {
         if r.status().as_u16() == 200 {
             return Ok(());
         }
     }
     let start = format!("{base}/blobs/uploads/");
-    let mut resp = agent
+    let mut resp = client
         .post(&start)
         .send_empty()
         .map_err(|e| reg_err(&start, e))?;
@@ -357,7 +369,7 @@ pub fn upload_blob(
     };
     let sep = if loc.contains('?') { '&' } else { '?' };
     let put = format!("{loc}{sep}digest={digest}");
-    let mut resp = agent
+    let mut resp = client
         .put(&put)
         .header("Content-Type", "application/octet-stream")
         .send(body)
@@ -376,9 +388,18 @@ pub struct PushReport {
 
 /// Pushes image `name` to `reference` as an OCI image with gzip layers.
 pub fn push(store: &Store, name: &str, reference: &Reference) -> Result<PushReport> {
+    push_with_client(store, name, reference, &connect(reference, "pull,push")?)
+}
+
+/// `push` through a client the caller connected (own CA, credentials).
+pub fn push_with_client(
+    store: &Store,
+    name: &str,
+    reference: &Reference,
+    client: &Client,
+) -> Result<PushReport> {
     let img = store.get_image(name)?;
-    let agent = agent();
-    let base = reference.base();
+    let base = client.base(&reference.repo);
     let mut layer_descs = Vec::new();
     let mut diff_ids = Vec::new();
     let mut blob_digests = Vec::new();
@@ -402,7 +423,7 @@ pub fn push(store: &Store, name: &str, reference: &Reference) -> Result<PushRepo
             .map_err(|e| Error::Oci(format!("temp file: {e}")))?;
         tmp.rewind()
             .map_err(|e| Error::Oci(format!("temp file: {e}")))?;
-        upload_blob(&agent, &base, &blob_digest, &tmp)?;
+        upload_blob(client, &base, &blob_digest, &tmp)?;
         layer_descs.push(json!({"mediaType": MT_OCI_LAYER_GZIP, "digest": blob_digest.to_string(), "size": size}));
         diff_ids.push(diff_id);
         blob_digests.push(blob_digest);
@@ -416,7 +437,7 @@ pub fn push(store: &Store, name: &str, reference: &Reference) -> Result<PushRepo
     cfg["rootfs"] = json!({"type": "layers", "diff_ids": diff_ids.iter().map(|d| d.to_string()).collect::<Vec<_>>()});
     let cfg_bytes = serde_json::to_vec(&cfg).expect("config serializes");
     let cfg_digest = Digest::of(&cfg_bytes);
-    upload_blob(&agent, &base, &cfg_digest, &cfg_bytes[..])?;
+    upload_blob(client, &base, &cfg_digest, &cfg_bytes[..])?;
     let manifest = json!({
         "schemaVersion": 2,
         "mediaType": MT_OCI_MANIFEST,
@@ -425,7 +446,7 @@ pub fn push(store: &Store, name: &str, reference: &Reference) -> Result<PushRepo
     });
     let mbytes = serde_json::to_vec(&manifest).expect("manifest serializes");
     let murl = format!("{base}/manifests/{}", reference.reference);
-    let mut resp = agent
+    let mut resp = client
         .put(&murl)
         .header("Content-Type", MT_OCI_MANIFEST)
         .send(&mbytes[..])
@@ -455,8 +476,27 @@ fn tempfile_in(store: &Store) -> Result<std::fs::File> {
 
 /// Uploads a manifest under `tag` (used to publish hand-built images, e.g. in tests).
 pub fn put_manifest(reference: &Reference, media_type: &str, bytes: &[u8]) -> Result<()> {
-    let murl = format!("{}/manifests/{}", reference.base(), reference.reference);
-    let mut resp = agent()
+    put_manifest_with_client(
+        &connect(reference, "pull,push")?,
+        reference,
+        media_type,
+        bytes,
+    )
+}
+
+/// `put_manifest` through a client the caller connected.
+pub fn put_manifest_with_client(
+    client: &Client,
+    reference: &Reference,
+    media_type: &str,
+    bytes: &[u8],
+) -> Result<()> {
+    let murl = format!(
+        "{}/manifests/{}",
+        client.base(&reference.repo),
+        reference.reference
+    );
+    let mut resp = client
         .put(&murl)
         .header("Content-Type", media_type)
         .send(bytes)

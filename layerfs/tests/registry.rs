@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{can_mount, Env, MountGuard, Tar};
 use dsec_layerfs::oci::{self, Reference};
+use dsec_layerfs::registry::{self, ClientOptions, Credentials};
 use dsec_layerfs::{fuse, Digest};
 use serde_json::json;
 
@@ -23,6 +24,8 @@ const REGISTRY: &str = "/usr/bin/docker-registry";
 struct Registry {
     child: Child,
     addr: String,
+    /// The self-signed certificate of a TLS registry.
+    ca: Option<std::path::PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -58,6 +61,7 @@ impl Registry {
         let reg = Registry {
             child,
             addr,
+            ca: None,
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -76,6 +80,86 @@ impl Registry {
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+    /// A registry that speaks only TLS (a self-signed certificate for 127.0.0.1) and wants
+    /// HTTP Basic credentials `user:password` (htpasswd, bcrypt).
+    fn start_secure(user: &str, password: &str) -> Option<Registry> {
+        for tool in [REGISTRY, "/usr/bin/openssl", "/usr/bin/htpasswd"] {
+            if !Path::new(tool).exists() {
+                eprintln!("SKIPPED: {tool} not installed (setup.sh installs docker-registry, openssl, apache2-utils)");
+                return None;
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key, htpasswd) = (
+            dir.path().join("cert.pem"),
+            dir.path().join("key.pem"),
+            dir.path().join("htpasswd"),
+        );
+        let out = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args([
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            ])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "openssl: {out:?}");
+        let out = Command::new("htpasswd")
+            .args(["-Bbn", user, password])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "htpasswd: {out:?}");
+        fs::write(&htpasswd, &out.stdout).unwrap();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let cfg = dir.path().join("config.yml");
+        fs::write(
+            &cfg,
+            format!(
+                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nauth:\n  htpasswd:\n    realm: test\n    path: {}\nhttp:\n  addr: {addr}\n  tls:\n    certificate: {}\n    key: {}\n",
+                dir.path().join("data").display(),
+                htpasswd.display(),
+                cert.display(),
+                key.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(REGISTRY)
+            .arg("serve")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let reg = Registry {
+            child,
+            addr: addr.clone(),
+            ca: Some(cert),
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "registry did not come up on {addr}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(reg)
+    }
+
     fn reference(&self, repo_tag: &str) -> Reference {
         Reference::parse(&format!("{}/{repo_tag}", self.addr)).unwrap()
     }
@@ -97,6 +181,13 @@ fn gzip(b: &[u8]) -> Vec<u8> {
 /// Publishes a busybox image by hand: a manifest list whose linux/amd64 entry has a gzip
 /// base layer and a zstd layer on top.
 fn publish_busybox(reg: &Registry) -> Reference {
+    let r = reg.reference("test/busybox:1");
+    let client = oci::connect(&r, "pull,push").unwrap();
+    publish_busybox_with(&client, &r);
+    r
+}
+
+fn publish_busybox_with(client: &registry::Client, r: &Reference) {
     let busybox = fs::read("/bin/busybox").unwrap();
     let mut base = Tar::new()
         .dir("bin", 0o755)
@@ -122,12 +213,11 @@ fn publish_busybox(reg: &Registry) -> Reference {
             Digest::of(&top),
         ),
     ];
-    let r = reg.reference("test/busybox:1");
-    let agent = oci::agent();
+    let base = client.base(&r.repo);
     let mut layers = Vec::new();
     for (blob, comp, _) in &blobs {
         let d = Digest::of(blob);
-        oci::upload_blob(&agent, &r.base(), &d, &blob[..]).unwrap();
+        oci::upload_blob(client, &base, &d, &blob[..]).unwrap();
         layers.push(json!({"mediaType": format!("application/vnd.oci.image.layer.v1.tar+{comp}"), "digest": d.to_string(), "size": blob.len()}));
     }
     let cfg = json!({
@@ -137,7 +227,7 @@ fn publish_busybox(reg: &Registry) -> Reference {
     });
     let cfg = serde_json::to_vec(&cfg).unwrap();
     let cd = Digest::of(&cfg);
-    oci::upload_blob(&agent, &r.base(), &cd, &cfg[..]).unwrap();
+    oci::upload_blob(client, &base, &cd, &cfg[..]).unwrap();
     let manifest = serde_json::to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -150,7 +240,8 @@ fn publish_busybox(reg: &Registry) -> Reference {
         reference: md.to_string(),
         ..r.clone()
     };
-    oci::put_manifest(
+    oci::put_manifest_with_client(
+        client,
         &by_digest,
         "application/vnd.oci.image.manifest.v1+json",
         &manifest,
@@ -159,7 +250,7 @@ fn publish_busybox(reg: &Registry) -> Reference {
     // An arm64 sibling listed first: the pull must pick amd64, not the first entry.
     let arm_cfg = serde_json::to_vec(&json!({"architecture": "arm64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}})).unwrap();
     let acd = Digest::of(&arm_cfg);
-    oci::upload_blob(&agent, &r.base(), &acd, &arm_cfg[..]).unwrap();
+    oci::upload_blob(client, &base, &acd, &arm_cfg[..]).unwrap();
     let arm = serde_json::to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -168,7 +259,8 @@ fn publish_busybox(reg: &Registry) -> Reference {
     }))
     .unwrap();
     let amd = Digest::of(&arm);
-    oci::put_manifest(
+    oci::put_manifest_with_client(
+        client,
         &Reference {
             reference: amd.to_string(),
             ..r.clone()
@@ -188,8 +280,8 @@ fn publish_busybox(reg: &Registry) -> Reference {
         ],
     }))
     .unwrap();
-    oci::put_manifest(&r, "application/vnd.oci.image.index.v1+json", &index).unwrap();
-    r
+    oci::put_manifest_with_client(client, r, "application/vnd.oci.image.index.v1+json", &index)
+        .unwrap();
 }
 
 #[test]
@@ -257,4 +349,68 @@ fn pull_run_push_pull_round_trip() {
     assert!(out.status.success(), "{out:?}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "sandbox\nran\n");
     m.unmount();
+}
+
+#[test]
+fn tls_registry_with_basic_auth() {
+    let Some(reg) = Registry::start_secure("alice", "s3cret") else {
+        return;
+    };
+    let env = Env::new();
+    let r = reg.reference("test/busybox:1");
+    let creds = |password: &str| {
+        Some(Credentials {
+            username: "alice".into(),
+            password: password.into(),
+        })
+    };
+    let options = |ca: bool, password: Option<&str>| ClientOptions {
+        ca_file: if ca { reg.ca.clone() } else { None },
+        credentials: password.and_then(creds),
+    };
+    let connect =
+        |o: ClientOptions| registry::Client::connect_with(&reg.addr, &r.repo, "pull,push", o);
+
+    // The certificate is not trusted by default: a clear TLS error, no silent plain HTTP.
+    let err = connect(options(false, Some("s3cret")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.to_lowercase().contains("certificate") || err.contains("TLS") || err.contains("tls"),
+        "{err}"
+    );
+    // Trusted, but no credentials or wrong ones: told how to log in / refused.
+    let err = connect(options(true, None)).unwrap_err().to_string();
+    assert!(err.contains("docker login"), "{err}");
+    let err = connect(options(true, Some("wrong")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("refused the credentials"), "{err}");
+
+    // Trusted and logged in: publish, pull (amd64 from the list), push back, pull again.
+    let client = connect(options(true, Some("s3cret"))).unwrap();
+    assert_eq!(client.scheme(), "https");
+    assert!(client.is_authenticated());
+    publish_busybox_with(&client, &r);
+    let a = oci::pull_with_client(
+        &env.store,
+        &r,
+        "busybox",
+        &dsec_layerfs::progress::NoProgress,
+        &client,
+    )
+    .unwrap();
+    assert_eq!(a.image.layers.len(), 2);
+    let copy = reg.reference("test/copy:1");
+    let pushed = oci::push_with_client(&env.store, "busybox", &copy, &client).unwrap();
+    let b = oci::pull_with_client(
+        &env.store,
+        &copy,
+        "copy",
+        &dsec_layerfs::progress::NoProgress,
+        &client,
+    )
+    .unwrap();
+    assert_eq!(b.manifest_digest, pushed.manifest_digest);
+    assert_eq!(a.image.layers, b.image.layers);
 }

@@ -8,6 +8,7 @@ mod exec;
 mod files;
 mod init;
 mod listen;
+mod ports;
 mod reaper;
 mod sessions;
 
@@ -17,6 +18,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use dsec_api::agent::v1::agent_server::AgentServer;
 use dsec_api::agent::v1::files_server::FilesServer;
+use dsec_api::agent::v1::ports_server::PortsServer;
 use dsec_api::agent::v1::process_server::ProcessServer;
 use dsec_api::agent::v1::sessions_server::SessionsServer;
 
@@ -168,7 +170,11 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
         .add_service(SessionsServer::new(sessions::SessionsService::new(
             reaper,
             exec::dropped_caps(restrict_caps),
-        )));
+        )))
+        .add_service(
+            PortsServer::new(ports::PortsService)
+                .max_decoding_message_size(ports::MAX_CHUNK + 1024),
+        );
     init::announce_ready(mode);
     server
         .serve_with_incoming(incoming)

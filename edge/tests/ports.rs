@@ -208,6 +208,20 @@ fn remove_cgroup_named(dir: &Path, name: &str, depth: u32) -> std::io::Result<()
     Ok(())
 }
 
+/// An HTTP/1.1 keep-alive server for one connection (run by `nc -e`): answers each request
+/// with its number on the connection.
+const KEEP_ALIVE_SERVER: &str = r#"#!/bin/sh
+n=0
+cr=$(printf '\r')
+while read -r line; do
+  while read -r h; do
+    case "$h" in "$cr"|"") break ;; esac
+  done
+  n=$((n + 1))
+  printf 'HTTP/1.1 200 OK\r\nContent-Length: 6\r\nContent-Type: text/plain\r\n\r\nreq %s\n' "$n"
+done
+"#;
+
 /// Deterministic, incompressible-looking test data.
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut state = seed | 1;
@@ -367,6 +381,33 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     stream.close_write().await.unwrap();
     let echoed = stream.recv_to_end().await.unwrap();
     assert!(echoed == big, "echo returned {} bytes", echoed.len());
+
+    // Keep-alive: a server that answers many requests on one connection (numbering them)
+    // gets all of curl's requests over one piped connection.
+    client
+        .write_file(&a, "/ka.sh", 0o755, KEEP_ALIVE_SERVER.as_bytes().to_vec())
+        .await
+        .unwrap();
+    sh(
+        &client,
+        &a,
+        "busybox nc -ll -p 9001 -e /ka.sh </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    wait_listening(&client, &a, 9001).await;
+    let url = format!("http://9001-{a}.localhost:{}/", daemon.http.port());
+    let out = Command::new("curl")
+        .args(["-sS", "-v", "--max-time", "20"])
+        .args([&url, &url, &url])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "req 1\nreq 2\nreq 3\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Re-using existing connection"));
 
     // The entry point pipes the whole connection: after the request head, later bytes (as a
     // WebSocket would send) reach the server and its answers come back on the same socket.

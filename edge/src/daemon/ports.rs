@@ -20,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::Node;
+use super::node::{Entry, Node};
 
 /// Largest data chunk a client may send on a port stream (as the agent enforces).
 pub const MAX_CHUNK: usize = 1 << 20;
@@ -64,6 +64,9 @@ pub async fn open_agent(
     Status,
 > {
     let entry = node.running(id)?;
+    node.metrics
+        .port_connections_total
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = mpsc::channel(8);
     let open = agent::PortRequest {
         kind: Some(agent::port_request::Kind::Open(agent::PortOpen {
@@ -264,6 +267,7 @@ async fn pipe(
     first: Vec<u8>,
     tx: mpsc::Sender<agent::PortRequest>,
     mut responses: Streaming<agent::PortResponse>,
+    entry: &Entry,
 ) {
     use agent::port_request::Kind as Up;
     use agent::port_response::Kind as Down;
@@ -298,6 +302,8 @@ async fn pipe(
             Ok(Some(agent::PortResponse {
                 kind: Some(Down::Data(data)),
             })) => {
+                // A long-lived connection (a WebSocket) is activity for the idle timeout.
+                entry.touch();
                 if writer.write_all(&data).await.is_err() {
                     break;
                 }
@@ -325,12 +331,12 @@ async fn serve_connection(node: Arc<Node>, mut socket: TcpStream) {
         let (tx, responses) = open_agent(&node, &id, port)
             .await
             .map_err(RouteError::Sandbox)?;
-        node.get(&id).map(|e| e.touch()).ok();
-        Ok::<_, RouteError>((head, tx, responses))
+        let entry = node.get(&id).map_err(RouteError::Sandbox)?;
+        Ok::<_, RouteError>((head, tx, responses, entry))
     }
     .await;
     match routed {
-        Ok((head, tx, responses)) => pipe(socket, head, tx, responses).await,
+        Ok((head, tx, responses, entry)) => pipe(socket, head, tx, responses, &entry).await,
         Err(RouteError::Closed) => {}
         Err(err) => {
             tracing::debug!(%err, "HTTP entry: request not routed");

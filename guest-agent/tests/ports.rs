@@ -69,7 +69,11 @@ async fn half_close_works_both_ways() {
         .await
         .unwrap()
         .into_inner();
-    let (bytes, eofs) = collect(stream).await.unwrap();
+    // A missing half-close would leave the server reading forever: bounded, not a hang.
+    let (bytes, eofs) = tokio::time::timeout(Duration::from_secs(10), collect(stream))
+        .await
+        .expect("the server never saw EOF")
+        .unwrap();
     assert_eq!(bytes, b"read 7 bytes");
     assert_eq!(eofs, 1);
     server.join().unwrap();

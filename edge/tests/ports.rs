@@ -66,6 +66,7 @@ struct Daemon {
     state: PathBuf,
     socket: String,
     http: SocketAddr,
+    metrics: SocketAddr,
 }
 
 impl Daemon {
@@ -74,15 +75,19 @@ impl Daemon {
         let state = std::env::temp_dir().join(&tag);
         std::fs::create_dir_all(&state).unwrap();
         // A free port: bound and released; nothing else on this host races for it in practice.
-        let http = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+        };
+        let (http, metrics) = (free(), free());
         let log = std::fs::File::create(state.with_extension("log")).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
             .arg("--state-dir")
             .arg(&state)
-            .args(["--metrics", "off", "--default-backend", "container"])
+            .args(["--metrics", &metrics.to_string()])
+            .args(["--default-backend", "container"])
             .args(["--cgroup-name", &tag, "--http", &http.to_string()])
             .env("DSEC_HOME", dsec_home())
             .stdout(log.try_clone().unwrap())
@@ -96,6 +101,7 @@ impl Daemon {
             state,
             socket,
             http,
+            metrics,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -432,6 +438,21 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     let mut rest = Vec::new();
     socket.read_to_end(&mut rest).unwrap();
     assert!(rest.is_empty());
+
+    // Every connection above was counted.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20"])
+        .arg(format!("http://{}/metrics", daemon.metrics))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let count: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("dsec_port_connections_total "))
+        .unwrap_or_else(|| panic!("no port metric in {text}"))
+        .parse()
+        .unwrap();
+    assert!(count >= 12, "dsec_port_connections_total {count}");
 
     client.delete(&a).await.unwrap();
     client.delete(&b).await.unwrap();

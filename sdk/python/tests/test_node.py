@@ -514,6 +514,13 @@ class PortsTest(NodeTest):
                     a.open_port(port)
             with self.assertRaises(dsec.NotFound):
                 dsec.PortStream("sb-000000000000", 80, self.client._ports)
+            # Raw stub: the first message must be `open`.
+            import grpc
+            from dsec import dsec_pb2 as pb
+            with self.assertRaises(grpc.RpcError) as e:
+                list(self.client._ports.Open(iter([pb.PortRequest(data=b"x")])))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("must be `open`", e.exception.details())
             a.pause()
             with self.assertRaises(dsec.FailedPrecondition):
                 a.open_port(8080)

@@ -1,5 +1,6 @@
-//! The Ports service: TCP connections to servers on the sandbox's loopback, piped over a gRPC
-//! stream (the node's HTTP entry point and `dsec port-forward` ride on it).
+//! The Ports service: TCP connections to servers on the sandbox's loopback (127.0.0.1, else
+//! ::1), piped over a gRPC stream (the node's HTTP entry point and `dsec port-forward` ride on
+//! it).
 
 use std::time::Duration;
 
@@ -122,6 +123,43 @@ async fn pipe(
     up.abort();
 }
 
+/// Connects to the port on IPv4 loopback, then IPv6 loopback: servers told to listen on
+/// "localhost" bind either, depending on the runtime.
+async fn connect(port: u16) -> Result<TcpStream, Status> {
+    let mut refused = 0;
+    for ip in ["127.0.0.1", "::1"] {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect((ip, port))).await {
+            Ok(Ok(socket)) => return Ok(socket),
+            // No IPv6 on this loopback counts as nothing listening there.
+            Ok(Err(err))
+                if matches!(
+                    err.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::AddrNotAvailable
+                ) || matches!(
+                    err.raw_os_error(),
+                    Some(libc::EAFNOSUPPORT | libc::ENETUNREACH)
+                ) =>
+            {
+                refused += 1
+            }
+            Ok(Err(err)) => {
+                return Err(Status::unavailable(format!(
+                    "cannot connect to {ip} port {port} in this sandbox: {err}"
+                )))
+            }
+            Err(_) => {
+                return Err(Status::unavailable(format!(
+                    "connecting to {ip} port {port} in this sandbox timed out after {CONNECT_TIMEOUT:?}"
+                )))
+            }
+        }
+    }
+    debug_assert_eq!(refused, 2);
+    Err(Status::unavailable(format!(
+        "nothing listens on port {port} in this sandbox (connections to 127.0.0.1:{port} and [::1]:{port} refused): start the server first"
+    )))
+}
+
 #[tonic::async_trait]
 impl Ports for PortsService {
     type OpenStream = ReceiverStream<Result<PortResponse, Status>>;
@@ -147,29 +185,7 @@ impl Ports for PortsService {
             .ok_or_else(|| {
                 Status::invalid_argument(format!("port {port} is not a TCP port: give 1-65535"))
             })?;
-        let socket = match tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            TcpStream::connect(("127.0.0.1", port)),
-        )
-        .await
-        {
-            Ok(Ok(socket)) => socket,
-            Ok(Err(err)) if err.kind() == std::io::ErrorKind::ConnectionRefused => {
-                return Err(Status::unavailable(format!(
-                    "nothing listens on port {port} in this sandbox (connection to 127.0.0.1:{port} refused): start the server first"
-                )))
-            }
-            Ok(Err(err)) => {
-                return Err(Status::unavailable(format!(
-                    "cannot connect to 127.0.0.1:{port} in this sandbox: {err}"
-                )))
-            }
-            Err(_) => {
-                return Err(Status::unavailable(format!(
-                    "connecting to 127.0.0.1:{port} in this sandbox timed out after {CONNECT_TIMEOUT:?}"
-                )))
-            }
-        };
+        let socket = connect(port).await?;
         let _ = socket.set_nodelay(true);
         let (tx, rx) = mpsc::channel(8);
         let _ = tx

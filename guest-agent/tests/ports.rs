@@ -119,6 +119,32 @@ async fn half_close_works_both_ways() {
 }
 
 #[tokio::test]
+async fn servers_on_ipv6_loopback_are_reached_too() {
+    let agent = Agent::start("ports-ipv6").await;
+    let mut ports = PortsClient::new(agent.client.channel());
+    let Ok(listener) = TcpListener::bind("[::1]:0") else {
+        eprintln!("SKIPPED: no IPv6 loopback on this host");
+        return;
+    };
+    let port = listener.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        socket.write_all(b"over ::1").unwrap();
+    });
+    let stream = ports
+        .open(tokio_stream::iter(vec![open(port.into()), eof()]))
+        .await
+        .unwrap()
+        .into_inner();
+    let (bytes, _) = tokio::time::timeout(Duration::from_secs(10), collect(stream))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bytes, b"over ::1");
+    server.join().unwrap();
+}
+
+#[tokio::test]
 async fn bad_streams_get_clear_errors() {
     let agent = Agent::start("ports-errors").await;
     let mut ports = PortsClient::new(agent.client.channel());

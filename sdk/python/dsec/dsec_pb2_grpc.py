@@ -1261,13 +1261,13 @@ class PortsServicer:
     """
 
     def Open(self, request_iterator, context):
-        """A TCP connection to 127.0.0.1:port inside the sandbox. First client message: `open`
-        (sandbox_id, port); the server answers `connected`; then both sides send `data` chunks (at
-        most 1 MiB each) and one `eof` when their direction is done (ending the request stream
-        counts as `eof`). The response stream ends, with OK, once both directions are closed.
-        Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or above 65535, bad message
-        order, oversized chunk), FAILED_PRECONDITION (paused sandbox), UNAVAILABLE (nothing
-        listens on the port, or the agent cannot be reached).
+        """A TCP connection to 127.0.0.1:port (else [::1]:port) in the sandbox. First client
+        message: `open` (sandbox_id, port); the server answers `connected`; then both sides send
+        `data` chunks (at most 1 MiB each) and one `eof` when their direction is done (ending the
+        request stream counts as `eof`). The response stream ends, with OK, once both directions
+        are closed. Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or above 65535,
+        bad message order, oversized chunk), FAILED_PRECONDITION (paused sandbox), UNAVAILABLE
+        (nothing listens on the port, or the agent cannot be reached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

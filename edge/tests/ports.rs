@@ -70,7 +70,7 @@ struct Daemon {
 }
 
 impl Daemon {
-    async fn start(name: &str) -> (Self, Client) {
+    async fn start(name: &str, extra: &[&str]) -> (Self, Client) {
         let tag = format!("dsec-ports-test-{}-{name}", std::process::id());
         let state = std::env::temp_dir().join(&tag);
         std::fs::create_dir_all(&state).unwrap();
@@ -89,6 +89,7 @@ impl Daemon {
             .args(["--metrics", &metrics.to_string()])
             .args(["--default-backend", "container"])
             .args(["--cgroup-name", &tag, "--http", &http.to_string()])
+            .args(extra)
             .env("DSEC_HOME", dsec_home())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -312,7 +313,7 @@ async fn get_over_grpc(client: &Client, id: &str, path: &str) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn servers_in_sandboxes_reached_over_grpc_and_http() {
-    let (daemon, client) = Daemon::start("reach").await;
+    let (daemon, client) = Daemon::start("reach", &[]).await;
     let big = pattern(1 << 20, 7);
     let a = client.create(Default::default()).await.unwrap().id;
     let b = client.create(Default::default()).await.unwrap().id;
@@ -461,7 +462,7 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_ports_and_sandboxes_get_clear_errors() {
-    let (daemon, client) = Daemon::start("errors").await;
+    let (daemon, client) = Daemon::start("errors", &[]).await;
     let id = client.create(Default::default()).await.unwrap().id;
 
     // Closed port: UNAVAILABLE naming port and sandbox; 502 with the same text over HTTP.
@@ -559,5 +560,69 @@ async fn bad_ports_and_sandboxes_get_clear_errors() {
         ended.is_ok(),
         "the stream hung after the sandbox was deleted"
     );
+    drop(daemon);
+}
+
+#[test]
+fn bad_http_flags_are_named() {
+    for (args, expected) in [
+        (
+            ["--http", "nonsense"],
+            "--http \"nonsense\": expected HOST:PORT or off",
+        ),
+        (
+            ["--http-max-connections", "0"],
+            "--http-max-connections must be at least 1",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+/// Sends a request for an unknown sandbox on a fresh connection; returns the status line.
+fn status_line(http: SocketAddr) -> String {
+    let mut socket = std::net::TcpStream::connect(http).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    socket
+        .write_all(b"GET / HTTP/1.1\r\nHost: 80-sb-000000000000.localhost\r\n\r\n")
+        .unwrap();
+    let mut response = String::new();
+    let _ = socket.read_to_string(&mut response);
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_connections_are_capped() {
+    let (daemon, _client) = Daemon::start("cap", &["--http-max-connections", "2"]).await;
+    // Two idle connections (no request head yet) hold both slots...
+    let idle: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(daemon.http).unwrap())
+        .collect();
+    // ...so the third is answered 503 at once instead of queueing.
+    let response = status_line(daemon.http);
+    assert!(response.starts_with("HTTP/1.1 503"), "{response}");
+    assert!(
+        response.contains("already serves 2 HTTP connections"),
+        "{response}"
+    );
+    // A closed connection frees its slot.
+    drop(idle);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let response = status_line(daemon.http);
+        if response.starts_with("HTTP/1.1 404") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots never freed: {response}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(daemon);
 }

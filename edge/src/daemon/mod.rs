@@ -45,6 +45,8 @@ pub struct DaemonConfig {
     pub metrics: Option<SocketAddr>,
     /// HTTP entry point to servers in sandboxes (Host `PORT-ID.<anything>`); None disables it.
     pub http: Option<SocketAddr>,
+    /// Open connections the HTTP entry point serves at once; more get 503 at once.
+    pub http_max_connections: usize,
     pub artifacts: Artifacts,
     pub agent_bin: Option<PathBuf>,
     pub vmm_bin: Option<PathBuf>,
@@ -79,6 +81,7 @@ impl Default for DaemonConfig {
             listen_tcp: None,
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             http: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_HTTP_PORT))),
+            http_max_connections: 4096,
             artifacts: Artifacts::from_env(),
             agent_bin: None,
             vmm_bin: None,
@@ -160,7 +163,11 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
                 let bound = listener.local_addr().unwrap_or(addr);
                 tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID.localhost:{}/", bound.port());
                 http = Some(bound);
-                tokio::spawn(ports::serve_http(node.clone(), listener));
+                tokio::spawn(ports::serve_http(
+                    node.clone(),
+                    listener,
+                    config.http_max_connections,
+                ));
             }
             Err(err) => {
                 tracing::warn!(%addr, %err, "cannot serve the HTTP entry point (address in use?)")
@@ -241,6 +248,10 @@ pub struct DaemonArgs {
     /// inside the sandbox; "off" disables.
     #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:7080")]
     pub http: String,
+    /// Connections the HTTP entry point serves at once (each is a stream to a sandbox); more
+    /// are answered 503 at once.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    pub http_max_connections: usize,
     /// Backend for requests that name none: container or microvm (default: microvm where
     /// hardware KVM can run it, else container).
     #[arg(long, value_name = "KIND")]
@@ -294,6 +305,12 @@ impl DaemonArgs {
                 EdgeError::InvalidSpec(format!("--http {addr:?}: expected HOST:PORT or off"))
             })?),
         };
+        if self.http_max_connections == 0 {
+            return Err(EdgeError::InvalidSpec(
+                "--http-max-connections must be at least 1 (use --http off to disable)".into(),
+            ));
+        }
+        config.http_max_connections = self.http_max_connections;
         config.default_backend = match self.default_backend.as_deref() {
             None | Some("auto") => None,
             Some("container") => Some(BackendKind::Container),

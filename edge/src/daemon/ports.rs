@@ -175,6 +175,8 @@ enum RouteError {
     BadHost(String),
     #[error("{}", .0.message())]
     Sandbox(Status),
+    #[error("the node already serves {0} HTTP connections to sandboxes: retry later")]
+    TooMany(usize),
 }
 
 impl RouteError {
@@ -184,6 +186,7 @@ impl RouteError {
             RouteError::HeadTimeout => "408 Request Timeout",
             RouteError::Closed => "400 Bad Request",
             RouteError::NoHost | RouteError::BadHost(_) => "400 Bad Request",
+            RouteError::TooMany(_) => "503 Service Unavailable",
             RouteError::Sandbox(status) => match status.code() {
                 tonic::Code::NotFound => "404 Not Found",
                 tonic::Code::InvalidArgument => "400 Bad Request",
@@ -345,12 +348,22 @@ async fn serve_connection(node: Arc<Node>, mut socket: TcpStream) {
     }
 }
 
-/// Serves the HTTP entry point until the process ends.
-pub async fn serve_http(node: Arc<Node>, listener: TcpListener) {
+/// Serves the HTTP entry point until the process ends, at most `max_connections` at once.
+pub async fn serve_http(node: Arc<Node>, listener: TcpListener, max_connections: usize) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     loop {
         match listener.accept().await {
-            Ok((socket, _)) => {
-                tokio::spawn(serve_connection(node.clone(), socket));
+            Ok((mut socket, _)) => {
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    let err = RouteError::TooMany(max_connections);
+                    tokio::spawn(async move { respond_error(&mut socket, &err).await });
+                    continue;
+                };
+                let node = node.clone();
+                tokio::spawn(async move {
+                    serve_connection(node, socket).await;
+                    drop(slot);
+                });
             }
             Err(err) => {
                 // EMFILE and the like: back off instead of spinning.

@@ -119,6 +119,22 @@ enum Command {
     Rm {
         ids: Vec<String>,
     },
+    /// Print the URL of a port inside a sandbox on the node's HTTP entry point
+    /// (http://PORT-ID.localhost:7080/ by default).
+    Url {
+        id: String,
+        port: u32,
+    },
+    /// Forward a local TCP port to a port inside a sandbox, one stream per connection, until
+    /// Ctrl-C.
+    PortForward {
+        id: String,
+        port: u32,
+        /// Local address to listen on: HOST:PORT, or PORT on 127.0.0.1. Default:
+        /// 127.0.0.1:<PORT>; port 0 picks a free one (printed).
+        #[arg(long, value_name = "ADDR")]
+        listen: Option<String>,
+    },
     /// Live view of the node's budgets and sandboxes.
     Top {
         #[arg(long)]
@@ -273,6 +289,10 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 Command::Rm { ids } => node::lifecycle(&c, "rm", &ids, json).await.map(|()| 0),
                 Command::Fork { id, count } => node::fork(&c, &id, count, json).await.map(|()| 0),
                 Command::Top { once } => node::top(&c, once, json).await.map(|()| 0),
+                Command::Url { id, port } => node::url(&c, &id, port, json).await.map(|()| 0),
+                Command::PortForward { id, port, listen } => {
+                    node::port_forward(&c, &id, port, listen.as_deref()).await
+                }
                 Command::Run(_)
                 | Command::Info
                 | Command::Up(_)

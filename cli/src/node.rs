@@ -184,6 +184,81 @@ pub async fn inspect(c: &Client, id: &str) -> Result<(), NodeError> {
     Ok(())
 }
 
+pub async fn url(c: &Client, id: &str, port: u32, json_out: bool) -> Result<(), NodeError> {
+    let u = c.port_url(id, port).await?;
+    emit(
+        json_out,
+        json!({"url": u.url, "host": u.host, "address": u.address}),
+        || println!("{}", u.url),
+    );
+    Ok(())
+}
+
+/// `--listen`: HOST:PORT, or a bare PORT on 127.0.0.1.
+fn listen_addr(listen: Option<&str>, port: u16) -> Result<std::net::SocketAddr, NodeError> {
+    let text = listen
+        .map(str::to_string)
+        .unwrap_or_else(|| port.to_string());
+    if let Ok(local) = text.parse::<u16>() {
+        return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], local)));
+    }
+    text.parse().map_err(|_| {
+        NodeError::Usage(format!(
+            "--listen {text:?}: expected HOST:PORT (127.0.0.1:8080) or a port number"
+        ))
+    })
+}
+
+/// Serves local connections, each piped to `port` in the sandbox, until Ctrl-C.
+pub async fn port_forward(
+    c: &Client,
+    id: &str,
+    port: u32,
+    listen: Option<&str>,
+) -> Result<i32, NodeError> {
+    let sandbox_port = u16::try_from(port)
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| NodeError::Usage(format!("port {port} is not a TCP port: give 1-65535")))?;
+    // Fail now, not at the first connection, on a wrong id.
+    c.get(id).await?;
+    let addr = listen_addr(listen, sandbox_port)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| NodeError::Io {
+            what: format!("cannot listen on {addr} (in use? pick another with --listen)"),
+            source,
+        })?;
+    let local = listener.local_addr().unwrap_or(addr);
+    println!("forwarding {local} -> {id}:{port} (Ctrl-C stops)");
+    let _ = std::io::stdout().flush();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (socket, peer) = match accepted {
+                    Ok(pair) => pair,
+                    Err(err) => {
+                        eprintln!("dsec: accept on {local} failed: {err}");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let (c, id) = (c.clone(), id.to_string());
+                tokio::spawn(async move {
+                    let result = match c.open_port(&id, port).await {
+                        Ok(stream) => stream.pipe(socket).await,
+                        Err(err) => Err(err),
+                    };
+                    if let Err(err) = result {
+                        eprintln!("dsec: connection from {peer}: {err}");
+                    }
+                });
+            }
+            _ = tokio::signal::ctrl_c() => return Ok(0),
+        }
+    }
+}
+
 pub async fn exec(
     c: &Client,
     id: &str,

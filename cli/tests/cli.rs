@@ -285,3 +285,177 @@ fn closed_stdout_ends_the_run_quietly() {
     );
     assert_eq!(run.leftovers(), 0);
 }
+
+/// `dsec up` on a private run directory, HTTP entry point on a free port; on drop every
+/// sandbox is deleted through it, then it is stopped and its cgroups removed.
+struct NodeUp {
+    run: RunDir,
+    daemon: std::process::Child,
+    tag: String,
+}
+
+impl NodeUp {
+    fn start(name: &str) -> Self {
+        let run = RunDir::new(name);
+        let tag = format!("dsec-cli-test-{}-{name}", std::process::id());
+        let daemon = run
+            .dsec()
+            .args(["up", "--metrics", "off", "--http", "127.0.0.1:0"])
+            .args(["--default-backend", "container", "--cgroup-name", &tag])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let node = Self { run, daemon, tag };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !node.dsec().args(["ls"]).output().unwrap().status.success() {
+            assert!(Instant::now() < deadline, "dsec up did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        node
+    }
+
+    fn dsec(&self) -> Command {
+        let mut command = self.run.dsec();
+        let socket = self.run.0.join("edge/edge.sock");
+        command.env("DSEC_ENDPOINT", format!("unix:{}", socket.display()));
+        command
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.dsec().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", stderr_of(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for NodeUp {
+    fn drop(&mut self) {
+        if let Ok(out) = self.dsec().args(["--json", "ls"]).output() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                    let ids: Vec<String> = match v.as_array() {
+                        Some(list) => list
+                            .iter()
+                            .filter_map(|s| s["id"].as_str().map(String::from))
+                            .collect(),
+                        None => v["id"].as_str().map(String::from).into_iter().collect(),
+                    };
+                    for id in ids {
+                        let _ = self.dsec().args(["rm", &id]).output();
+                    }
+                }
+            }
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.daemon.id().to_string()])
+            .status();
+        let _ = self.daemon.wait();
+        for base in [
+            "/sys/fs/cgroup",
+            "/sys/fs/cgroup/pids",
+            "/sys/fs/cgroup/memory",
+        ] {
+            let _ = Command::new("find")
+                .args([base, "-depth", "-type", "d", "-path"])
+                .arg(format!("*/{}*", self.tag))
+                .args(["-delete"])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+#[test]
+fn url_and_port_forward_reach_a_server_in_the_sandbox() {
+    let node = NodeUp::start("ports");
+    let id = node
+        .ok(&["create", "--backend", "container"])
+        .trim()
+        .to_string();
+    node.ok(&[
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "mkdir -p /www && echo hello from the sandbox > /www/index.html && busybox httpd -p 127.0.0.1:8080 -h /www",
+    ]);
+
+    // `dsec url` prints a URL curl can fetch as-is.
+    let url = node.ok(&["url", &id, "8080"]).trim().to_string();
+    assert!(
+        url.starts_with(&format!("http://8080-{id}.localhost:")),
+        "{url}"
+    );
+    let fetch = |url: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = Command::new("curl")
+                .args(["-sS", "--fail", "--max-time", "10", url])
+                .output()
+                .unwrap();
+            if out.status.success() || Instant::now() > deadline {
+                return String::from_utf8_lossy(&out.stdout).into_owned();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(
+        fetch(&format!("{url}index.html")),
+        "hello from the sandbox\n"
+    );
+
+    // `dsec port-forward` on a free local port.
+    let mut forward = node
+        .dsec()
+        .args(["port-forward", &id, "8080", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(forward.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let local = line
+        .strip_prefix("forwarding ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    assert!(line.contains(&format!("-> {id}:8080")), "{line}");
+    for _ in 0..3 {
+        assert_eq!(
+            fetch(&format!("http://{local}/index.html")),
+            "hello from the sandbox\n"
+        );
+    }
+    let _ = Command::new("kill")
+        .args(["-INT", &forward.id().to_string()])
+        .status();
+    let status = forward.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+
+    // Bad input is named.
+    for (args, expected) in [
+        (vec!["url", &id, "0"], "give 1-65535"),
+        (vec!["url", "sb-000000000000", "80"], "no sandbox"),
+        (vec!["port-forward", &id, "70000"], "give 1-65535"),
+        (vec!["port-forward", "sb-000000000000", "80"], "no sandbox"),
+        (
+            vec!["port-forward", &id, "80", "--listen", "nonsense"],
+            "expected HOST:PORT",
+        ),
+    ] {
+        let out = node.dsec().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(125), "{args:?}");
+        assert!(
+            stderr_of(&out).contains(expected),
+            "{args:?}: {}",
+            stderr_of(&out)
+        );
+    }
+    node.ok(&["rm", &id]);
+}

@@ -9,6 +9,7 @@ mod exec;
 mod files;
 mod init;
 mod listen;
+mod ports;
 mod reaper;
 mod sessions;
 
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use clap::Parser;
 use dsec_api::agent::v1::agent_server::AgentServer;
 use dsec_api::agent::v1::files_server::FilesServer;
+use dsec_api::agent::v1::ports_server::PortsServer;
 use dsec_api::agent::v1::process_server::ProcessServer;
 use dsec_api::agent::v1::sessions_server::SessionsServer;
 
@@ -176,7 +178,11 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
         .add_service(SessionsServer::new(sessions::SessionsService::new(
             reaper,
             confinement,
-        )));
+        )))
+        .add_service(
+            PortsServer::new(ports::PortsService)
+                .max_decoding_message_size(ports::MAX_CHUNK + 1024),
+        );
     init::announce_ready(mode);
     server
         .serve_with_incoming(incoming)

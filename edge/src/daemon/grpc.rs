@@ -24,7 +24,7 @@ const DEFAULT_DISK_MIB: i64 = 1024;
 const DEFAULT_PIDS: i64 = 512;
 
 /// Agent failures: its own status codes pass through; transport failures become UNAVAILABLE.
-fn agent_status(id: &str, status: Status) -> Status {
+pub(crate) fn agent_status(id: &str, status: Status) -> Status {
     match status.code() {
         tonic::Code::Unavailable | tonic::Code::Unknown
             if status.message().contains("transport") || status.message().contains("connect") =>

@@ -20,6 +20,8 @@ pub struct Metrics {
     pub deletes_total: AtomicU64,
     pub adopted_total: AtomicU64,
     pub execs_total: AtomicU64,
+    /// Connections opened to ports inside sandboxes (gRPC Ports.Open and the HTTP entry point).
+    pub port_connections_total: AtomicU64,
     /// memory, cpu, pids, disk.
     pub admission_rejections: [AtomicU64; 4],
     /// ttl, idle, died.
@@ -86,6 +88,11 @@ pub fn render(node: &Node) -> String {
         get(&m.adopted_total),
     );
     counter("dsec_exec_total", "Exec calls.", get(&m.execs_total));
+    counter(
+        "dsec_port_connections_total",
+        "Connections opened to ports inside sandboxes.",
+        get(&m.port_connections_total),
+    );
     let _ = writeln!(
         out,
         "# HELP dsec_admission_rejections_total Creates refused because a budget was spent.\n# TYPE dsec_admission_rejections_total counter"

@@ -10,6 +10,7 @@ pub mod cgroup;
 pub mod grpc;
 pub mod metrics;
 pub mod node;
+pub mod ports;
 
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
 use dsec_api::v1::sandboxes_server::SandboxesServer;
 use dsec_api::v1::sessions_server::SessionsServer;
@@ -28,6 +30,9 @@ use crate::sandbox::BackendKind;
 
 pub use node::Node;
 
+/// Port of the default HTTP entry point (127.0.0.1:7080).
+pub const DEFAULT_HTTP_PORT: u16 = 7080;
+
 /// Everything the daemon needs; `Default` gives the embedded single-node defaults.
 #[derive(Clone, Debug)]
 pub struct DaemonConfig {
@@ -38,6 +43,10 @@ pub struct DaemonConfig {
     pub listen_tcp: Option<SocketAddr>,
     /// Prometheus /metrics address; None disables it.
     pub metrics: Option<SocketAddr>,
+    /// HTTP entry point to servers in sandboxes (Host `PORT-ID.<anything>`); None disables it.
+    pub http: Option<SocketAddr>,
+    /// Open connections the HTTP entry point serves at once; more get 503 at once.
+    pub http_max_connections: usize,
     pub artifacts: Artifacts,
     pub agent_bin: Option<PathBuf>,
     pub vmm_bin: Option<PathBuf>,
@@ -71,6 +80,8 @@ impl Default for DaemonConfig {
             listen_unix: None,
             listen_tcp: None,
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            http: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_HTTP_PORT))),
+            http_max_connections: 4096,
             artifacts: Artifacts::from_env(),
             agent_bin: None,
             vmm_bin: None,
@@ -145,6 +156,24 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             Err(err) => tracing::warn!(%addr, %err, "cannot serve metrics (address in use?)"),
         }
     }
+    let mut http = None;
+    if let Some(addr) = config.http {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                let bound = listener.local_addr().unwrap_or(addr);
+                tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID.localhost:{}/", bound.port());
+                http = Some(bound);
+                tokio::spawn(ports::serve_http(
+                    node.clone(),
+                    listener,
+                    config.http_max_connections,
+                ));
+            }
+            Err(err) => {
+                tracing::warn!(%addr, %err, "cannot serve the HTTP entry point (address in use?)")
+            }
+        }
+    }
     let router = || {
         tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
@@ -157,6 +186,13 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
                     .max_decoding_message_size(16 << 20),
             )
             .add_service(SessionsServer::new(grpc::SessionsService(node.clone())))
+            .add_service(
+                PortsServer::new(ports::PortsService {
+                    node: node.clone(),
+                    http,
+                })
+                .max_decoding_message_size(ports::MAX_CHUNK + 1024),
+            )
     };
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -207,6 +243,15 @@ pub struct DaemonArgs {
     /// Prometheus metrics address; "off" disables.
     #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:9464")]
     pub metrics: String,
+    /// HTTP entry point to servers in sandboxes: a request with Host `PORT-SANDBOXID.<any
+    /// domain>` (e.g. http://8080-sb-0123456789ab.localhost:7080/) is piped to 127.0.0.1:PORT
+    /// inside the sandbox; "off" disables.
+    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:7080")]
+    pub http: String,
+    /// Connections the HTTP entry point serves at once (each is a stream to a sandbox); more
+    /// are answered 503 at once.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    pub http_max_connections: usize,
     /// Backend for requests that name none: container or microvm (default: microvm where
     /// hardware KVM can run it, else container).
     #[arg(long, value_name = "KIND")]
@@ -254,6 +299,18 @@ impl DaemonArgs {
                 EdgeError::InvalidSpec(format!("--metrics {addr:?}: expected HOST:PORT or off"))
             })?),
         };
+        config.http = match self.http.as_str() {
+            "off" | "" => None,
+            addr => Some(addr.parse().map_err(|_| {
+                EdgeError::InvalidSpec(format!("--http {addr:?}: expected HOST:PORT or off"))
+            })?),
+        };
+        if self.http_max_connections == 0 {
+            return Err(EdgeError::InvalidSpec(
+                "--http-max-connections must be at least 1 (use --http off to disable)".into(),
+            ));
+        }
+        config.http_max_connections = self.http_max_connections;
         config.default_backend = match self.default_backend.as_deref() {
             None | Some("auto") => None,
             Some("container") => Some(BackendKind::Container),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 from dataclasses import dataclass, field
 from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Union)
@@ -173,6 +174,39 @@ class SandboxInfo:
 # ---------------------------------------------------------------- request builders
 
 
+@dataclass
+class PortUrl:
+    """Where a sandbox port is served over plain HTTP by the node's HTTP entry point."""
+
+    #: ``http://8080-sb-0123456789ab.localhost:7080/`` (``*.localhost`` is 127.0.0.1).
+    url: str
+    #: The Host header that routes to the port (any domain suffix works).
+    host: str
+    #: Address the entry point listens on (``127.0.0.1:7080``).
+    address: str
+
+
+def _check_port(port: int) -> None:
+    # Checked here too so that a negative port is a clear error, not a serialization one.
+    if not isinstance(port, int) or not 0 < port <= 65535:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"port {port!r} is not a TCP port: give 1-65535")
+
+
+def _port_open(sandbox_id: str, port: int) -> pb.PortRequest:
+    _check_port(port)
+    return pb.PortRequest(open=pb.PortOpen(sandbox_id=sandbox_id, port=port))
+
+
+def _port_data(data: bytes) -> Iterator[pb.PortRequest]:
+    view = memoryview(data)
+    for i in range(0, len(view), _CHUNK):
+        yield pb.PortRequest(data=bytes(view[i:i + _CHUNK]))
+
+
+_PORT_EOF = pb.PortRequest(eof=pb.PortEof())
+
+
 def _path(p: Path) -> bytes:
     return p if isinstance(p, bytes) else p.encode("utf-8", "surrogateescape")
 
@@ -274,6 +308,7 @@ class Client:
         self._process = rpc.ProcessStub(self._channel)
         self._files = rpc.FilesStub(self._channel)
         self._sessions = rpc.SessionsStub(self._channel)
+        self._ports = rpc.PortsStub(self._channel)
 
     def _call(self, fn, request):
         try:
@@ -396,6 +431,23 @@ class Sandbox:
             sandbox_id=self.id, shell=shell, env=dict(env or {}), workdir=workdir))
         return Session(self, info.session_id)
 
+    def open_port(self, port: int) -> PortStream:
+        """A TCP connection to 127.0.0.1:``port`` inside the sandbox. Raises
+        :class:`Unavailable` when nothing listens there, :class:`InvalidArgument` for a port
+        outside 1-65535, :class:`FailedPrecondition` when the sandbox is paused."""
+        return PortStream(self.id, port, self.client._ports)
+
+    def port_url(self, port: int) -> PortUrl:
+        """Where the node's HTTP entry point serves ``port``; :class:`FailedPrecondition`
+        when the node runs without one."""
+        _check_port(port)
+        r = self._call(self.client._ports.Url, pb.PortUrlRequest(sandbox_id=self.id, port=port))
+        return PortUrl(r.url, r.host, r.address)
+
+    def url(self, port: int) -> str:
+        """``http://PORT-ID.localhost:7080/``: fetch it with any HTTP client on the node."""
+        return self.port_url(port).url
+
     def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
                                                  pb.PauseSandboxRequest(sandbox_id=self.id)))
@@ -433,6 +485,86 @@ class Sandbox:
 
     def delete(self) -> None:
         self._call(self.client._sandboxes.Delete, pb.DeleteSandboxRequest(sandbox_id=self.id))
+
+
+class PortStream:
+    """A TCP connection to a port inside a sandbox (:meth:`Sandbox.open_port`).
+
+    ``send`` writes to the server, ``close_write`` half-closes (the server reads EOF),
+    ``recv`` returns what the server sends (``b""`` once it closed its side). Use it as a
+    context manager, or call ``close`` to drop the connection."""
+
+    _END = object()
+
+    def __init__(self, sandbox_id: str, port: int, stub: rpc.PortsStub):
+        self._requests: "queue.Queue" = queue.Queue()
+        self._requests.put(_port_open(sandbox_id, port))
+        self._write_closed = False
+        self._read_closed = False
+        self._call = stub.Open(iter(self._requests.get, self._END))
+        try:
+            first = next(self._call)
+        except grpc.RpcError as e:
+            self._requests.put(self._END)
+            raise _error(e) from None
+        except StopIteration:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              "the port stream ended before the connection was made") from None
+        if first.WhichOneof("kind") != "connected":
+            self.close()
+            raise DsecError(grpc.StatusCode.INTERNAL, "the node did not confirm the connection")
+
+    def send(self, data: bytes) -> None:
+        if self._write_closed:
+            raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION,
+                                     "send after close_write: the write side is closed")
+        for m in _port_data(data):
+            self._requests.put(m)
+
+    def close_write(self) -> None:
+        if not self._write_closed:
+            self._write_closed = True
+            self._requests.put(_PORT_EOF)
+            self._requests.put(self._END)
+
+    def recv(self) -> bytes:
+        """The next bytes from the server; ``b""`` once it has closed its side."""
+        while not self._read_closed:
+            try:
+                r = next(self._call)
+            except StopIteration:
+                self._read_closed = True
+                break
+            except grpc.RpcError as e:
+                raise _error(e) from None
+            kind = r.WhichOneof("kind")
+            if kind == "data":
+                return r.data
+            if kind == "eof":
+                self._read_closed = True
+        return b""
+
+    def read_all(self) -> bytes:
+        """Everything the server sends until it closes its side."""
+        parts = []
+        while True:
+            data = self.recv()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    def close(self) -> None:
+        """Drops the connection (both directions) at once."""
+        self._call.cancel()
+        if not self._write_closed:
+            self._write_closed = True
+            self._requests.put(self._END)
+
+    def __enter__(self) -> "PortStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Session:
@@ -473,6 +605,7 @@ class AsyncClient:
         self._process = rpc.ProcessStub(self._channel)
         self._files = rpc.FilesStub(self._channel)
         self._sessions = rpc.SessionsStub(self._channel)
+        self._ports = rpc.PortsStub(self._channel)
 
     async def _call(self, fn, request):
         try:
@@ -572,6 +705,20 @@ class AsyncSandbox:
             sandbox_id=self.id, shell=shell, env=dict(env or {}), workdir=workdir))
         return AsyncSession(self, info.session_id)
 
+    async def open_port(self, port: int) -> AsyncPortStream:
+        """A TCP connection to 127.0.0.1:``port`` inside the sandbox (see
+        :meth:`Sandbox.open_port`)."""
+        return await AsyncPortStream._open(self.id, port, self.client._ports)
+
+    async def port_url(self, port: int) -> PortUrl:
+        _check_port(port)
+        r = await self.client._call(self.client._ports.Url,
+                                    pb.PortUrlRequest(sandbox_id=self.id, port=port))
+        return PortUrl(r.url, r.host, r.address)
+
+    async def url(self, port: int) -> str:
+        return (await self.port_url(port)).url
+
     async def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(await self.client._call(
             self.client._sandboxes.Pause, pb.PauseSandboxRequest(sandbox_id=self.id)))
@@ -590,6 +737,84 @@ class AsyncSandbox:
     async def delete(self) -> None:
         await self.client._call(self.client._sandboxes.Delete,
                                 pb.DeleteSandboxRequest(sandbox_id=self.id))
+
+
+class AsyncPortStream:
+    """asyncio twin of :class:`PortStream` (:meth:`AsyncSandbox.open_port`)."""
+
+    def __init__(self, call):
+        self._call = call
+        self._write_closed = False
+        self._read_closed = False
+
+    @classmethod
+    async def _open(cls, sandbox_id: str, port: int, stub: rpc.PortsStub) -> "AsyncPortStream":
+        request = _port_open(sandbox_id, port)
+        call = stub.Open()
+        try:
+            await call.write(request)
+            first = await call.read()
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "connected":
+            call.cancel()
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              "the port stream ended before the connection was made")
+        return cls(call)
+
+    async def send(self, data: bytes) -> None:
+        if self._write_closed:
+            raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION,
+                                     "send after close_write: the write side is closed")
+        try:
+            for m in _port_data(data):
+                await self._call.write(m)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+
+    async def close_write(self) -> None:
+        if not self._write_closed:
+            self._write_closed = True
+            try:
+                await self._call.write(_PORT_EOF)
+                await self._call.done_writing()
+            except grpc.RpcError as e:
+                raise _error(e) from None
+
+    async def recv(self) -> bytes:
+        """The next bytes from the server; ``b""`` once it has closed its side."""
+        while not self._read_closed:
+            try:
+                r = await self._call.read()
+            except grpc.RpcError as e:
+                raise _error(e) from None
+            if r is grpc.aio.EOF:
+                self._read_closed = True
+                break
+            kind = r.WhichOneof("kind")
+            if kind == "data":
+                return r.data
+            if kind == "eof":
+                self._read_closed = True
+        return b""
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while True:
+            data = await self.recv()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    def close(self) -> None:
+        """Drops the connection (both directions) at once."""
+        self._call.cancel()
+
+    async def __aenter__(self) -> "AsyncPortStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncSession:

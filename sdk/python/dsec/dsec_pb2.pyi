@@ -607,3 +607,57 @@ class ListSessionsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class PortOpen(_message.Message):
+    __slots__ = ("sandbox_id", "port")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class PortEof(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PortRequest(_message.Message):
+    __slots__ = ("open", "data", "eof")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    open: PortOpen
+    data: bytes
+    eof: PortEof
+    def __init__(self, open: _Optional[_Union[PortOpen, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
+
+class PortConnected(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PortResponse(_message.Message):
+    __slots__ = ("connected", "data", "eof")
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    connected: PortConnected
+    data: bytes
+    eof: PortEof
+    def __init__(self, connected: _Optional[_Union[PortConnected, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
+
+class PortUrlRequest(_message.Message):
+    __slots__ = ("sandbox_id", "port")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class PortUrl(_message.Message):
+    __slots__ = ("url", "host", "address")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    host: str
+    address: str
+    def __init__(self, url: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...

@@ -1226,3 +1226,139 @@ class Sessions:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PortsStub:
+    """================================================================= Runtime: ports
+
+    Reaching servers that listen on a sandbox's loopback (sandboxes have no other network).
+    The node daemon also serves plain HTTP for them (see Url).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Open = channel.stream_stream(
+                '/dsec.v1.Ports/Open',
+                request_serializer=dsec__pb2.PortRequest.SerializeToString,
+                response_deserializer=dsec__pb2.PortResponse.FromString,
+                _registered_method=True)
+        self.Url = channel.unary_unary(
+                '/dsec.v1.Ports/Url',
+                request_serializer=dsec__pb2.PortUrlRequest.SerializeToString,
+                response_deserializer=dsec__pb2.PortUrl.FromString,
+                _registered_method=True)
+
+
+class PortsServicer:
+    """================================================================= Runtime: ports
+
+    Reaching servers that listen on a sandbox's loopback (sandboxes have no other network).
+    The node daemon also serves plain HTTP for them (see Url).
+    """
+
+    def Open(self, request_iterator, context):
+        """A TCP connection to 127.0.0.1:port (else [::1]:port) in the sandbox. First client
+        message: `open` (sandbox_id, port); the server answers `connected`; then both sides send
+        `data` chunks (at most 1 MiB each) and one `eof` when their direction is done (ending the
+        request stream counts as `eof`). The response stream ends, with OK, once both directions
+        are closed. Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or above 65535,
+        bad message order, oversized chunk), FAILED_PRECONDITION (paused sandbox), UNAVAILABLE
+        (nothing listens on the port, or the agent cannot be reached).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Url(self, request, context):
+        """The HTTP address of a sandbox port on this node's HTTP entry point. FAILED_PRECONDITION
+        when the daemon serves no HTTP entry point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PortsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Open': grpc.stream_stream_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=dsec__pb2.PortRequest.FromString,
+                    response_serializer=dsec__pb2.PortResponse.SerializeToString,
+            ),
+            'Url': grpc.unary_unary_rpc_method_handler(
+                    servicer.Url,
+                    request_deserializer=dsec__pb2.PortUrlRequest.FromString,
+                    response_serializer=dsec__pb2.PortUrl.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.v1.Ports', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.v1.Ports', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Ports:
+    """================================================================= Runtime: ports
+
+    Reaching servers that listen on a sandbox's loopback (sandboxes have no other network).
+    The node daemon also serves plain HTTP for them (see Url).
+    """
+
+    @staticmethod
+    def Open(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Ports/Open',
+            dsec__pb2.PortRequest.SerializeToString,
+            dsec__pb2.PortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Url(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Ports/Url',
+            dsec__pb2.PortUrlRequest.SerializeToString,
+            dsec__pb2.PortUrl.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -7,9 +7,11 @@ teardown removes every process, cgroup and directory it created, also after a fa
 """
 
 import asyncio
+import http.client
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -397,6 +399,134 @@ class RestartTest(unittest.TestCase):
             if client:
                 client.close()
         self.assertEqual(leftovers, [])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """Deterministic bytes that do not compress into a lucky pass."""
+    import random
+    return random.Random(seed).randbytes(n)
+
+
+class PortsTest(NodeTest):
+    """Servers inside sandboxes: port streams (sync and async) and the HTTP entry point."""
+
+    extra_args = ("--http", f"127.0.0.1:{free_port()}")
+
+    def tearDown(self):
+        for sb in self.client.list():
+            try:
+                sb.delete()
+            except dsec.DsecError:
+                pass
+
+    def start_httpd(self, sb, index: bytes, big: bytes):
+        sb.write_file("/www/index.html", index, create_parents=True)
+        sb.write_file("/www/big.bin", big)
+        # Without -f httpd daemonizes, so the exec returns.
+        self.assertEqual(sb.exec("busybox httpd -p 127.0.0.1:8080 -h /www").exit_code, 0)
+        deadline = time.time() + 10
+        while True:
+            try:
+                with sb.open_port(8080) as s:
+                    s.close_write()
+                    s.read_all()
+                return
+            except dsec.Unavailable:
+                self.assertLess(time.time(), deadline, "httpd never listened")
+                time.sleep(0.05)
+
+    @staticmethod
+    def body(response: bytes) -> bytes:
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1."), head[:100]
+        assert b" 200 " in head.split(b"\r\n")[0], head[:100]
+        return body
+
+    def get(self, sb, path: str) -> bytes:
+        with sb.open_port(8080) as s:
+            s.send(f"GET {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+            s.close_write()
+            return self.body(s.read_all())
+
+    def test_http_server_in_sandbox(self):
+        big = pattern(1 << 20, 3)
+        with self.client.create(memory_mib=64) as a, self.client.create(memory_mib=64) as b:
+            self.start_httpd(a, b"page of A\n", big)
+            self.start_httpd(b, b"page of B\n", b"small")
+            # Sync port streams; the same port in two sandboxes stays apart.
+            self.assertEqual(self.get(a, "/index.html"), b"page of A\n")
+            self.assertEqual(self.get(b, "/index.html"), b"page of B\n")
+            self.assertTrue(self.get(a, "/big.bin") == big, "1 MiB body differs")
+
+            # The URL helper and a real HTTP client on the entry point.
+            u = a.port_url(8080)
+            self.assertEqual(u.host, f"8080-{a.id}.localhost")
+            self.assertEqual(a.url(8080), u.url)
+            self.assertTrue(u.url.startswith(f"http://{u.host}:"), u.url)
+            host, port = u.address.rsplit(":", 1)
+            for sb, expected in ((a, b"page of A\n"), (b, b"page of B\n")):
+                conn = http.client.HTTPConnection(host, int(port), timeout=20)
+                conn.request("GET", "/index.html", headers={"Host": sb.port_url(8080).host})
+                r = conn.getresponse()
+                self.assertEqual((r.status, r.read()), (200, expected))
+                conn.close()
+            conn = http.client.HTTPConnection(host, int(port), timeout=20)
+            conn.request("GET", "/big.bin", headers={"Host": u.host})
+            r = conn.getresponse()
+            self.assertEqual(r.status, 200)
+            self.assertTrue(r.read() == big, "1 MiB body through the entry point differs")
+            conn.close()
+            conn = http.client.HTTPConnection(host, int(port), timeout=20)
+            conn.request("GET", "/", headers={"Host": "8080-sb-000000000000.localhost"})
+            r = conn.getresponse()
+            self.assertEqual(r.status, 404)
+            self.assertIn(b"no sandbox", r.read())
+            conn.close()
+
+            # asyncio: the same through AsyncSandbox.
+            async def main():
+                async with dsec.AsyncClient(self.client.target) as client:
+                    sb = await client.get(a.id)
+                    async with await sb.open_port(8080) as s:
+                        await s.send(b"GET /big.bin HTTP/1.0\r\n\r\n")
+                        await s.close_write()
+                        got = self.body(await s.read_all())
+                    self.assertTrue(got == big, "1 MiB body over the async stream differs")
+                    self.assertEqual(await sb.url(8080), u.url)
+                    with self.assertRaises(dsec.Unavailable) as e:
+                        await sb.open_port(8081)
+                    self.assertIn(f"nothing listens on port 8081 in sandbox {a.id}",
+                                  e.exception.details)
+            asyncio.run(main())
+
+            # Errors name what is wrong.
+            with self.assertRaises(dsec.Unavailable) as e:
+                a.open_port(8081)
+            self.assertIn("nothing listens on port 8081", e.exception.details)
+            for port in (0, -1, 65536):
+                with self.assertRaises(dsec.InvalidArgument):
+                    a.open_port(port)
+            with self.assertRaises(dsec.NotFound):
+                dsec.PortStream("sb-000000000000", 80, self.client._ports)
+            # Raw stub: the first message must be `open`.
+            import grpc
+            from dsec import dsec_pb2 as pb
+            with self.assertRaises(grpc.RpcError) as e:
+                list(self.client._ports.Open(iter([pb.PortRequest(data=b"x")])))
+            self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("must be `open`", e.exception.details())
+            a.pause()
+            with self.assertRaises(dsec.FailedPrecondition):
+                a.open_port(8080)
+            a.resume()
+            self.assertEqual(self.get(a, "/index.html"), b"page of A\n")
+        self.assertClean()
 
 
 if __name__ == "__main__":

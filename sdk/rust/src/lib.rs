@@ -14,6 +14,7 @@
 use std::path::PathBuf;
 
 use dsec_api::v1::files_client::FilesClient;
+use dsec_api::v1::ports_client::PortsClient;
 use dsec_api::v1::process_client::ProcessClient;
 use dsec_api::v1::sandboxes_client::SandboxesClient;
 use dsec_api::v1::sessions_client::SessionsClient;
@@ -42,6 +43,10 @@ pub enum Error {
     Status(#[from] tonic::Status),
     #[error("the exec stream ended without an exit status")]
     NoExit,
+    #[error("the port stream ended before the node confirmed the connection")]
+    NoConnected,
+    #[error("local socket error while piping a sandbox port: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 impl Error {
@@ -308,6 +313,48 @@ impl Client {
         Err(Error::NoExit)
     }
 
+    /// A TCP connection to 127.0.0.1:`port` inside the sandbox (a server an agent started
+    /// there). Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or > 65535),
+    /// FAILED_PRECONDITION (paused), UNAVAILABLE (nothing listens on the port).
+    pub async fn open_port(&self, id: &str, port: u32) -> Result<PortStream> {
+        let (tx, rx) = mpsc::channel(8);
+        let _ = tx
+            .send(PortRequest {
+                kind: Some(port_request::Kind::Open(PortOpen {
+                    sandbox_id: id.into(),
+                    port,
+                })),
+            })
+            .await;
+        let mut rx_stream = PortsClient::new(self.channel.clone())
+            .open(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        match rx_stream.message().await? {
+            Some(PortResponse {
+                kind: Some(port_response::Kind::Connected(_)),
+            }) => Ok(PortStream {
+                tx: Some(tx),
+                rx: rx_stream,
+                read_closed: false,
+            }),
+            _ => Err(Error::NoConnected),
+        }
+    }
+
+    /// The URL of a sandbox port on the node's HTTP entry point
+    /// (`http://8080-sb-0123456789ab.localhost:7080/`), with the Host header that routes to
+    /// it. FAILED_PRECONDITION when the node serves no HTTP entry point.
+    pub async fn port_url(&self, id: &str, port: u32) -> Result<PortUrl> {
+        Ok(PortsClient::new(self.channel.clone())
+            .url(PortUrlRequest {
+                sandbox_id: id.into(),
+                port,
+            })
+            .await?
+            .into_inner())
+    }
+
     pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {
         let mut stream = self
             .files()
@@ -342,5 +389,113 @@ impl Client {
             .await?
             .into_inner()
             .bytes_written)
+    }
+}
+
+/// Largest data chunk a port stream carries per message (the node rejects bigger ones).
+pub const PORT_MAX_CHUNK: usize = 1 << 20;
+
+/// One TCP connection to a port inside a sandbox ([`Client::open_port`]). Bytes written with
+/// [`send`](Self::send) reach the server; [`recv`](Self::recv) returns what it sends back.
+#[derive(Debug)]
+pub struct PortStream {
+    tx: Option<mpsc::Sender<PortRequest>>,
+    rx: tonic::Streaming<PortResponse>,
+    read_closed: bool,
+}
+
+impl PortStream {
+    /// Sends bytes to the server (split into chunks the node accepts).
+    pub async fn send(&mut self, data: &[u8]) -> Result<()> {
+        let tx = self.tx.as_ref().ok_or_else(|| {
+            tonic::Status::failed_precondition("send after close_write: the write side is closed")
+        })?;
+        for chunk in data.chunks(PORT_MAX_CHUNK) {
+            let m = PortRequest {
+                kind: Some(port_request::Kind::Data(chunk.to_vec())),
+            };
+            if tx.send(m).await.is_err() {
+                return Err(tonic::Status::unavailable("the port stream is closed").into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Half-close: the server reads EOF; its answer can still be received.
+    pub async fn close_write(&mut self) -> Result<()> {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx
+                .send(PortRequest {
+                    kind: Some(port_request::Kind::Eof(PortEof {})),
+                })
+                .await;
+        }
+        Ok(())
+    }
+
+    /// The next bytes from the server; `None` once it closed its side.
+    pub async fn recv(&mut self) -> Result<Option<Vec<u8>>> {
+        while !self.read_closed {
+            match self.rx.message().await? {
+                Some(PortResponse {
+                    kind: Some(port_response::Kind::Data(data)),
+                }) => return Ok(Some(data)),
+                Some(PortResponse {
+                    kind: Some(port_response::Kind::Eof(_)),
+                })
+                | None => self.read_closed = true,
+                Some(_) => {}
+            }
+        }
+        Ok(None)
+    }
+
+    /// Everything the server sends until it closes its side.
+    pub async fn recv_to_end(&mut self) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        while let Some(data) = self.recv().await? {
+            out.extend_from_slice(&data);
+        }
+        Ok(out)
+    }
+
+    /// Pipes a local TCP connection through this stream until both directions are closed
+    /// (what `dsec port-forward` does for each connection).
+    pub async fn pipe(mut self, socket: tokio::net::TcpStream) -> Result<()> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let _ = socket.set_nodelay(true);
+        let (mut reader, mut writer) = socket.into_split();
+        let tx = self.tx.take();
+        // Its own task: a server that stops reading while it writes must not stall our reads.
+        let up = tokio::spawn(async move {
+            let Some(tx) = tx else { return };
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let kind = match reader.read(&mut buf).await {
+                    Ok(0) => port_request::Kind::Eof(PortEof {}),
+                    Ok(n) => port_request::Kind::Data(buf[..n].to_vec()),
+                    // A reset local client: end without eof; the response side ends too.
+                    Err(_) => return,
+                };
+                let eof = matches!(kind, port_request::Kind::Eof(_));
+                if tx.send(PortRequest { kind: Some(kind) }).await.is_err() || eof {
+                    break;
+                }
+            }
+            // Keep the request stream open until the node ends the connection.
+            tx.closed().await;
+        });
+        let result = async {
+            while let Some(data) = self.recv().await? {
+                writer.write_all(&data).await?;
+            }
+            writer.shutdown().await?;
+            // Drain to the end of the stream (the node ends it when both sides are closed).
+            while self.rx.message().await?.is_some() {}
+            Ok(())
+        }
+        .await;
+        up.abort();
+        result
     }
 }

@@ -1,0 +1,628 @@
+//! Servers inside sandboxes reached through a real dsec-edge daemon (container backend): the
+//! Ports gRPC stream (via the Rust SDK), the daemon's HTTP entry point (with curl), and the
+//! errors of both. Run as root: `cargo test -p dsec-edge --test ports`.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use dsec_sdk::Client;
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// DSEC_HOME with the busybox image; the daemon finds the agent next to itself.
+fn dsec_home() -> &'static Path {
+    static HOME: OnceLock<PathBuf> = OnceLock::new();
+    HOME.get_or_init(|| {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-q", "-p", "dsec-agent"])
+            .current_dir(workspace_root())
+            .status()
+            .unwrap();
+        assert!(status.success(), "cargo build -p dsec-agent failed");
+        let agent = Path::new(env!("CARGO_BIN_EXE_dsec-edge")).with_file_name("dsec-agent");
+        let home = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ports-home");
+        let status = Command::new(workspace_root().join("guest-agent/mkinitramfs.sh"))
+            .arg("--agent")
+            .arg(&agent)
+            .arg(home.join("images/busybox"))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "mkinitramfs.sh failed");
+        home
+    })
+}
+
+/// Pids whose command line contains `text`.
+fn procs_referencing(text: &str) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| c.windows(text.len()).any(|w| w == text.as_bytes()))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// A dsec-edge with a private state dir, cgroup name and HTTP port; everything it started is
+/// removed on drop, also when a test fails.
+struct Daemon {
+    child: Child,
+    tag: String,
+    state: PathBuf,
+    socket: String,
+    http: SocketAddr,
+    metrics: SocketAddr,
+}
+
+impl Daemon {
+    async fn start(name: &str, extra: &[&str]) -> (Self, Client) {
+        let tag = format!("dsec-ports-test-{}-{name}", std::process::id());
+        let state = std::env::temp_dir().join(&tag);
+        std::fs::create_dir_all(&state).unwrap();
+        // A free port: bound and released; nothing else on this host races for it in practice.
+        let free = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+        };
+        let (http, metrics) = (free(), free());
+        let log = std::fs::File::create(state.with_extension("log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--metrics", &metrics.to_string()])
+            .args(["--default-backend", "container"])
+            .args(["--cgroup-name", &tag, "--http", &http.to_string()])
+            .args(extra)
+            .env("DSEC_HOME", dsec_home())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let socket = format!("unix:{}", state.join("edge.sock").display());
+        let mut daemon = Self {
+            child,
+            tag,
+            state,
+            socket,
+            http,
+            metrics,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(client) = Client::connect(&daemon.socket).await {
+                if client.node_status().await.is_ok() {
+                    return (daemon, client);
+                }
+            }
+            if let Ok(Some(status)) = daemon.child.try_wait() {
+                panic!("dsec-edge exited with {status}: see {}", daemon.log());
+            }
+            assert!(Instant::now() < deadline, "dsec-edge did not come up");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.state.with_extension("log")).unwrap_or_default()
+    }
+
+    /// `curl` against the HTTP entry point: (HTTP status, body).
+    fn curl(&self, host: &str, path: &str, extra: &[&str]) -> (u32, Vec<u8>) {
+        let out = Command::new("curl")
+            .args(["-sS", "--max-time", "20", "-o", "-", "-w", "\n%{http_code}"])
+            .args(["-H", &format!("Host: {host}")])
+            .args(extra)
+            .arg(format!("http://{}{path}", self.http))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "curl {host}{path}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
+        let code = std::str::from_utf8(&out.stdout[split + 1..])
+            .unwrap()
+            .parse()
+            .unwrap();
+        (code, out.stdout[..split].to_vec())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Sandboxes outlive their daemon by design: delete them through it first.
+        let socket = self.socket.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                if let Ok(client) = Client::connect(&socket).await {
+                    for sandbox in client.list(Default::default()).await.unwrap_or_default() {
+                        let _ = client.delete(&sandbox.id).await;
+                    }
+                }
+            });
+        })
+        .join();
+        // SAFETY: kill(2) on the daemon we spawned; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let sandboxes = format!("{}/sandboxes/", self.state.display());
+        for pid in procs_referencing(&sandboxes) {
+            // SAFETY: kill(2) on a process of a sandbox this test created.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        for hierarchy in std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for base in [hierarchy.path(), PathBuf::from("/sys/fs/cgroup")] {
+                let _ = remove_cgroup_named(&base, &self.tag, 6);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.state);
+        let _ = std::fs::remove_file(self.state.with_extension("log"));
+    }
+}
+
+/// Removes (bottom-up) every cgroup directory called `name` below `dir`.
+fn remove_cgroup_named(dir: &Path, name: &str, depth: u32) -> std::io::Result<()> {
+    if depth == 0 {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        if !entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            continue;
+        }
+        if entry.file_name() == name {
+            for child in std::fs::read_dir(&path)?.flatten() {
+                if child.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    let _ = std::fs::remove_dir(child.path());
+                }
+            }
+            let _ = std::fs::remove_dir(&path);
+        } else {
+            let _ = remove_cgroup_named(&path, name, depth - 1);
+        }
+    }
+    Ok(())
+}
+
+/// An HTTP/1.1 keep-alive server for one connection (run by `nc -e`): answers each request
+/// with its number on the connection.
+const KEEP_ALIVE_SERVER: &str = r#"#!/bin/sh
+n=0
+cr=$(printf '\r')
+while read -r line; do
+  while read -r h; do
+    case "$h" in "$cr"|"") break ;; esac
+  done
+  n=$((n + 1))
+  printf 'HTTP/1.1 200 OK\r\nContent-Length: 6\r\nContent-Type: text/plain\r\n\r\nreq %s\n' "$n"
+done
+"#;
+
+/// Deterministic, incompressible-looking test data.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+async fn sh(client: &Client, id: &str, script: &str) {
+    let out = client.exec(id, &["sh", "-c", script], None).await.unwrap();
+    assert_eq!(
+        out.exit_code(),
+        0,
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Starts busybox httpd on 127.0.0.1:8080 serving /www, and waits until it accepts.
+async fn start_httpd(client: &Client, id: &str, index: &str, big: &[u8]) {
+    client
+        .write_file(id, "/www/index.html", 0o644, index.as_bytes().to_vec())
+        .await
+        .unwrap();
+    client
+        .write_file(id, "/www/big.bin", 0o644, big.to_vec())
+        .await
+        .unwrap();
+    // Without -f httpd daemonizes, so the exec returns.
+    sh(client, id, "busybox httpd -p 127.0.0.1:8080 -h /www").await;
+    wait_listening(client, id, 8080).await;
+}
+
+async fn wait_listening(client: &Client, id: &str, port: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match client.open_port(id, port).await {
+            Ok(mut stream) => {
+                stream.close_write().await.unwrap();
+                let _ = stream.recv_to_end().await;
+                return;
+            }
+            Err(err) if err.code() == Some(tonic::Code::Unavailable) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "port {port} never listened: {err}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(err) => panic!("open port {port}: {err}"),
+        }
+    }
+}
+
+/// The body of an HTTP/1.0 response (whose end is the connection's end).
+fn body_of(response: &[u8]) -> &[u8] {
+    let end = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("response has a head");
+    &response[end + 4..]
+}
+
+async fn get_over_grpc(client: &Client, id: &str, path: &str) -> Vec<u8> {
+    let mut stream = client.open_port(id, 8080).await.unwrap();
+    let request = format!("GET {path} HTTP/1.0\r\nHost: sandbox\r\n\r\n");
+    stream.send(request.as_bytes()).await.unwrap();
+    stream.close_write().await.unwrap();
+    let response = stream.recv_to_end().await.unwrap();
+    assert!(
+        response.starts_with(b"HTTP/1.0 200 OK") || response.starts_with(b"HTTP/1.1 200 OK"),
+        "{}",
+        String::from_utf8_lossy(&response[..response.len().min(200)])
+    );
+    body_of(&response).to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_in_sandboxes_reached_over_grpc_and_http() {
+    let (daemon, client) = Daemon::start("reach", &[]).await;
+    let big = pattern(1 << 20, 7);
+    let a = client.create(Default::default()).await.unwrap().id;
+    let b = client.create(Default::default()).await.unwrap().id;
+    start_httpd(&client, &a, "page of A\n", &big).await;
+    start_httpd(&client, &b, "page of B\n", &big[..1000]).await;
+
+    // (a) The gRPC stream: a page and a 1 MiB body, byte-exact.
+    assert_eq!(
+        get_over_grpc(&client, &a, "/index.html").await,
+        b"page of A\n"
+    );
+    assert_eq!(
+        get_over_grpc(&client, &b, "/index.html").await,
+        b"page of B\n"
+    );
+    assert!(get_over_grpc(&client, &a, "/big.bin").await == big);
+
+    // (b) The HTTP entry point with curl: routed by Host, two sandboxes on one port apart.
+    let host_a = format!("8080-{a}.localhost");
+    let host_b = format!("8080-{b}.localhost");
+    assert_eq!(
+        daemon.curl(&host_a, "/index.html", &[]),
+        (200, b"page of A\n".to_vec())
+    );
+    assert_eq!(
+        daemon.curl(&host_b, "/index.html", &[]),
+        (200, b"page of B\n".to_vec())
+    );
+    let (code, body) = daemon.curl(&host_a, "/big.bin", &[]);
+    assert_eq!(code, 200);
+    assert!(body == big, "1 MiB body through the entry point differs");
+    // A request body (1 MiB upload) crosses too: httpd answers 404 for POST to a file only
+    // after reading the request, so the point is that the answer arrives, not its code.
+    let upload = daemon.state.with_extension("upload");
+    std::fs::write(&upload, &big).unwrap();
+    let (code, _) = daemon.curl(
+        &host_a,
+        "/index.html",
+        &["--data-binary", &format!("@{}", upload.display())],
+    );
+    std::fs::remove_file(&upload).unwrap();
+    assert!(code >= 200, "no answer to a 1 MiB upload");
+
+    // The URL the node hands out works as-is (`*.localhost` resolves to 127.0.0.1).
+    let url = client.port_url(&a, 8080).await.unwrap();
+    assert_eq!(url.host, host_a);
+    assert_eq!(url.address, daemon.http.to_string());
+    assert_eq!(url.url, format!("http://{host_a}:{}/", daemon.http.port()));
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20"])
+        .arg(format!("{}index.html", url.url))
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.stdout,
+        b"page of A\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Raw TCP both ways at once: an echo server gets 1 MiB and sends it back while we still
+    // write (a pipe that blocks one way while the other is full would deadlock here).
+    sh(
+        &client,
+        &a,
+        "busybox nc -ll -p 9000 -e cat </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    wait_listening(&client, &a, 9000).await;
+    let mut stream = client.open_port(&a, 9000).await.unwrap();
+    stream.send(&big).await.unwrap();
+    stream.close_write().await.unwrap();
+    let echoed = stream.recv_to_end().await.unwrap();
+    assert!(echoed == big, "echo returned {} bytes", echoed.len());
+
+    // Keep-alive: a server that answers many requests on one connection (numbering them)
+    // gets all of curl's requests over one piped connection.
+    client
+        .write_file(&a, "/ka.sh", 0o755, KEEP_ALIVE_SERVER.as_bytes().to_vec())
+        .await
+        .unwrap();
+    sh(
+        &client,
+        &a,
+        "busybox nc -ll -p 9001 -e /ka.sh </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    wait_listening(&client, &a, 9001).await;
+    let url = format!("http://9001-{a}.localhost:{}/", daemon.http.port());
+    let out = Command::new("curl")
+        .args(["-sS", "-v", "--max-time", "20"])
+        .args([&url, &url, &url])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "req 1\nreq 2\nreq 3\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Re-using existing connection"));
+
+    // The entry point pipes the whole connection: after the request head, later bytes (as a
+    // WebSocket would send) reach the server and its answers come back on the same socket.
+    let mut socket = std::net::TcpStream::connect(daemon.http).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let head =
+        format!("GET /ws HTTP/1.1\r\nHost: 9000-{a}.localhost\r\nUpgrade: websocket\r\n\r\n");
+    socket.write_all(head.as_bytes()).unwrap();
+    let mut echoed = vec![0u8; head.len()];
+    socket.read_exact(&mut echoed).unwrap();
+    assert_eq!(echoed, head.as_bytes());
+    for round in 0..3 {
+        let frame = format!("frame {round}");
+        socket.write_all(frame.as_bytes()).unwrap();
+        let mut back = vec![0u8; frame.len()];
+        socket.read_exact(&mut back).unwrap();
+        assert_eq!(back, frame.as_bytes());
+    }
+    socket.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    socket.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+
+    // Every connection above was counted.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20"])
+        .arg(format!("http://{}/metrics", daemon.metrics))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let count: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("dsec_port_connections_total "))
+        .unwrap_or_else(|| panic!("no port metric in {text}"))
+        .parse()
+        .unwrap();
+    assert!(count >= 12, "dsec_port_connections_total {count}");
+
+    client.delete(&a).await.unwrap();
+    client.delete(&b).await.unwrap();
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_ports_and_sandboxes_get_clear_errors() {
+    let (daemon, client) = Daemon::start("errors", &[]).await;
+    let id = client.create(Default::default()).await.unwrap().id;
+
+    // Closed port: UNAVAILABLE naming port and sandbox; 502 with the same text over HTTP.
+    let err = client.open_port(&id, 8081).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::Unavailable), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("nothing listens on port 8081 in sandbox {id}")),
+        "{err}"
+    );
+    let (code, body) = daemon.curl(&format!("8081-{id}.localhost"), "/", &[]);
+    assert_eq!(code, 502);
+    assert!(
+        String::from_utf8_lossy(&body).contains("nothing listens on port 8081"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+
+    // Unknown sandbox: NOT_FOUND / 404.
+    let err = client.open_port("sb-000000000000", 80).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
+    let (code, body) = daemon.curl("80-sb-000000000000.localhost", "/", &[]);
+    assert_eq!(code, 404);
+    assert!(String::from_utf8_lossy(&body).contains("no sandbox \"sb-000000000000\""));
+    let err = client.port_url("sb-000000000000", 80).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
+
+    // Ports outside 1-65535: INVALID_ARGUMENT / 400.
+    for port in [0, 65536, u32::MAX] {
+        let err = client.open_port(&id, port).await.unwrap_err();
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+        assert!(err.to_string().contains("give 1-65535"), "{err}");
+        let err = client.port_url(&id, port).await.unwrap_err();
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    }
+    let (code, _) = daemon.curl(&format!("0-{id}.localhost"), "/", &[]);
+    assert_eq!(code, 400);
+
+    // A Host that names no sandbox port, and no Host at all: 400 saying what to send.
+    let (code, body) = daemon.curl("localhost", "/", &[]);
+    assert_eq!(code, 400);
+    assert!(String::from_utf8_lossy(&body).contains("PORT-SANDBOXID"));
+    let mut socket = std::net::TcpStream::connect(daemon.http).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    socket.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+    assert!(response.contains("no Host header"), "{response}");
+
+    // An oversized request head is cut off with 431, not buffered without end.
+    let mut socket = std::net::TcpStream::connect(daemon.http).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let filler = format!(
+        "GET / HTTP/1.1\r\nHost: 8080-{id}.localhost\r\nX-Filler: {}\r\n\r\n",
+        "a".repeat(32 << 10)
+    );
+    let _ = socket.write_all(filler.as_bytes());
+    let mut response = Vec::new();
+    let _ = socket.read_to_end(&mut response);
+    assert!(
+        response.starts_with(b"HTTP/1.1 431"),
+        "{}",
+        String::from_utf8_lossy(&response)
+    );
+
+    // Paused: FAILED_PRECONDITION / 503; after resume the port is reachable again.
+    sh(
+        &client,
+        &id,
+        "busybox nc -ll -p 9000 -e cat </dev/null >/dev/null 2>&1 &",
+    )
+    .await;
+    wait_listening(&client, &id, 9000).await;
+    client.pause(&id).await.unwrap();
+    let err = client.open_port(&id, 9000).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::FailedPrecondition), "{err}");
+    let (code, body) = daemon.curl(&format!("9000-{id}.localhost"), "/", &[]);
+    assert_eq!(code, 503);
+    assert!(String::from_utf8_lossy(&body).contains("paused"));
+    client.resume(&id).await.unwrap();
+    wait_listening(&client, &id, 9000).await;
+
+    // Deleting the sandbox ends an open connection with an error instead of a hang.
+    let mut stream = client.open_port(&id, 9000).await.unwrap();
+    stream.send(b"ping").await.unwrap();
+    assert_eq!(stream.recv().await.unwrap().unwrap(), b"ping");
+    client.delete(&id).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), stream.recv_to_end()).await;
+    assert!(
+        ended.is_ok(),
+        "the stream hung after the sandbox was deleted"
+    );
+    drop(daemon);
+}
+
+#[test]
+fn bad_http_flags_are_named() {
+    for (args, expected) in [
+        (
+            ["--http", "nonsense"],
+            "--http \"nonsense\": expected HOST:PORT or off",
+        ),
+        (
+            ["--http-max-connections", "0"],
+            "--http-max-connections must be at least 1",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+/// Sends a request for an unknown sandbox on a fresh connection; returns the status line.
+fn status_line(http: SocketAddr) -> String {
+    let mut socket = std::net::TcpStream::connect(http).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    socket
+        .write_all(b"GET / HTTP/1.1\r\nHost: 80-sb-000000000000.localhost\r\n\r\n")
+        .unwrap();
+    let mut response = String::new();
+    let _ = socket.read_to_string(&mut response);
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_connections_are_capped() {
+    let (daemon, _client) = Daemon::start("cap", &["--http-max-connections", "2"]).await;
+    // Two idle connections (no request head yet) hold both slots...
+    let idle: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(daemon.http).unwrap())
+        .collect();
+    // ...so the third is answered 503 at once instead of queueing.
+    let response = status_line(daemon.http);
+    assert!(response.starts_with("HTTP/1.1 503"), "{response}");
+    assert!(
+        response.contains("already serves 2 HTTP connections"),
+        "{response}"
+    );
+    // A closed connection frees its slot.
+    drop(idle);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let response = status_line(daemon.http);
+        if response.starts_with("HTTP/1.1 404") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots never freed: {response}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(daemon);
+}

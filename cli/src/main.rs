@@ -11,11 +11,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use dsec_edge::images::{Catalog, ImageSource, LocalMount};
 use dsec_edge::{
     find_binary, parse_env, Artifacts, BackendKind, EdgeConfig, EdgeError, ExecSpec, KvmStatus,
     Sandbox, SandboxSpec,
 };
-use dsec_edge::images::{Catalog, ImageSource, LocalMount};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]

@@ -23,20 +23,18 @@ const CACHE_CAP_BYTES: u64 = 10 << 30;
 pub enum ImageError {
     #[error("image name {name:?} is invalid: use letters, digits, '.', '_' and '-' (plus ':', '@' and '/' for layer-store images), not starting with '.'")]
     InvalidName { name: String },
-    #[error("image {name:?} not found for the {backend} backend; available: directory images under {home}/images: [{dirs}]; layer-store images in {store}: [{layers}] (import one with `dsec image import REF --name NAME`)")]
+    #[error("image {name:?} not found for the {backend} backend; available: {available} (import one with `dsec image import REF --name NAME`)")]
     NotFound {
         name: String,
         backend: &'static str,
-        home: PathBuf,
-        dirs: String,
-        store: PathBuf,
-        layers: String,
+        /// Both kinds, with where they were looked up.
+        available: String,
     },
     #[error("cannot read the layer store {store}: {source}; check DSEC_LAYERFS_STORE / $DSEC_HOME/layerfs/store")]
     Store {
         store: PathBuf,
         #[source]
-        source: dsec_layerfs::Error,
+        source: Box<dsec_layerfs::Error>,
     },
     #[error("cannot mount layer-store image {name:?}: {detail}")]
     Mount { name: String, detail: String },
@@ -75,7 +73,7 @@ impl LayerImage {
             .map(|l| {
                 Digest::parse(l).map_err(|source| ImageError::Store {
                     store: self.store.clone(),
-                    source,
+                    source: Box::new(source),
                 })
             })
             .collect()
@@ -86,11 +84,10 @@ impl LayerImage {
     pub fn mount(&self, mountpoint: &Path) -> Result<dsec_layerfs::fuse::Mount, ImageError> {
         let store_err = |source| ImageError::Store {
             store: self.store.clone(),
-            source,
+            source: Box::new(source),
         };
-        let store = Arc::new(
-            Store::open_existing(&self.store, StoreConfig::default()).map_err(store_err)?,
-        );
+        let store =
+            Arc::new(Store::open_existing(&self.store, StoreConfig::default()).map_err(store_err)?);
         let cache = Arc::new(
             NodeCache::open(&self.cache, store, CACHE_CAP_BYTES).map_err(|e| {
                 ImageError::Mount {
@@ -169,7 +166,7 @@ impl Catalog {
             .map(Some)
             .map_err(|source| ImageError::Store {
                 store: self.store.clone(),
-                source,
+                source: Box::new(source),
             })
     }
 
@@ -180,7 +177,7 @@ impl Catalog {
         };
         let images = store.list_images().map_err(|source| ImageError::Store {
             store: self.store.clone(),
-            source,
+            source: Box::new(source),
         })?;
         Ok(images.into_iter().map(|i| i.name).collect())
     }
@@ -203,7 +200,7 @@ impl Catalog {
             Err(dsec_layerfs::Error::NoSuchImage(_)) => Ok(None),
             Err(source) => Err(ImageError::Store {
                 store: self.store.clone(),
-                source,
+                source: Box::new(source),
             }),
         }
     }
@@ -241,10 +238,12 @@ impl Catalog {
         ImageError::NotFound {
             name: name.to_string(),
             backend,
-            home: self.home.clone(),
-            dirs: self.dir_images().join(", "),
-            store: self.store.clone(),
-            layers,
+            available: format!(
+                "directory images under {}/images: [{}]; layer-store images in {}: [{layers}]",
+                self.home.display(),
+                self.dir_images().join(", "),
+                self.store.display()
+            ),
         }
     }
 }
@@ -336,7 +335,10 @@ pub fn serve_image(dir: &Path) -> Result<(), ImageError> {
     let mount = image.mount(&dir.join("root"))?;
     std::fs::write(dir.join(SERVER_READY_FILE), b"").map_err(|e| ImageError::Mount {
         name: image.name.clone(),
-        detail: format!("cannot write {}: {e}", dir.join(SERVER_READY_FILE).display()),
+        detail: format!(
+            "cannot write {}: {e}",
+            dir.join(SERVER_READY_FILE).display()
+        ),
     })?;
     tracing::info!(image = %image.name, root = %dir.join("root").display(), "image served");
     wait_for_stop(&set);
@@ -358,7 +360,9 @@ pub fn is_layerfs_mount(path: &Path) -> bool {
             return false;
         };
         // fuser mounts show as fstype `fuse` or `fuse.layerfs`, source `layerfs`.
-        fields.get(4).is_some_and(|mp| unescape_mountinfo(mp) == want)
+        fields
+            .get(4)
+            .is_some_and(|mp| unescape_mountinfo(mp) == want)
             && fields
                 .get(sep + 1)
                 .is_some_and(|t| *t == "fuse" || *t == "fuse.layerfs")

@@ -10,7 +10,7 @@
 //! Layout: `<state_dir>/images/<layer-stack key>-<random>/{image.json, server.json,
 //! server.log, ready, root/}`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -265,14 +265,16 @@ impl ImageMounts {
         let _ = tokio::task::spawn_blocking(move || s.handle.stop()).await;
     }
 
-    /// Whether the server `instance` still serves its mount (a sandbox on a dead one cannot
-    /// read its root any more).
-    pub async fn is_alive(&self, instance: &str) -> bool {
+    /// Servers that no longer serve their mount (a sandbox on one cannot read its root any
+    /// more): one check per server, whatever the number of sandboxes.
+    pub async fn dead(&self) -> HashSet<String> {
         self.served
             .lock()
             .await
-            .get(instance)
-            .is_some_and(|s| s.handle.is_alive())
+            .iter()
+            .filter(|(_, s)| !s.handle.is_alive())
+            .map(|(instance, _)| instance.clone())
+            .collect()
     }
 
     /// (image, users, root) of every server, for listings and tests.
@@ -332,7 +334,10 @@ impl ImageMounts {
             Ok(c) => c,
             Err(e) => {
                 cleanup(&dir);
-                return Err(io("cannot start the image server", Path::new(&self.argv[0]))(e));
+                return Err(io(
+                    "cannot start the image server",
+                    Path::new(&self.argv[0]),
+                )(e));
             }
         };
         let pid = child.id() as i32;

@@ -871,12 +871,13 @@ impl Node {
     pub async fn reap_once(&self) {
         let now = now_ms();
         let mut doomed = Vec::new();
+        let dead_images = self.images.dead().await;
         for entry in self.list() {
             let r = entry.record();
-            let image_gone = match &r.image_mount {
-                Some(m) => !self.images.is_alive(m).await,
-                None => false,
-            };
+            let image_gone = r
+                .image_mount
+                .as_ref()
+                .is_some_and(|m| dead_images.contains(m));
             let reason = if !r.handle.is_alive() || image_gone {
                 Some(ReapReason::Died)
             } else if r.expires_at_ms > 0 && now >= r.expires_at_ms {

@@ -551,3 +551,89 @@ fn lookup_order_errors_and_one_shot_run() {
         "{err}"
     );
 }
+
+/// Pids of this node's image servers.
+fn image_servers(node: &Node) -> Vec<i32> {
+    node.processes()
+        .into_iter()
+        .filter(|pid| {
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| text(&c).contains("--serve-image"))
+        })
+        .collect()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_dead_image_server_takes_its_sandboxes_with_it() {
+    if !can_run() {
+        return;
+    }
+    build_agent();
+    let registry = Registry::start();
+    let mut node = Node::new();
+    let image = publish_and_import(&node, &registry);
+    node.start_daemon();
+    let rt = runtime();
+    let c = rt
+        .block_on(dsec_sdk::Client::connect(&node.endpoint()))
+        .unwrap();
+
+    // While the daemon runs: the reaper removes the sandbox, the dead mount is detached, and
+    // the next create starts a new server.
+    let first = rt.block_on(c.create(container(&image))).unwrap().id;
+    let servers = image_servers(&node);
+    assert_eq!(servers.len(), 1, "{servers:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(servers[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_until("the sandbox is reaped", || {
+        rt.block_on(c.get(&first))
+            .is_err_and(|e| e.code() == Some(tonic::Code::NotFound))
+    });
+    wait_until("the dead mount is gone", || {
+        node.layerfs_mounts().is_empty()
+    });
+    let second = rt.block_on(c.create(container(&image))).unwrap().id;
+    rt.block_on(async {
+        assert_eq!(
+            sh(&c, &second, "cat /etc/motd").await,
+            "from the registry\n"
+        );
+    });
+    assert_eq!(node.layerfs_mounts().len(), 1);
+
+    // While the daemon is down: the next daemon does not adopt a sandbox whose image server
+    // died, and leaves no mount behind.
+    node.kill_daemon();
+    for pid in image_servers(&node) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    }
+    wait_until("the server is gone", || image_servers(&node).is_empty());
+    node.start_daemon();
+    let c = rt
+        .block_on(dsec_sdk::Client::connect(&node.endpoint()))
+        .unwrap();
+    let listed = rt.block_on(c.list(Default::default())).unwrap();
+    assert!(listed.is_empty(), "{listed:?}");
+    assert!(node.layerfs_mounts().is_empty());
+    assert_eq!(
+        node.processes(),
+        Vec::<i32>::new(),
+        "the sandbox was removed"
+    );
+    node.stop_daemon();
+}

@@ -259,6 +259,10 @@ impl LocalMount {
     /// Mounts `image` at `dir/root` (`dir` is created and must be new).
     pub fn new(image: &LayerImage, dir: PathBuf) -> Result<Self, ImageError> {
         let root = dir.join("root");
+        if is_layerfs_mount(&root) {
+            // Left by a killed run whose pid this process now has: its server is gone.
+            let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
+        }
         std::fs::create_dir_all(&root).map_err(|e| ImageError::Mount {
             name: image.name.clone(),
             detail: format!("cannot create the mount point {}: {e}", root.display()),

@@ -167,8 +167,9 @@ fn tail(path: &Path) -> String {
 impl ImageMounts {
     /// `invocation`: the arguments that make this executable the daemon (`up` for `dsec`).
     pub fn new(state_dir: &Path, invocation: &[OsString]) -> Self {
-        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
-        let mut argv = vec![exe.into_os_string()];
+        // /proc/self/exe, not the path: an upgrade that replaced the file on disk must not
+        // start servers of another version (or fail on a " (deleted)" path).
+        let mut argv = vec![OsString::from("/proc/self/exe")];
         argv.extend(invocation.iter().cloned());
         Self {
             dir: state_dir.join("images"),
@@ -314,6 +315,11 @@ impl ImageMounts {
         };
         let log_err = log.try_clone().map_err(io("cannot dup", &log_path))?;
         let mut command = std::process::Command::new(&self.argv[0]);
+        if let Ok(exe) = std::env::current_exe() {
+            use std::os::unix::process::CommandExt;
+            // What `ps` shows.
+            command.arg0(exe);
+        }
         command
             .args(&self.argv[1..])
             .arg("--serve-image")

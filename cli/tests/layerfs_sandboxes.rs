@@ -550,6 +550,26 @@ fn lookup_order_errors_and_one_shot_run() {
         err.contains("not found") && err.contains("available") && err.contains("clash"),
         "{err}"
     );
+    // microVMs boot directory images only: a layer-store name is not found for them.
+    let out = node
+        .dsec()
+        .args([
+            "run",
+            "--backend",
+            "microvm",
+            "--image",
+            &image,
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("not found for the microvm backend") && err.contains("(containers only)"),
+        "{err}"
+    );
 }
 
 /// Pids of this node's image servers.

@@ -145,14 +145,19 @@ impl Catalog {
         (dir_name_ok(name) && rootfs.join("bin").is_dir()).then_some(rootfs)
     }
 
-    /// Directory images with a container root.
-    pub fn dir_images(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(self.home.join("images"))
+    /// Directory images with a container root (`rootfs/`) or, for `"microvm"`, with an
+    /// `initramfs.cpio`.
+    pub fn dir_images(&self, backend: &str) -> Vec<String> {
+        let images = self.home.join("images");
+        let mut names: Vec<String> = std::fs::read_dir(&images)
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| self.dir_rootfs(n).is_some())
+            .filter(|n| match backend {
+                "microvm" => images.join(n).join("initramfs.cpio").is_file(),
+                _ => self.dir_rootfs(n).is_some(),
+            })
             .collect();
         names.sort();
         names
@@ -229,19 +234,25 @@ impl Catalog {
         Err(self.not_found(name, "container"))
     }
 
-    /// The NOT_FOUND error for `name`, listing what the node has.
+    /// The NOT_FOUND error for `name`, listing what the node has for `backend` (layer-store
+    /// images run on containers only).
     pub fn not_found(&self, name: &str, backend: &'static str) -> ImageError {
         let layers = match self.layer_images() {
-            Ok(l) => l.join(", "),
+            Ok(l) => format!("[{}]", l.join(", ")),
             Err(e) => format!("unreadable: {e}"),
+        };
+        let only = if backend == "microvm" {
+            " (containers only)"
+        } else {
+            ""
         };
         ImageError::NotFound {
             name: name.to_string(),
             backend,
             available: format!(
-                "directory images under {}/images: [{}]; layer-store images in {}: [{layers}]",
+                "directory images under {}/images: [{}]; layer-store images in {}{only}: {layers}",
                 self.home.display(),
-                self.dir_images().join(", "),
+                self.dir_images(backend).join(", "),
                 self.store.display()
             ),
         }

@@ -643,7 +643,37 @@ fn a_dead_image_server_takes_its_sandboxes_with_it() {
         .unwrap();
     }
     wait_until("the server is gone", || image_servers(&node).is_empty());
+    // And a server the killed daemon had started but not recorded yet (no server.json).
+    let served = fs::read_dir(node.path("state/images"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let half = node.path("state/images/half-started");
+    fs::create_dir_all(half.join("root")).unwrap();
+    fs::copy(served.join("image.json"), half.join("image.json")).unwrap();
+    let mut orphan = node
+        .dsec()
+        .args(["up", "--serve-image"])
+        .arg(&half)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until("the unrecorded server mounts", || {
+        half.join("ready").exists()
+    });
+    assert_eq!(
+        node.layerfs_mounts().len(),
+        2,
+        "a dead mount and the unrecorded one"
+    );
     node.start_daemon();
+    wait_until("the unrecorded server is killed", || {
+        orphan.try_wait().unwrap().is_some()
+    });
+    assert!(!half.exists(), "its directory is removed");
     let c = rt
         .block_on(dsec_sdk::Client::connect(&node.endpoint()))
         .unwrap();

@@ -164,6 +164,30 @@ fn tail(path: &Path) -> String {
     }
 }
 
+/// SIGKILLs a process started as `... --serve-image DIR` (no record of its pid exists).
+fn kill_server_of(dir: &Path) {
+    let mut needle = b"--serve-image\0".to_vec();
+    needle.extend_from_slice(dir.as_os_str().as_encoded_bytes());
+    needle.push(0);
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if cmdline
+            .windows(needle.len())
+            .any(|w| w == needle.as_slice())
+        {
+            tracing::info!(pid, dir = %dir.display(), "killing a half-started image server");
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            // Ours only if this very daemon started it; otherwise init reaps it.
+            let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
+        }
+    }
+}
+
 impl ImageMounts {
     /// `invocation`: the arguments that make this executable the daemon (`up` for `dsec`).
     pub fn new(state_dir: &Path, invocation: &[OsString]) -> Self {
@@ -196,7 +220,9 @@ impl ImageMounts {
                     h.stop();
                 }
                 _ => {
-                    // Half-started: no record, so no pid to stop; the mount point may be up.
+                    // Half-started (the daemon died before writing server.json): find the
+                    // server by its command line; the mount point may be up.
+                    kill_server_of(&dir);
                     let root = dir.join("root");
                     if is_layerfs_mount(&root) {
                         let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);

@@ -424,6 +424,22 @@ fn shared_mount_isolation_restart_and_cleanup() {
     });
     assert_eq!(node.layerfs_mounts(), mounts, "still one mount");
 
+    // A clean stop leaves the sandboxes and their mount to the next daemon too.
+    node.stop_daemon();
+    assert_eq!(
+        node.layerfs_mounts(),
+        mounts,
+        "in use: kept at a clean stop"
+    );
+    node.start_daemon();
+    let c = rt
+        .block_on(dsec_sdk::Client::connect(&node.endpoint()))
+        .unwrap();
+    rt.block_on(async {
+        assert_eq!(c.list(Default::default()).await.unwrap().len(), 3);
+        assert_eq!(sh(&c, &ids[1], "cat /etc/only-1").await, "1\n");
+    });
+
     // A new sandbox after the restart shares the adopted mount.
     let fourth = rt.block_on(c.create(container(&image))).unwrap().id;
     assert_eq!(node.layerfs_mounts(), mounts);

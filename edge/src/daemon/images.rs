@@ -292,6 +292,24 @@ impl ImageMounts {
         let _ = tokio::task::spawn_blocking(move || s.handle.stop()).await;
     }
 
+    /// Stops every server no sandbox in `in_use` needs (a clean daemon stop: creates cut
+    /// short by the shutdown may have started one).
+    pub async fn stop_unused(&self, in_use: &HashSet<String>) {
+        let unused: Vec<Served> = {
+            let mut served = self.served.lock().await;
+            let names: Vec<String> = served
+                .keys()
+                .filter(|k| !in_use.contains(*k))
+                .cloned()
+                .collect();
+            names.iter().filter_map(|k| served.remove(k)).collect()
+        };
+        for s in unused {
+            tracing::info!(image = %s.handle.image, "daemon stopping: unmounting an unused image");
+            let _ = tokio::task::spawn_blocking(move || s.handle.stop()).await;
+        }
+    }
+
     /// Servers that no longer serve their mount (a sandbox on one cannot read its root any
     /// more): one check per server, whatever the number of sandboxes.
     pub async fn dead(&self) -> HashSet<String> {

@@ -195,6 +195,13 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
     let _ = std::fs::remove_file(&socket);
+    // Image mounts of running sandboxes stay (the sandboxes do); the rest are unmounted.
+    let in_use = node
+        .list()
+        .iter()
+        .filter_map(|e| e.record().image_mount)
+        .collect();
+    node.images.stop_unused(&in_use).await;
     Ok(())
 }
 

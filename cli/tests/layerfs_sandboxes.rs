@@ -703,3 +703,57 @@ fn a_dead_image_server_takes_its_sandboxes_with_it() {
     );
     node.stop_daemon();
 }
+
+/// Chunks of the image's first layer in the node cache.
+fn cached_chunks(node: &Node, image: &str) -> u64 {
+    let out = node.ok(&["--json", "image", "inspect", image]);
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    doc["layers"][0]["cached_chunks"].as_u64().unwrap()
+}
+
+#[test]
+fn the_image_server_prefetches_the_hot_list() {
+    if !can_run() {
+        return;
+    }
+    build_agent();
+    let mut node = Node::new();
+    let tree = node.path("tree");
+    busybox_tree(&tree, "hot\n");
+    // 3 chunks of 1 MiB; the hot list names only the second.
+    let big: Vec<u8> = (0..3u32 << 20)
+        .map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[3])
+        .collect();
+    fs::create_dir_all(tree.join("data")).unwrap();
+    fs::write(tree.join("data/big"), &big).unwrap();
+    node.ok(&[
+        "--json",
+        "image",
+        "import",
+        "--dir",
+        tree.to_str().unwrap(),
+        "--name",
+        "hot",
+    ]);
+    let store = Store::open_existing(node.path("store"), StoreConfig::default()).unwrap();
+    let list = dsec_layerfs::prefetch::HotList {
+        version: 1,
+        entries: vec![("data/big".to_string(), 1 << 20)],
+    };
+    dsec_layerfs::prefetch::save(&store, "hot", list).unwrap();
+    assert_eq!(cached_chunks(&node, "hot"), 0);
+    node.start_daemon();
+    let rt = runtime();
+    let c = rt
+        .block_on(dsec_sdk::Client::connect(&node.endpoint()))
+        .unwrap();
+    let id = rt.block_on(c.create(container("hot"))).unwrap().id;
+    // Nothing in the sandbox reads data/big; only the prefetch fetches its second chunk.
+    wait_until("the hot chunk is cached", || {
+        cached_chunks(&node, "hot") == 1
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(cached_chunks(&node, "hot"), 1, "exactly the hot chunk");
+    rt.block_on(c.delete(&id)).unwrap();
+    node.stop_daemon();
+}

@@ -80,7 +80,8 @@ impl LayerImage {
     }
 
     /// Mounts the image read-only at `mountpoint` in this process (the mount lives as long as
-    /// the returned value; dropping it unmounts).
+    /// the returned value; dropping it unmounts) and starts fetching the image's hot list
+    /// (`dsec-layerfs mount --record-hot`), if it has one, in the background.
     pub fn mount(&self, mountpoint: &Path) -> Result<dsec_layerfs::fuse::Mount, ImageError> {
         let store_err = |source| ImageError::Store {
             store: self.store.clone(),
@@ -89,7 +90,7 @@ impl LayerImage {
         let store =
             Arc::new(Store::open_existing(&self.store, StoreConfig::default()).map_err(store_err)?);
         let cache = Arc::new(
-            NodeCache::open(&self.cache, store, CACHE_CAP_BYTES).map_err(|e| {
+            NodeCache::open(&self.cache, store.clone(), CACHE_CAP_BYTES).map_err(|e| {
                 ImageError::Mount {
                     name: self.name.clone(),
                     detail: format!("node cache {}: {e}", self.cache.display()),
@@ -97,10 +98,22 @@ impl LayerImage {
             })?,
         );
         let tree = Arc::new(cache.compose(&self.digests()?).map_err(store_err)?);
-        dsec_layerfs::fuse::mount(tree, cache, mountpoint, false).map_err(|e| ImageError::Mount {
-            name: self.name.clone(),
-            detail: e.to_string(),
-        })
+        let mount =
+            dsec_layerfs::fuse::mount(tree, cache.clone(), mountpoint, false).map_err(|e| {
+                ImageError::Mount {
+                    name: self.name.clone(),
+                    detail: e.to_string(),
+                }
+            })?;
+        // Best effort: a missing or unreadable hot list only costs speed.
+        match dsec_layerfs::prefetch::load(&store, &self.name) {
+            Ok(Some(list)) => {
+                dsec_layerfs::prefetch::start(cache, mount.tree.clone(), list, CACHE_CAP_BYTES / 2);
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(image = %self.name, "no prefetch: {e}"),
+        }
+        Ok(mount)
     }
 }
 

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use dsec_edge::images::{Catalog, ImageSource, LocalMount};
 use dsec_edge::{
     find_binary, parse_env, Artifacts, BackendKind, EdgeConfig, EdgeError, ExecSpec, KvmStatus,
     Sandbox, SandboxSpec,
@@ -154,6 +155,11 @@ struct RunArgs {
     /// Isolation: microvm, container, or auto (microVM where KVM can run the guest).
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
+    /// Image: a directory image ($DSEC_HOME/images/NAME) or, for containers, an image of
+    /// the layer store (`dsec image ls`); a directory image wins a name clash. Default: the
+    /// installed busybox.
+    #[arg(long, value_name = "NAME")]
+    image: Option<String>,
     /// Virtual CPUs (microVM).
     #[arg(long, default_value_t = 1)]
     vcpus: u32,
@@ -198,6 +204,8 @@ enum CliError {
     Vm(#[from] vm::VmError),
     #[error(transparent)]
     Image(#[from] dsec_layerfs::Error),
+    #[error(transparent)]
+    ImageLookup(#[from] dsec_edge::images::ImageError),
 }
 
 fn vm_command(command: vm::VmCommand) -> Result<i32, CliError> {
@@ -226,7 +234,11 @@ fn main() -> ExitCode {
         Command::Vm(command) => vm_command(command),
         Command::Image(args) => image::run(args, json).map_err(CliError::from),
         Command::Info => info(json).map(|()| 0),
-        Command::Up(args) => return dsec_edge::daemon::main_with(args),
+        Command::Up(mut args) => {
+            // Image servers are started as `dsec up --serve-image DIR`.
+            args.invocation = vec!["up".into()];
+            return dsec_edge::daemon::main_with(args);
+        }
         other => node_command(&endpoint, other, json),
     };
     match result {
@@ -332,13 +344,18 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
             kind
         }
     };
-    let spec = SandboxSpec {
+    let mut spec = SandboxSpec {
         vcpus: args.vcpus,
         mem_mib: args.mem_mib,
         kernel: args.kernel,
         initrd: args.initrd,
         ready_timeout,
         ..SandboxSpec::default()
+    };
+    // Held until the sandbox is gone: a layer-store image's FUSE view is its lowerdir.
+    let _image_mount = match &args.image {
+        Some(name) => choose_image(kind, name, &mut spec)?,
+        None => None,
     };
     let exec = ExecSpec {
         argv: args.command,
@@ -355,6 +372,45 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
     // Don't wait for the blocking stdin reader thread.
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// Points `spec` at image `name`; a layer-store image is mounted here for the run.
+fn choose_image(
+    kind: BackendKind,
+    name: &str,
+    spec: &mut SandboxSpec,
+) -> Result<Option<LocalMount>, CliError> {
+    let catalog = Catalog::new(&Artifacts::home());
+    if kind == BackendKind::MicroVm {
+        Catalog::check_name(name)?;
+        let initrd = catalog
+            .home
+            .join("images")
+            .join(name)
+            .join("initramfs.cpio");
+        if name.contains('/') || !initrd.is_file() {
+            return Err(catalog.not_found(name, "microvm").into());
+        }
+        spec.initrd.get_or_insert(initrd);
+        return Ok(None);
+    }
+    match catalog.resolve(name)? {
+        ImageSource::Dir(rootfs) => {
+            spec.rootfs = Some(rootfs);
+            Ok(None)
+        }
+        ImageSource::Layers(image) => {
+            let run_dir = EdgeConfig::default().state_dir;
+            let dir = run_dir
+                .parent()
+                .unwrap_or(&run_dir)
+                .join("images")
+                .join(format!("run-{}", std::process::id()));
+            let mount = LocalMount::new(&image, dir)?;
+            spec.rootfs = Some(mount.root());
+            Ok(Some(mount))
+        }
+    }
 }
 
 async fn run_in_sandbox(

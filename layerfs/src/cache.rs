@@ -124,6 +124,8 @@ impl Drop for Pinned<'_> {
 }
 
 const RECORD: &str = "lru.record";
+/// Temp files younger than this may be another process's fill in flight.
+const TMP_GRACE: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl NodeCache {
     /// Opens the cache at `dir` (created if needed), capped at `cap_bytes` of chunks.
@@ -133,13 +135,23 @@ impl NodeCache {
             let p = dir.join(sub);
             fs::create_dir_all(&p).map_err(|e| Error::io("creating cache directory", &p, e))?;
         }
-        // Leftovers of fills interrupted by a crash.
+        // Leftovers of fills interrupted by a crash. Other processes may share the cache dir
+        // (one image server per image on a node) and fill right now: only old files go.
+        let now = std::time::SystemTime::now();
         for f in fs::read_dir(dir.join("tmp"))
             .into_iter()
             .flatten()
             .flatten()
         {
-            let _ = fs::remove_file(f.path());
+            let stale = f
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .is_none_or(|age| age >= TMP_GRACE);
+            if stale {
+                let _ = fs::remove_file(f.path());
+            }
         }
         let mut found: HashMap<Digest, (u64, std::time::SystemTime)> = HashMap::new();
         let cdir = dir.join("chunks");
@@ -351,11 +363,7 @@ impl NodeCache {
         self.stats
             .fetched_bytes
             .fetch_add(data.len() as u64, Ordering::Relaxed);
-        let tmp = self.dir.join("tmp").join(format!(
-            "{}.{}",
-            c.digest.hex(),
-            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp = self.tmp_path(&c.digest.hex());
         let dest = self.chunk_path(&c.digest);
         let res = (|| {
             let mut f = File::create(&tmp)?;
@@ -385,7 +393,7 @@ impl NodeCache {
             Ok(b) if Digest::of(&b) == *id => b,
             _ => {
                 let b = self.store.layer_bytes(id)?;
-                let tmp = self.dir.join("tmp").join(format!("{}.json", id.hex()));
+                let tmp = self.tmp_path(&format!("{}.json", id.hex()));
                 if fs::write(&tmp, &b)
                     .and_then(|_| fs::rename(&tmp, &local))
                     .is_err()
@@ -511,7 +519,7 @@ impl NodeCache {
             s.push('\n');
         }
         drop(st);
-        let tmp = self.dir.join("tmp").join(RECORD);
+        let tmp = self.tmp_path(RECORD);
         let dest = self.dir.join(RECORD);
         fs::write(&tmp, s)
             .and_then(|_| fs::rename(&tmp, &dest))
@@ -520,6 +528,15 @@ impl NodeCache {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// A temp file name no other thread or process sharing this cache dir uses.
+    fn tmp_path(&self, base: &str) -> PathBuf {
+        self.dir.join("tmp").join(format!(
+            "{base}.{}.{}",
+            std::process::id(),
+            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
+        ))
     }
 }
 

@@ -188,3 +188,39 @@ fn store_unavailable_mid_read_gives_eio_then_recovers() {
     assert!(env.cache.snapshot().fetch_errors >= 1);
     m.unmount();
 }
+
+#[test]
+fn a_second_process_on_the_cache_dir_spares_fills_in_flight() {
+    let env = Env::new();
+    let c = chunk(&env, &pseudo_random(30_000, 9));
+    let tmp = env.path("cache/tmp");
+    // Another process's fill in progress, and a leftover of one that crashed long ago.
+    fs::write(tmp.join("in-flight.4242.0"), b"partial").unwrap();
+    let old = tmp.join("crashed.4243.0");
+    fs::write(&old, b"partial").unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&old)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(3600))
+        .unwrap();
+    let second = NodeCache::open(env.path("cache"), env.store.clone(), u64::MAX).unwrap();
+    assert!(
+        tmp.join("in-flight.4242.0").exists(),
+        "a fill in flight was removed"
+    );
+    assert!(!old.exists(), "an old leftover was kept");
+    // Both fill and read the same chunk through the shared dir.
+    let mut a = vec![0u8; 30_000];
+    let mut b = vec![0u8; 30_000];
+    env.cache.get(&c).unwrap().read_at(&mut a, 0).unwrap();
+    second.get(&c).unwrap().read_at(&mut b, 0).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a, pseudo_random(30_000, 9));
+    // Nothing but the simulated in-flight file is left in tmp.
+    let left: Vec<_> = fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(left, ["in-flight.4242.0"]);
+}

@@ -8,10 +8,12 @@
 
 pub mod cgroup;
 pub mod grpc;
+pub mod images;
 pub mod metrics;
 pub mod node;
 pub mod ports;
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -67,6 +69,9 @@ pub struct DaemonConfig {
     pub ready_timeout: Duration,
     /// Name of the daemon's cgroup under its own cgroup in each hierarchy.
     pub cgroup_name: String,
+    /// Arguments that make this executable the daemon (`up` for `dsec`); image servers are
+    /// started as this executable with these and `--serve-image DIR`.
+    pub invocation: Vec<OsString>,
 }
 
 impl Default for DaemonConfig {
@@ -98,6 +103,7 @@ impl Default for DaemonConfig {
             reap_interval: Duration::from_millis(500),
             ready_timeout: Duration::from_secs(30),
             cgroup_name: "dsec-edge".into(),
+            invocation: Vec::new(),
         }
     }
 }
@@ -225,6 +231,13 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
     let _ = std::fs::remove_file(&socket);
+    // Image mounts of running sandboxes stay (the sandboxes do); the rest are unmounted.
+    let in_use = node
+        .list()
+        .iter()
+        .filter_map(|e| e.record().image_mount)
+        .collect();
+    node.images.stop_unused(&in_use).await;
     Ok(())
 }
 
@@ -283,6 +296,12 @@ pub struct DaemonArgs {
     /// cgroup name under the daemon's own cgroups.
     #[arg(long, default_value = "dsec-edge")]
     pub cgroup_name: String,
+    /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
+    #[arg(long, value_name = "DIR", hide = true)]
+    pub serve_image: Option<PathBuf>,
+    /// Arguments that select the daemon in this executable (`up` for `dsec`).
+    #[arg(skip)]
+    pub invocation: Vec<OsString>,
 }
 
 impl DaemonArgs {
@@ -341,6 +360,7 @@ impl DaemonArgs {
         config.overcommit_disk = self.overcommit_disk;
         config.default_ttl = self.default_ttl.map(Duration::from_secs);
         config.cgroup_name = self.cgroup_name;
+        config.invocation = self.invocation;
         Ok(config)
     }
 }
@@ -353,6 +373,15 @@ pub fn main_with(args: DaemonArgs) -> std::process::ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    if let Some(dir) = &args.serve_image {
+        return match crate::images::serve_image(dir) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("dsec-edge --serve-image: {err}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     let result = args.into_config().and_then(|config| {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()

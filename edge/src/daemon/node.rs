@@ -12,10 +12,12 @@ use serde::{Deserialize, Serialize};
 use tonic::Status;
 
 use super::cgroup::{self, Cgroups, Limits};
+use super::images::ImageMounts;
 use super::metrics::Metrics;
 use super::DaemonConfig;
 use crate::client::AgentClient;
 use crate::error::EdgeError;
+use crate::images::{Catalog, ImageError, ImageSource};
 use crate::kvm::KvmStatus;
 use crate::sandbox::{
     restore_microvm, BackendKind, EdgeConfig, Sandbox, SandboxHandle, SandboxSpec,
@@ -57,6 +59,9 @@ pub struct Record {
     pub paused: bool,
     pub parent_id: String,
     pub cgroups: Vec<PathBuf>,
+    /// The image server whose mount is this container's lowerdir (layer-store images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_mount: Option<String>,
 }
 
 impl Record {
@@ -245,6 +250,10 @@ pub struct Node {
     pub default_backend: BackendKind,
     pub microvm_unavailable: Option<String>,
     next_cid: AtomicU64,
+    /// Where images are looked up (directory images, then the layer store).
+    pub catalog: Catalog,
+    /// Shared FUSE mounts of layer-store images.
+    pub images: ImageMounts,
 }
 
 /// Maps a library error to a status whose message says what to do.
@@ -260,6 +269,17 @@ pub fn edge_status(err: EdgeError) -> Status {
         EdgeError::Agent { code, message, .. } => Status::new(code, message),
         EdgeError::Connect(_) => Status::unavailable(text),
         _ => Status::internal(text),
+    }
+}
+
+/// Maps an image lookup error to a status.
+pub fn image_status(err: ImageError) -> Status {
+    let text = err.to_string();
+    match err {
+        ImageError::InvalidName { .. } => Status::invalid_argument(text),
+        ImageError::NotFound { .. } => Status::not_found(text),
+        ImageError::Store { .. } => Status::failed_precondition(text),
+        ImageError::Mount { .. } => Status::internal(text),
     }
 }
 
@@ -327,6 +347,8 @@ impl Node {
             default_backend,
             microvm_unavailable,
             next_cid: AtomicU64::new(3 + (now_ms() as u64 % 1_000_000) * 16),
+            catalog: Catalog::new(&config.artifacts.home),
+            images: ImageMounts::new(&config.state_dir, &config.invocation),
             config,
         });
         node.adopt().await;
@@ -335,6 +357,9 @@ impl Node {
 
     async fn adopt(self: &Arc<Self>) {
         let dir = Self::sandboxes_dir(&self.config);
+        // Image servers first: a sandbox whose image mount is gone cannot read its root.
+        let servers = self.images.recover();
+        let mut image_users: HashMap<String, usize> = HashMap::new();
         let mut kept = HashSet::new();
         let mut stale: Vec<(PathBuf, Option<Record>)> = Vec::new();
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
@@ -346,7 +371,16 @@ impl Node {
                 .ok()
                 .and_then(|d| serde_json::from_slice(&d).ok());
             match record {
-                Some(record) if record.handle.is_alive() => {
+                Some(record)
+                    if record.handle.is_alive()
+                        && record
+                            .image_mount
+                            .as_ref()
+                            .is_none_or(|m| servers.contains_key(m)) =>
+                {
+                    if let Some(m) = &record.image_mount {
+                        *image_users.entry(m.clone()).or_default() += 1;
+                    }
                     let id = record.handle.id.clone();
                     let client = AgentClient::connect_lazy(record.handle.agent_addr());
                     let _ = self
@@ -379,6 +413,7 @@ impl Node {
             let _ = std::fs::remove_dir_all(path);
         }
         let cgroups = self.cgroups.sweep(&kept);
+        self.images.adopted(servers, &image_users).await;
         tracing::info!(
             adopted = kept.len(),
             removed_dirs = stale.len(),
@@ -428,26 +463,6 @@ impl Node {
         Ok(entry)
     }
 
-    pub fn image_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(self.config.artifacts.home.join("images"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-
-    fn image_rootfs(&self, image: &str) -> PathBuf {
-        self.config
-            .artifacts
-            .home
-            .join("images")
-            .join(image)
-            .join("rootfs")
-    }
-
     fn image_initrd(&self, image: &str) -> PathBuf {
         self.config
             .artifacts
@@ -457,32 +472,21 @@ impl Node {
             .join("initramfs.cpio")
     }
 
-    /// Checks the image exists for the backend.
-    pub fn check_image(&self, kind: BackendKind, image: &str) -> Result<(), Status> {
-        if image.is_empty()
-            || image.len() > 128
-            || !image
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-            || image.starts_with('.')
-        {
-            return Err(Status::invalid_argument(format!(
-                "image name {image:?} is invalid: use letters, digits, '.', '_' and '-'"
-            )));
+    /// Resolves the image for the backend: for containers a directory image
+    /// (`$DSEC_HOME/images/NAME/rootfs`) wins over a layer-store image of the same name; for
+    /// microVMs only `$DSEC_HOME/images/NAME/initramfs.cpio` counts.
+    pub fn check_image(&self, kind: BackendKind, image: &str) -> Result<ImageSource, Status> {
+        Catalog::check_name(image).map_err(image_status)?;
+        match kind {
+            BackendKind::Container => self.catalog.resolve(image).map_err(image_status),
+            BackendKind::MicroVm => {
+                let initrd = self.image_initrd(image);
+                if !image.contains('/') && initrd.is_file() {
+                    return Ok(ImageSource::Dir(initrd));
+                }
+                Err(image_status(self.catalog.not_found(image, "microvm")))
+            }
         }
-        let present = match kind {
-            BackendKind::Container => self.image_rootfs(image).join("bin").is_dir(),
-            BackendKind::MicroVm => self.image_initrd(image).is_file(),
-        };
-        if present {
-            return Ok(());
-        }
-        Err(Status::not_found(format!(
-            "image {image:?} not found for the {} backend under {}/images; available: {}",
-            kind.as_str(),
-            self.config.artifacts.home.display(),
-            self.image_names().join(", ")
-        )))
     }
 
     fn new_id(&self) -> String {
@@ -507,11 +511,17 @@ impl Node {
             .release(demand);
     }
 
-    fn spec_for(&self, plan: &Plan, id: &str, cgroups: &[PathBuf]) -> SandboxSpec {
+    fn spec_for(
+        &self,
+        plan: &Plan,
+        id: &str,
+        cgroups: &[PathBuf],
+        rootfs: Option<PathBuf>,
+    ) -> SandboxSpec {
         SandboxSpec {
             vcpus: plan.demand.vcpus as u32,
             mem_mib: plan.demand.memory_mib as u32,
-            rootfs: Some(self.image_rootfs(&plan.image)),
+            rootfs,
             initrd: Some(self.image_initrd(&plan.image)),
             ready_timeout: self.config.ready_timeout,
             id: Some(id.to_string()),
@@ -551,10 +561,10 @@ impl Node {
                 )));
             }
         }
-        self.check_image(plan.kind, &plan.image)?;
+        let source = self.check_image(plan.kind, &plan.image)?;
         self.reserve(plan.demand)?;
         let id = self.new_id();
-        let result = self.create_admitted(&plan, &id).await;
+        let result = self.create_admitted(&plan, &id, source).await;
         match &result {
             Ok(_) => {
                 self.metrics.creates_total.fetch_add(1, Ordering::Relaxed);
@@ -575,13 +585,33 @@ impl Node {
         self: &Arc<Self>,
         plan: &Plan,
         id: &str,
+        source: ImageSource,
     ) -> Result<Arc<Entry>, Status> {
         let cgroups = self.make_cgroups(plan, id)?;
-        let spec = self.spec_for(plan, id, &cgroups);
+        let (image_mount, rootfs) = match (plan.kind, source) {
+            (BackendKind::Container, ImageSource::Dir(rootfs)) => (None, Some(rootfs)),
+            (BackendKind::Container, ImageSource::Layers(image)) => {
+                match self.images.acquire(&image).await {
+                    Ok((instance, root)) => (Some(instance), Some(root)),
+                    Err(err) => {
+                        cgroup::remove(&cgroups);
+                        return Err(Status::internal(format!(
+                            "cannot mount image {:?}: {err}",
+                            plan.image
+                        )));
+                    }
+                }
+            }
+            (BackendKind::MicroVm, _) => (None, None),
+        };
+        let spec = self.spec_for(plan, id, &cgroups, rootfs);
         let sandbox = match Sandbox::create(plan.kind, &self.edge, &spec).await {
             Ok(sandbox) => sandbox,
             Err(err) => {
                 cgroup::remove(&cgroups);
+                if let Some(instance) = &image_mount {
+                    self.images.release(instance).await;
+                }
                 return Err(edge_status(err));
             }
         };
@@ -609,6 +639,7 @@ impl Node {
             paused: false,
             parent_id: String::new(),
             cgroups,
+            image_mount,
         };
         self.register(record, client).await
     }
@@ -621,6 +652,9 @@ impl Node {
                 cgroup::remove(&r.cgroups);
             })
             .await;
+            if let Some(instance) = &record.image_mount {
+                self.images.release(instance).await;
+            }
             return Err(Status::internal(format!(
                 "cannot persist the sandbox record: {err}"
             )));
@@ -662,6 +696,9 @@ impl Node {
         })
         .await
         .map_err(|e| Status::internal(format!("teardown task failed: {e}")))?;
+        if let Some(instance) = &record.image_mount {
+            self.images.release(instance).await;
+        }
         self.release(record.demand());
         self.metrics.deletes_total.fetch_add(1, Ordering::Relaxed);
         tracing::info!(sandbox = %id, reason, "deleted");
@@ -792,7 +829,7 @@ impl Node {
                     return Err(e);
                 }
             };
-            let spec = self.spec_for(&plan, &child_id, &cgroups);
+            let spec = self.spec_for(&plan, &child_id, &cgroups, None);
             let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
             let sandbox = match restore_microvm(&self.edge, &snapshot, &child_id, cid, &spec).await
             {
@@ -822,6 +859,7 @@ impl Node {
                 paused: false,
                 parent_id: id.to_string(),
                 cgroups,
+                image_mount: None,
             };
             children.push(self.register(record, client).await?);
         }
@@ -833,9 +871,14 @@ impl Node {
     pub async fn reap_once(&self) {
         let now = now_ms();
         let mut doomed = Vec::new();
+        let dead_images = self.images.dead().await;
         for entry in self.list() {
             let r = entry.record();
-            let reason = if !r.handle.is_alive() {
+            let image_gone = r
+                .image_mount
+                .as_ref()
+                .is_some_and(|m| dead_images.contains(m));
+            let reason = if !r.handle.is_alive() || image_gone {
                 Some(ReapReason::Died)
             } else if r.expires_at_ms > 0 && now >= r.expires_at_ms {
                 Some(ReapReason::Ttl)

@@ -280,8 +280,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     if json {
                         return Err(node::NodeError::Usage(
                             "--json cannot be combined with -i or -t: output is streamed".into(),
-                        )
-                        .into());
+                        ));
                     }
                     tty::exec(&c, &id, command, interactive, tty).await
                 }

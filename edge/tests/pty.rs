@@ -41,28 +41,30 @@ impl Daemon {
             .stderr(log)
             .spawn()
             .expect("start dsec-edge");
-        let socket = dir.join("state/edge.sock");
+        // Owned at once, so that a failure below still stops it and cleans up.
+        let mut daemon = Daemon {
+            child,
+            dir,
+            tag,
+            client: None,
+        };
+        let socket = daemon.dir.join("state/edge.sock");
         let deadline = Instant::now() + Duration::from_secs(30);
-        let mut daemon = loop {
-            if socket.exists() {
-                if let Ok(client) = Client::connect(&format!("unix:{}", socket.display())).await {
-                    if client.node_status().await.is_ok() {
-                        break Daemon {
-                            child,
-                            dir,
-                            tag,
-                            client: Some(client),
-                        };
-                    }
+        while daemon.client.is_none() {
+            if let Ok(client) = Client::connect(&format!("unix:{}", socket.display())).await {
+                if client.node_status().await.is_ok() {
+                    daemon.client = Some(client);
+                    break;
                 }
             }
+            assert!(
+                daemon.child.try_wait().unwrap().is_none(),
+                "dsec-edge exited: see {}/edge.log",
+                daemon.dir.display()
+            );
             assert!(Instant::now() < deadline, "dsec-edge did not come up");
             tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        assert!(
-            daemon.child.try_wait().unwrap().is_none(),
-            "dsec-edge exited"
-        );
+        }
         daemon
     }
 

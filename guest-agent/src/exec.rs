@@ -488,6 +488,15 @@ async fn pump(
             },
             _ = wait_deadline(&mut drain_deadline) => return,
         };
+        // Fill the chunk with what is already there: a PTY master hands out at most a few
+        // KiB per read, and one message per read would make floods cost a message each.
+        let mut n = n;
+        while n < buf.len() {
+            match pipe.try_read(&mut buf[n..]) {
+                Ok(0) | Err(_) => break,
+                Ok(more) => n += more,
+            }
+        }
         let message = ExecResponse {
             kind: Some(wrap(buf[..n].to_vec())),
         };

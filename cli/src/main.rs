@@ -3,6 +3,7 @@
 
 mod image;
 mod node;
+mod tty;
 mod vm;
 
 use std::io::IsTerminal;
@@ -83,13 +84,23 @@ enum Command {
     Inspect {
         id: String,
     },
-    /// Run a command in a sandbox; exits with its exit code.
+    /// Run a command in a sandbox; exits with its exit code. Without -i, stdin (when not a
+    /// terminal) is read to the end and then sent.
     Exec {
+        /// Stream stdin to the command live.
+        #[arg(short = 'i', long)]
+        interactive: bool,
+        /// Run the command on a pseudo-terminal sized like this one (stdin must be a
+        /// terminal); with -i the local terminal goes raw and every key is forwarded.
+        #[arg(short = 't', long)]
+        tty: bool,
         id: String,
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// A persistent shell session in a sandbox, fed line by line.
+    /// An interactive login shell in a sandbox (bash if the image has it, else sh) on a
+    /// pseudo-terminal. When stdin is not a terminal: a persistent shell session fed line
+    /// by line from stdin instead.
     Shell {
         id: String,
     },
@@ -288,7 +299,24 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 }
                 Command::Ls { labels } => node::ls(&c, &labels, json).await.map(|()| 0),
                 Command::Inspect { id } => node::inspect(&c, &id).await.map(|()| 0),
-                Command::Exec { id, command } => node::exec(&c, &id, command, json).await,
+                Command::Exec {
+                    interactive,
+                    tty,
+                    id,
+                    command,
+                } if interactive || tty => {
+                    if json {
+                        return Err(node::NodeError::Usage(
+                            "--json cannot be combined with -i or -t: output is streamed".into(),
+                        ));
+                    }
+                    tty::exec(&c, &id, command, interactive, tty).await
+                }
+                Command::Exec { id, command, .. } => node::exec(&c, &id, command, json).await,
+                Command::Shell { id } if std::io::stdin().is_terminal() => {
+                    let argv = ["/bin/sh", "-c", tty::SHELL_SCRIPT].map(String::from);
+                    tty::exec(&c, &id, argv.to_vec(), true, true).await
+                }
                 Command::Shell { id } => node::shell(&c, &id).await,
                 Command::Cp { src, dst } => node::cp(&c, &src, &dst, json).await.map(|()| 0),
                 Command::Logs { id, follow } => node::logs(&c, &id, follow, json).await.map(|()| 0),

@@ -252,6 +252,7 @@ impl AgentClient {
                 .map(|t| t.as_millis().max(1) as u64)
                 .unwrap_or(0),
             stdin: stdin.is_some(),
+            pty: None,
         };
         tx.send(ExecRequest {
             kind: Some(exec_request::Kind::Start(start)),

@@ -248,3 +248,87 @@ async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() 
         .unwrap_err();
     assert!(err.to_string().contains("VM's init"), "{err}");
 }
+
+/// PTY exec on the host's devpts: the command's stdio is the slave and nothing else of the
+/// pair (or of any other command) leaks into it; ^D after stdin EOF ends a reader.
+#[tokio::test]
+async fn pty_exec_gets_only_the_terminal() {
+    use dsec_api::agent::v1::{
+        exec_request, exec_response, process_client::ProcessClient, ExecRequest, ExecStart,
+        PtyConfig, StdinEof,
+    };
+
+    let agent = Agent::start("pty").await;
+    let start = ExecStart {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            "tty; stty size; ls /proc/self/fd | tr '\\n' ' '; echo; cat; echo cat-done".into(),
+        ],
+        stdin: true,
+        pty: Some(PtyConfig {
+            rows: 12,
+            cols: 34,
+            term: String::new(),
+        }),
+        ..Default::default()
+    };
+    let requests = vec![
+        ExecRequest {
+            kind: Some(exec_request::Kind::Start(start)),
+        },
+        ExecRequest {
+            kind: Some(exec_request::Kind::Stdin(b"typed\n".to_vec())),
+        },
+        ExecRequest {
+            kind: Some(exec_request::Kind::StdinEof(StdinEof {})),
+        },
+    ];
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    for r in requests {
+        tx.send(r).await.unwrap();
+    }
+    let mut stream = ProcessClient::new(agent.client.channel())
+        .exec(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    let mut exit = None;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Some(message) = tokio::time::timeout_at(deadline.into(), stream.message())
+        .await
+        .expect("pty exec did not finish")
+        .unwrap()
+    {
+        match message.kind {
+            Some(exec_response::Kind::Stdout(d)) => out.extend_from_slice(&d),
+            Some(exec_response::Kind::Stderr(d)) => panic!("stderr on a pty: {d:?}"),
+            Some(exec_response::Kind::Exit(e)) => exit = Some(e),
+            _ => {}
+        }
+    }
+    drop(tx);
+    let text = String::from_utf8_lossy(&out).replace('\r', "");
+    assert_eq!(exit.unwrap().code, Some(0), "{text}");
+    // The terminal echoes the typed line whenever it arrives: look for lines, not positions.
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.iter().any(|l| l.starts_with("/dev/pts/")), "{text}");
+    assert!(lines.contains(&"12 34"), "{text}");
+    let fds = lines
+        .iter()
+        .find(|l| l.starts_with("0 1 "))
+        .expect("the fd list");
+    // The same fds as a command without a pty (ls's directory fd, and whatever the agent
+    // itself inherited from the test harness): a leaked master or slave would be extra.
+    let plain = agent
+        .client
+        .exec_collect(
+            &spec(&["sh", "-c", "ls /proc/self/fd | tr '\\n' ' '"]),
+            Some(Vec::new()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(*fds, String::from_utf8_lossy(&plain.stdout), "{text}");
+    assert!(text.contains("cat-done"), "cat did not see EOF: {text}");
+}

@@ -103,6 +103,37 @@ async fn agent_as_pid1_sets_up_reaps_and_powers_off() {
         "zombies under PID 1"
     );
 
+    // PTY exec on VM mode's own devpts (the same code path as in a microVM).
+    let start = dsec_api::agent::v1::ExecStart {
+        argv: vec!["sh".into(), "-c".into(), "tty; stty size; test -t 0".into()],
+        pty: Some(dsec_api::agent::v1::PtyConfig {
+            rows: 9,
+            cols: 21,
+            term: String::new(),
+        }),
+        ..Default::default()
+    };
+    let first = dsec_api::agent::v1::ExecRequest {
+        kind: Some(dsec_api::agent::v1::exec_request::Kind::Start(start)),
+    };
+    let mut stream = dsec_api::agent::v1::process_client::ProcessClient::new(client.channel())
+        .exec(tokio_stream::iter([first]))
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut tty_out, mut code) = (Vec::new(), None);
+    while let Some(message) = stream.message().await.unwrap() {
+        match message.kind {
+            Some(dsec_api::agent::v1::exec_response::Kind::Stdout(d)) => tty_out.extend(d),
+            Some(dsec_api::agent::v1::exec_response::Kind::Exit(e)) => code = e.code,
+            _ => {}
+        }
+    }
+    let tty_text = String::from_utf8_lossy(&tty_out).replace('\r', "");
+    assert_eq!(code, Some(0), "{tty_text}");
+    assert!(tty_text.starts_with("/dev/pts/"), "{tty_text}");
+    assert!(tty_text.contains("\n9 21\n"), "{tty_text}");
+
     client.shutdown().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     let exited = loop {

@@ -467,11 +467,6 @@ impl process_server::Process for ProcessService {
                 ))
             }
         };
-        if start.pty.is_some() {
-            return Err(Status::unimplemented(
-                "PTY exec is not implemented yet: run without a terminal (no -t)",
-            ));
-        }
         if start.argv.is_empty() {
             return Err(Status::invalid_argument(
                 "argv is empty: give the command to run",
@@ -491,11 +486,13 @@ impl process_server::Process for ProcessService {
                 workdir: start.workdir,
                 timeout_ms: start.timeout_ms,
                 stdin: start.stdin,
+                // Sizes and TERM are checked by the agent (one rule for every backend).
+                pty: start.pty.as_ref().map(transcode),
             })),
         };
         let (tx, rx) = mpsc::channel(8);
         let _ = tx.send(first).await;
-        // Stdin, EOF and signals have the same wire layout in both APIs.
+        // Stdin, EOF, signals and resizes have the same wire layout in both APIs.
         tokio::spawn(async move {
             while let Ok(Some(message)) = inbound.message().await {
                 if tx.send(transcode(&message)).await.is_err() {

@@ -2,15 +2,17 @@
 sessions, pause/resume/fork, reach servers inside sandboxes (port streams, HTTP URLs). Sync
 (:class:`Client`) and asyncio (:class:`AsyncClient`)."""
 
-from .client import (DEFAULT_TARGET, AsyncClient, AsyncPortStream, AsyncSandbox, AsyncSession,
-                     Client, CommandResult, DsecError, ExecResult, FailedPrecondition, FileInfo,
-                     InvalidArgument, NotFound, PortStream, PortUrl, ResourceExhausted, Sandbox,
+from .client import (DEFAULT_TARGET, AsyncClient, AsyncExecStream, AsyncPortStream,
+                     AsyncSandbox, AsyncSession, Client, CommandResult, DsecError, ExecEvent,
+                     ExecResult, ExecStream, FailedPrecondition, FileInfo, InvalidArgument,
+                     NotFound, PortStream, PortUrl, Pty, ResourceExhausted, Sandbox,
                      SandboxInfo, Session, Unavailable, Unimplemented, default_target)
 
 __all__ = [
-    "DEFAULT_TARGET", "AsyncClient", "AsyncPortStream", "AsyncSandbox", "AsyncSession", "Client",
-    "CommandResult", "DsecError", "ExecResult", "FailedPrecondition", "FileInfo",
-    "InvalidArgument", "NotFound", "PortStream", "PortUrl", "ResourceExhausted", "Sandbox",
+    "DEFAULT_TARGET", "AsyncClient", "AsyncExecStream", "AsyncPortStream", "AsyncSandbox",
+    "AsyncSession", "Client", "CommandResult", "DsecError", "ExecEvent", "ExecResult",
+    "ExecStream", "FailedPrecondition", "FileInfo", "InvalidArgument", "NotFound",
+    "PortStream", "PortUrl", "Pty", "ResourceExhausted", "Sandbox",
     "SandboxInfo", "Session", "Unavailable", "Unimplemented", "default_target",
 ]
 __version__ = "0.1.0"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 from dataclasses import dataclass, field
 from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
-                    Sequence, Union)
+                    Sequence, Tuple, Union)
 
 import grpc
 import grpc.aio
@@ -171,6 +172,25 @@ class SandboxInfo:
                    s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids)
 
 
+@dataclass
+class Pty:
+    """A pseudo-terminal for a command: ``rows`` x ``cols`` (each 1..4096; the node answers
+    :class:`InvalidArgument` otherwise) and ``TERM`` (empty: "xterm"; an explicit ``TERM`` in
+    ``env`` wins). On a PTY stdout and stderr arrive merged as stdout, with ``\\r\\n`` line
+    ends, and byte 0x03 on stdin is Ctrl-C (SIGINT for the foreground process group)."""
+
+    rows: int = 24
+    cols: int = 80
+    term: str = ""
+
+    def _pb(self) -> pb.PtyConfig:
+        return pb.PtyConfig(rows=self.rows, cols=self.cols, term=self.term)
+
+
+#: One event of a streamed command: ``("stdout" | "stderr", data)``.
+ExecEvent = Tuple[str, bytes]
+
+
 # ---------------------------------------------------------------- request builders
 
 
@@ -234,13 +254,18 @@ def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_
         network=pb.NetworkPolicy(allow_internet=allow_internet))
 
 
+def _exec_start(sandbox_id: str, command: Command, env, workdir, timeout, stdin: bool,
+                pty: Optional[Pty]) -> pb.ExecStart:
+    return pb.ExecStart(sandbox_id=sandbox_id, argv=_argv(command), env=dict(env or {}),
+                        workdir=workdir or "",
+                        timeout_ms=int(timeout * 1000) if timeout else 0,
+                        stdin=stdin, pty=pty._pb() if pty is not None else None)
+
+
 def _exec_requests(sandbox_id: str, command: Command, env, workdir, timeout,
-                   stdin: Optional[bytes]) -> Iterator[pb.ExecRequest]:
-    start = pb.ExecStart(sandbox_id=sandbox_id, argv=_argv(command), env=dict(env or {}),
-                         workdir=workdir or "",
-                         timeout_ms=int(timeout * 1000) if timeout else 0,
-                         stdin=stdin is not None)
-    yield pb.ExecRequest(start=start)
+                   stdin: Optional[bytes], pty: Optional[Pty] = None) -> Iterator[pb.ExecRequest]:
+    yield pb.ExecRequest(start=_exec_start(sandbox_id, command, env, workdir, timeout,
+                                           stdin is not None, pty))
     if stdin is not None:
         for i in range(0, len(stdin), _CHUNK):
             yield pb.ExecRequest(stdin=stdin[i:i + _CHUNK])
@@ -285,6 +310,188 @@ class _Collector:
         return ExecResult(b"".join(self.out), b"".join(self.err),
                           e.code if e.HasField("code") else None,
                           e.signal if e.HasField("signal") else None, e.timed_out)
+
+
+def _event(r: pb.ExecResponse) -> Optional[ExecEvent]:
+    kind = r.WhichOneof("kind")
+    if kind in ("stdout", "stderr"):
+        return kind, getattr(r, kind)
+    return None
+
+
+class ExecStream:
+    """A running command (:meth:`Sandbox.exec_stream`): write its stdin, send signals and
+    terminal resizes, iterate its output as ``(stream, data)`` events, then :meth:`wait`.
+    Call errors (e.g. :class:`InvalidArgument` for a bad resize) are raised while iterating."""
+
+    def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
+        self._requests: "queue.Queue[Optional[pb.ExecRequest]]" = queue.Queue()
+        self._requests.put(pb.ExecRequest(start=start))
+        self._closed = False
+        self._call = process.Exec(iter(self._requests.get, None))
+        self._collector = _Collector(None)
+
+    def _send(self, request: pb.ExecRequest) -> None:
+        if self._closed:
+            raise DsecError(grpc.StatusCode.FAILED_PRECONDITION,
+                            "the command's input is closed (the call ended): read its result")
+        self._requests.put(request)
+
+    def write(self, data: bytes) -> None:
+        """Bytes for stdin (needs ``stdin=True``); on a PTY b"\\x03" is Ctrl-C."""
+        self._send(pb.ExecRequest(stdin=bytes(data)))
+
+    def close_stdin(self) -> None:
+        """Ends stdin (on a PTY: sends the EOF character, ^D)."""
+        self._send(pb.ExecRequest(stdin_eof=pb.StdinEof()))
+
+    def signal(self, signum: int) -> None:
+        """Sends a signal to the command's process group."""
+        self._send(pb.ExecRequest(signal=int(signum)))
+
+    def resize(self, rows: int, cols: int) -> None:
+        """New terminal size (PTY only; the command gets SIGWINCH). Sizes outside 1..4096
+        end the call: :class:`InvalidArgument` comes from the output side."""
+        self._send(pb.ExecRequest(resize=pb.WindowSize(rows=rows, cols=cols)))
+
+    def __iter__(self) -> Iterator[ExecEvent]:
+        # Stopping early (break, read_until) leaves the call running: only its end finishes.
+        while True:
+            try:
+                r = next(self._call)
+            except StopIteration:
+                self._finish()
+                return
+            except grpc.RpcError as e:
+                self._finish()
+                raise _error(e) from None
+            self._collector.add(r)
+            event = _event(r)
+            if event is not None:
+                yield event
+
+    def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
+        """Output (both streams) up to and including the chunk holding the first
+        ``needle``. Raises :class:`DsecError` (DEADLINE_EXCEEDED) when the command ends first
+        or after ``timeout`` seconds (which cancel the call and so kill the command)."""
+        import threading
+        seen = bytearray()
+        timer = threading.Timer(timeout, self._call.cancel)
+        timer.start()
+        try:
+            for _, data in self:
+                seen += data
+                if needle in seen:
+                    return bytes(seen)
+        except DsecError as e:
+            if e.code != grpc.StatusCode.CANCELLED:
+                raise
+        finally:
+            timer.cancel()
+        raise DsecError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
+
+    def wait(self) -> ExecResult:
+        """Reads to the end; the result holds the output not yet iterated."""
+        self._collector = _Collector(None)
+        for _ in self:
+            pass
+        return self._collector.result()
+
+    def cancel(self) -> None:
+        """Ends the call; the node kills the command."""
+        self._call.cancel()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._requests.put(None)
+
+
+class AsyncExecStream:
+    """The asyncio twin of :class:`ExecStream` (:meth:`AsyncSandbox.exec_stream`)."""
+
+    def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
+        self._requests: "asyncio.Queue[Optional[pb.ExecRequest]]" = asyncio.Queue()
+        self._requests.put_nowait(pb.ExecRequest(start=start))
+        self._closed = False
+
+        async def requests():
+            while (r := await self._requests.get()) is not None:
+                yield r
+
+        self._call = process.Exec(requests())
+        self._collector = _Collector(None)
+
+    def _send(self, request: pb.ExecRequest) -> None:
+        if self._closed:
+            raise DsecError(grpc.StatusCode.FAILED_PRECONDITION,
+                            "the command's input is closed (the call ended): read its result")
+        self._requests.put_nowait(request)
+
+    async def write(self, data: bytes) -> None:
+        self._send(pb.ExecRequest(stdin=bytes(data)))
+
+    async def close_stdin(self) -> None:
+        self._send(pb.ExecRequest(stdin_eof=pb.StdinEof()))
+
+    async def signal(self, signum: int) -> None:
+        self._send(pb.ExecRequest(signal=int(signum)))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        self._send(pb.ExecRequest(resize=pb.WindowSize(rows=rows, cols=cols)))
+
+    async def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        while True:
+            try:
+                r = await self._call.read()
+            except grpc.RpcError as e:
+                self._finish()
+                raise _error(e) from None
+            if r is grpc.aio.EOF:
+                self._finish()
+                return
+            self._collector.add(r)
+            event = _event(r)
+            if event is not None:
+                yield event
+
+    async def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
+        """As :meth:`ExecStream.read_until`."""
+        seen = bytearray()
+
+        async def scan() -> bool:
+            nonlocal seen
+            async for _, data in self:
+                seen += data
+                if needle in seen:
+                    return True
+            return False
+
+        try:
+            found = await asyncio.wait_for(scan(), timeout)
+        except asyncio.TimeoutError:
+            found = False
+        if not found:
+            raise DsecError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
+        return bytes(seen)
+
+    async def wait(self) -> ExecResult:
+        self._collector = _Collector(None)
+        async for _ in self:
+            pass
+        return self._collector.result()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._requests.put_nowait(None)
 
 
 def _channel_options():
@@ -375,17 +582,27 @@ class Sandbox:
 
     def exec(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
              workdir: Optional[str] = None, timeout: Optional[float] = None,
-             stdin: Optional[bytes] = None, output_limit: Optional[int] = None) -> ExecResult:
+             stdin: Optional[bytes] = None, output_limit: Optional[int] = None,
+             pty: Optional[Pty] = None) -> ExecResult:
         """Runs a command (a string runs through /bin/sh -c) and collects its output
-        (at most ``output_limit`` bytes of each stream are kept)."""
+        (at most ``output_limit`` bytes of each stream are kept). With ``pty`` it runs on a
+        pseudo-terminal and all output is stdout."""
         c = _Collector(output_limit)
         try:
             for r in self.client._process.Exec(
-                    _exec_requests(self.id, command, env, workdir, timeout, stdin)):
+                    _exec_requests(self.id, command, env, workdir, timeout, stdin, pty)):
                 c.add(r)
         except grpc.RpcError as e:
             raise _error(e) from None
         return c.result()
+
+    def exec_stream(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
+                    workdir: Optional[str] = None, timeout: Optional[float] = None,
+                    stdin: bool = False, pty: Optional[Pty] = None) -> ExecStream:
+        """Starts a command and returns at once: drive it live through the
+        :class:`ExecStream` (stdin with ``stdin=True``, resizes with ``pty``)."""
+        return ExecStream(self.client._process,
+                          _exec_start(self.id, command, env, workdir, timeout, stdin, pty))
 
     def read_file(self, path: Path) -> bytes:
         try:
@@ -664,16 +881,24 @@ class AsyncSandbox:
     async def exec(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
                    workdir: Optional[str] = None, timeout: Optional[float] = None,
                    stdin: Optional[bytes] = None,
-                   output_limit: Optional[int] = None) -> ExecResult:
+                   output_limit: Optional[int] = None,
+                   pty: Optional[Pty] = None) -> ExecResult:
         c = _Collector(output_limit)
         try:
             call = self.client._process.Exec(
-                _exec_requests(self.id, command, env, workdir, timeout, stdin))
+                _exec_requests(self.id, command, env, workdir, timeout, stdin, pty))
             async for r in call:
                 c.add(r)
         except grpc.RpcError as e:
             raise _error(e) from None
         return c.result()
+
+    def exec_stream(self, command: Command, *, env: Optional[Mapping[str, str]] = None,
+                    workdir: Optional[str] = None, timeout: Optional[float] = None,
+                    stdin: bool = False, pty: Optional[Pty] = None) -> AsyncExecStream:
+        """As :meth:`Sandbox.exec_stream` (call it inside the running event loop)."""
+        return AsyncExecStream(self.client._process,
+                               _exec_start(self.id, command, env, workdir, timeout, stdin, pty))
 
     async def read_file(self, path: Path) -> bytes:
         parts = []

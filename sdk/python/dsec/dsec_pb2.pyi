@@ -302,6 +302,16 @@ class NodeStatusResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., default_backend: _Optional[str] = ..., memory_mib: _Optional[_Union[Budget, _Mapping]] = ..., vcpus: _Optional[_Union[Budget, _Mapping]] = ..., pids: _Optional[_Union[Budget, _Mapping]] = ..., disk_mib: _Optional[_Union[Budget, _Mapping]] = ..., sandboxes: _Optional[int] = ..., creates_total: _Optional[int] = ..., create_failures_total: _Optional[int] = ..., admission_rejections_total: _Optional[int] = ..., reaped_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PtyConfig(_message.Message):
+    __slots__ = ("rows", "cols", "term")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    cols: int
+    term: str
+    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ..., term: _Optional[str] = ...) -> None: ...
+
+class WindowSize(_message.Message):
     __slots__ = ("rows", "cols")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     COLS_FIELD_NUMBER: _ClassVar[int]
@@ -335,16 +345,18 @@ class ExecStart(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., stdin: _Optional[bool] = ..., pty: _Optional[_Union[PtyConfig, _Mapping]] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
-    __slots__ = ("start", "stdin", "stdin_eof", "signal")
+    __slots__ = ("start", "stdin", "stdin_eof", "signal", "resize")
     START_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]
     STDIN_EOF_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
     start: ExecStart
     stdin: bytes
     stdin_eof: StdinEof
     signal: int
-    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., stdin_eof: _Optional[_Union[StdinEof, _Mapping]] = ..., signal: _Optional[int] = ...) -> None: ...
+    resize: WindowSize
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., stdin_eof: _Optional[_Union[StdinEof, _Mapping]] = ..., signal: _Optional[int] = ..., resize: _Optional[_Union[WindowSize, _Mapping]] = ...) -> None: ...
 
 class StdinEof(_message.Message):
     __slots__ = ()

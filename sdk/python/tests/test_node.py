@@ -321,6 +321,102 @@ class ApiTest(NodeTest):
         self.assertClean()
 
 
+class PtyTest(NodeTest):
+    """Exec on a pseudo-terminal: tty detection, sizes, resizes, ^C, bad sizes."""
+
+    def tearDown(self):
+        for sb in self.client.list():
+            try:
+                sb.delete()
+            except dsec.DsecError:
+                pass
+
+    def test_pty_exec_and_resize(self):
+        with self.client.create(memory_mib=64) as sb:
+            r = sb.exec("tty; test -t 0 && echo stdin-tty; echo err >&2; echo $TERM",
+                        pty=dsec.Pty(24, 80))
+            lines = r.text.replace("\r", "").splitlines()
+            self.assertEqual(r.exit_code, 0, r)
+            self.assertTrue(lines[0].startswith("/dev/pts/"), lines)
+            self.assertEqual(lines[1:], ["stdin-tty", "err", "xterm"])
+            self.assertEqual(r.stderr, b"")
+            r = sb.exec("tty")
+            self.assertEqual((r.exit_code, r.text), (1, "not a tty\n"))
+            r = sb.exec("stty size; echo $TERM", pty=dsec.Pty(7, 33, term="vt100"))
+            self.assertEqual(r.text, "7 33\r\nvt100\r\n")
+            r = sb.exec("echo $TERM", pty=dsec.Pty(term="vt100"), env={"TERM": "dumb"})
+            self.assertEqual(r.text, "dumb\r\n")
+
+            s = sb.exec_stream("stty size; echo ready; read line; stty size", stdin=True,
+                               pty=dsec.Pty(33, 111))
+            self.assertIn(b"33 111", s.read_until(b"ready"))
+            s.resize(50, 200)
+            s.write(b"go\n")
+            r = s.wait()
+            self.assertEqual(r.text.replace("\r", ""), "go\n50 200\n")
+            self.assertEqual(r.exit_code, 0)
+
+            s = sb.exec_stream("echo sleeping; exec sleep 30", stdin=True, pty=dsec.Pty())
+            s.read_until(b"sleeping")
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            s.write(b"\x03")
+            r = s.wait()
+            self.assertTrue(r.signal == 2 or r.exit_code == 130, r)
+            self.assertLess(time.monotonic() - t0, 5)
+
+    def test_bad_sizes_are_invalid_argument(self):
+        with self.client.create(memory_mib=64) as sb:
+            for rows, cols in ((0, 80), (24, 0), (4097, 80), (24, 70000)):
+                with self.assertRaises(dsec.InvalidArgument) as cm:
+                    sb.exec("true", pty=dsec.Pty(rows, cols))
+                self.assertIn("1..=4096", cm.exception.details)
+            s = sb.exec_stream("echo ready; exec sleep 30", stdin=True, pty=dsec.Pty())
+            s.read_until(b"ready")
+            s.resize(5000, 80)
+            with self.assertRaises(dsec.InvalidArgument):
+                s.wait()
+            with self.assertRaises(dsec.DsecError):
+                s.write(b"late")
+
+    def test_pty_flood_is_bounded(self):
+        """A flood through a PTY goes through the same bounded pump as pipes: the call
+        finishes, the client keeps only output_limit bytes, the sandbox's memory holds."""
+        flood = 64 << 20
+        with self.client.create(memory_mib=64) as sb:
+            t0 = time.time()
+            r = sb.exec(f"stty raw; head -c {flood} /dev/zero; echo", pty=dsec.Pty(),
+                        output_limit=4096, timeout=120)
+            took = time.time() - t0
+            self.assertEqual(r.exit_code, 0, r)
+            self.assertEqual(r.stdout, bytes(4096))
+            # The agent is PID 1 of the container: its peak RSS shows nothing piled up.
+            hwm = sb.exec("grep VmHWM /proc/1/status").text.split()
+            peak_kib = int(hwm[1])
+            print(f"\n{flood >> 20} MiB through a pty: {took:.1f} s, agent peak RSS {peak_kib >> 10} MiB")
+            self.assertLess(peak_kib, 32 << 10)
+
+    def test_async_pty_and_resize(self):
+        async def main():
+            async with dsec.AsyncClient(self.client.target) as c:
+                sb = await c.create(memory_mib=64)
+                try:
+                    r = await sb.exec("stty size", pty=dsec.Pty(10, 20))
+                    self.assertEqual(r.text, "10 20\r\n")
+                    s = sb.exec_stream("trap 'stty size; exit 0' WINCH; echo ready; "
+                                       "while :; do sleep 0.05; done", stdin=True,
+                                       pty=dsec.Pty(20, 60))
+                    await s.read_until(b"ready")
+                    await s.resize(30, 70)
+                    r = await asyncio.wait_for(s.wait(), 10)
+                    self.assertEqual(r.text, "30 70\r\n")
+                    self.assertEqual(r.exit_code, 0)
+                finally:
+                    await sb.delete()
+
+        asyncio.run(main())
+
+
 class AdmissionTest(NodeTest):
     extra_args = ("--memory-mib", "600", "--overcommit-memory", "1")
 

@@ -47,6 +47,8 @@ pub enum Error {
     NoConnected,
     #[error("local socket error while piping a sandbox port: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the command's input stream is closed (the command ended or the call failed): read its output for the exit status or error")]
+    InputClosed,
 }
 
 impl Error {
@@ -75,6 +77,133 @@ impl ExecOutput {
     /// Shell convention: the exit code, or 128 + signal.
     pub fn exit_code(&self) -> i32 {
         self.code.or(self.signal.map(|s| 128 + s)).unwrap_or(255)
+    }
+}
+
+/// A pseudo-terminal request for [`ExecStart::pty`]: `rows` x `cols` (each 1..=4096, the
+/// node answers INVALID_ARGUMENT otherwise) and TERM "xterm".
+pub fn pty(rows: u32, cols: u32) -> PtyConfig {
+    PtyConfig {
+        rows,
+        cols,
+        term: String::new(),
+    }
+}
+
+/// One event of a running command (see [`ExecSession::next`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// Sent once, first: the command's pid inside the sandbox.
+    Started(u32),
+    /// Output; with a PTY all output is stdout.
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// The last event.
+    Exit(ExitStatus),
+}
+
+/// The input side of a running command; cheap to clone (e.g. into a task feeding stdin).
+#[derive(Clone, Debug)]
+pub struct ExecInput {
+    tx: mpsc::Sender<ExecRequest>,
+}
+
+impl ExecInput {
+    async fn send(&self, kind: exec_request::Kind) -> Result<()> {
+        self.tx
+            .send(ExecRequest { kind: Some(kind) })
+            .await
+            .map_err(|_| Error::InputClosed)
+    }
+
+    /// Bytes for the command's stdin (needs `ExecStart::stdin`). On a PTY, byte 0x03 is
+    /// Ctrl-C: SIGINT for the foreground process group.
+    pub async fn stdin(&self, data: impl Into<Vec<u8>>) -> Result<()> {
+        self.send(exec_request::Kind::Stdin(data.into())).await
+    }
+
+    /// Ends stdin (on a PTY: sends the EOF character, ^D).
+    pub async fn close_stdin(&self) -> Result<()> {
+        self.send(exec_request::Kind::StdinEof(StdinEof {})).await
+    }
+
+    /// Sends a signal (e.g. 15 for SIGTERM) to the command's process group.
+    pub async fn signal(&self, signal: i32) -> Result<()> {
+        self.send(exec_request::Kind::Signal(signal)).await
+    }
+
+    /// New terminal size of a PTY command (the command gets SIGWINCH). Sizes outside
+    /// 1..=4096 end the call with INVALID_ARGUMENT (seen on the output side).
+    pub async fn resize(&self, rows: u32, cols: u32) -> Result<()> {
+        self.send(exec_request::Kind::Resize(WindowSize { rows, cols }))
+            .await
+    }
+}
+
+/// A command started with [`Client::exec_stream`]. Dropping it ends the call, and the node
+/// kills the command.
+#[derive(Debug)]
+pub struct ExecSession {
+    input: ExecInput,
+    output: tonic::Streaming<ExecResponse>,
+}
+
+impl ExecSession {
+    /// A handle to the input side, to use from another task.
+    pub fn input(&self) -> ExecInput {
+        self.input.clone()
+    }
+
+    pub async fn stdin(&self, data: impl Into<Vec<u8>>) -> Result<()> {
+        self.input.stdin(data).await
+    }
+
+    pub async fn close_stdin(&self) -> Result<()> {
+        self.input.close_stdin().await
+    }
+
+    pub async fn signal(&self, signal: i32) -> Result<()> {
+        self.input.signal(signal).await
+    }
+
+    pub async fn resize(&self, rows: u32, cols: u32) -> Result<()> {
+        self.input.resize(rows, cols).await
+    }
+
+    /// The next event; `None` after the exit status. Errors of the call (e.g.
+    /// INVALID_ARGUMENT for a bad resize) come here.
+    pub async fn next(&mut self) -> Result<Option<ExecEvent>> {
+        loop {
+            let Some(message) = self.output.message().await? else {
+                return Ok(None);
+            };
+            return Ok(Some(match message.kind {
+                Some(exec_response::Kind::Started(s)) => ExecEvent::Started(s.pid),
+                Some(exec_response::Kind::Stdout(d)) => ExecEvent::Stdout(d),
+                Some(exec_response::Kind::Stderr(d)) => ExecEvent::Stderr(d),
+                Some(exec_response::Kind::Exit(e)) => ExecEvent::Exit(e),
+                None => continue,
+            }));
+        }
+    }
+
+    /// Reads to the end: all output collected (bounded only by what the command writes).
+    pub async fn wait(mut self) -> Result<ExecOutput> {
+        let mut out = ExecOutput::default();
+        while let Some(event) = self.next().await? {
+            match event {
+                ExecEvent::Stdout(d) => out.stdout.extend_from_slice(&d),
+                ExecEvent::Stderr(d) => out.stderr.extend_from_slice(&d),
+                ExecEvent::Exit(e) => {
+                    out.code = e.code;
+                    out.signal = e.signal;
+                    out.timed_out = e.timed_out;
+                    return Ok(out);
+                }
+                ExecEvent::Started(_) => {}
+            }
+        }
+        Err(Error::NoExit)
     }
 }
 
@@ -353,6 +482,26 @@ impl Client {
             })
             .await?
             .into_inner())
+    }
+
+    /// Starts a command and returns a handle to drive it live: send stdin, signals and
+    /// terminal resizes while reading its output. Set `start.pty` (see [`pty`]) to run it
+    /// on a pseudo-terminal; set `start.stdin` to feed it input.
+    pub async fn exec_stream(&self, start: ExecStart) -> Result<ExecSession> {
+        let (tx, rx) = mpsc::channel(16);
+        let _ = tx
+            .send(ExecRequest {
+                kind: Some(exec_request::Kind::Start(start)),
+            })
+            .await;
+        let output = ProcessClient::new(self.channel.clone())
+            .exec(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(ExecSession {
+            input: ExecInput { tx },
+            output,
+        })
     }
 
     pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {

@@ -174,8 +174,8 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
         touch(A_START, 16 * 4096, 0x5a5a);
         // SAFETY: single-threaded guest.
         let pfns = unsafe { &mut *addr_of_mut!(PFNS) };
-        for i in 0..16 {
-            pfns[i] = (A_START >> 12) as u32 + i as u32;
+        for (i, p) in pfns.iter_mut().take(16).enumerate() {
+            *p = (A_START >> 12) as u32 + i as u32;
         }
         let r = inflate.call(&[(addr_of!(PFNS) as u64, 64, false)], WAIT);
         let zero = (0..16).all(|i| first_word(A_START + i * 4096) == 0);

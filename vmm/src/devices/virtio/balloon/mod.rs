@@ -563,7 +563,15 @@ impl VirtioDevice for Balloon {
         let interval = (self.config.stats_interval_s > 0)
             .then(|| Duration::from_secs(u64::from(self.config.stats_interval_s)));
         let handler = BalloonQueues::new(self.acked_features, self.control.clone(), interval);
-        lock(&self.control.inner).interrupt = Some(interrupt.clone());
+        {
+            let mut inner = lock(&self.control.inner);
+            // A restored VM may have had a target change in flight (the transport only
+            // re-raises used-ring interrupts): tell the guest again while it is off target.
+            if inner.num_pages != inner.actual {
+                interrupt.signal_config_change();
+            }
+            inner.interrupt = Some(interrupt.clone());
+        }
         self.worker = Some(Worker::spawn(
             "virtio-balloon",
             handler,

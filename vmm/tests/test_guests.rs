@@ -793,6 +793,28 @@ fn balloon_plain_negotiates_only_inflate_and_deflate() {
     }
     let err = vmm_error(&["--kernel", "/proc/self/exe", "--balloon", "stats=often"]);
     assert!(err.contains("stats=`often`"), "{err}");
+    // A VM without a balloon says so on the control socket.
+    let sock = s.path("api.sock");
+    let vmm = Vmm::spawn(
+        &args(&[
+            "--kernel",
+            &guest("serial").display().to_string(),
+            "--paused",
+            "--api-sock",
+            &sock.display().to_string(),
+        ]),
+        &s.path("serial2.log"),
+    );
+    wait_for_path(&sock);
+    let r = api(&sock, r#"{"op":"balloon","target_mib":8}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("no balloon device"),
+        "{r}"
+    );
+    api(&sock, r#"{"op":"stop"}"#);
+    let run = vmm.wait(Duration::from_secs(30));
+    assert!(run.status.success(), "{}", run.describe());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -103,6 +103,13 @@ pub enum VmCommand {
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
     },
+    /// Print the VM's balloon (target, actual size, the guest's statistics) as JSON; with
+    /// --target-mib first ask the guest to hand over that much memory (0 gives it all back).
+    Balloon {
+        dir: PathBuf,
+        #[arg(long, value_name = "MiB")]
+        target_mib: Option<u64>,
+    },
     /// Stop the VM (its VMM exits) and remove its directory.
     Rm { dir: PathBuf },
 }
@@ -343,6 +350,18 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
         VmCommand::Pause { dir } => {
             control(&dir, serde_json::json!({"op": "pause"}))?;
             println!("paused {}", dir.display());
+            Ok(0)
+        }
+        VmCommand::Balloon { dir, target_mib } => {
+            let mut request = serde_json::json!({"op": "balloon"});
+            if let Some(mib) = target_mib {
+                request["target_mib"] = mib.into();
+            }
+            let mut reply = control(&dir, request)?;
+            if let Some(map) = reply.as_object_mut() {
+                map.remove("ok");
+            }
+            println!("{reply}");
             Ok(0)
         }
         VmCommand::Resume { dir } => {

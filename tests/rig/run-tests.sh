@@ -5,6 +5,8 @@
 #   3. snapshot:    `dsec vm` snapshot/restore/fork of a Linux guest in L1
 #   4. devices:     the guest's own drivers on virtio-blk (2 disks, one read-only), virtio-net
 #                   (TCP both ways over a tap), virtio-rng, 2 vCPUs
+#   5. balloon:     the guest's virtio_balloon driver: statistics, inflate/deflate on a host
+#                   target, free page reporting (the VMM's RSS falls), a restored copy
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
 # Exit status: number of failed suites.
@@ -44,6 +46,13 @@ fi
 echo "==> rig devices (Linux drivers on our virtio-blk/net/rng, 2 vCPUs, in L1)"
 if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/devices.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig balloon (Linux virtio_balloon: stats, inflate/deflate, free page reporting, restore)"
+if ((${#missing[@]} == 0)); then
+    "$HERE/rig.sh" run "$HERE/tests/balloon.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
         || failed=$((failed + 1))

@@ -140,6 +140,46 @@ impl std::str::FromStr for NetConfig {
     }
 }
 
+/// Longest statistics polling interval accepted for the balloon.
+pub const MAX_BALLOON_STATS_S: u32 = 3600;
+
+/// A virtio-balloon device: the host sets a target with the control socket's `balloon` op.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonConfig {
+    /// Offer VIRTIO_BALLOON_F_DEFLATE_ON_OOM: the guest may take pages back under memory pressure.
+    #[serde(default)]
+    pub deflate_on_oom: bool,
+    /// Ask the guest for memory statistics every this many seconds (0: no statistics queue).
+    #[serde(default)]
+    pub stats_interval_s: u32,
+    /// Offer VIRTIO_BALLOON_F_REPORTING: the guest reports free pages, which the host drops.
+    #[serde(default)]
+    pub free_page_reporting: bool,
+}
+
+impl std::str::FromStr for BalloonConfig {
+    type Err = String;
+    /// `[deflate-on-oom][,stats=SECS][,reporting]` (empty: a plain balloon).
+    fn from_str(s: &str) -> Result<Self, String> {
+        const USAGE: &str = "use [deflate-on-oom][,stats=SECS][,reporting]";
+        let mut c = BalloonConfig::default();
+        for part in s.split(',').filter(|p| !p.is_empty()) {
+            match part.split_once('=') {
+                None if part == "deflate-on-oom" => c.deflate_on_oom = true,
+                None if part == "reporting" => c.free_page_reporting = true,
+                Some(("stats", v)) => {
+                    c.stats_interval_s = v.parse().map_err(|_| {
+                        format!("balloon stats=`{v}` is not a number of seconds; {USAGE}")
+                    })?;
+                }
+                _ => return Err(format!("unknown balloon option `{part}`; {USAGE}")),
+            }
+        }
+        Ok(c)
+    }
+}
+
 /// Parses `aa:bb:cc:dd:ee:ff`.
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut out = [0u8; 6];
@@ -194,6 +234,9 @@ pub struct VmConfig {
     /// virtio-net device on a tap.
     #[serde(default)]
     pub net: Option<NetConfig>,
+    /// virtio-balloon device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon: Option<BalloonConfig>,
 }
 
 /// Default command line for a Linux guest: quiet console (each byte costs VM exits),
@@ -255,6 +298,8 @@ pub enum ConfigError {
     TapName(String),
     #[error("field `net.mac`: `{0}` is not a unicast MAC address like 06:00:ac:10:00:02")]
     Mac(String),
+    #[error("field `balloon.stats_interval_s`: {0} s is too long; use 0 (no statistics) to {MAX_BALLOON_STATS_S}")]
+    BalloonStats(u32),
     #[error("too many virtio devices ({0}); a VM has at most {MAX_VIRTIO_DEVICES} (vsock + rng + drives + net)")]
     TooManyDevices(usize),
 }
@@ -273,6 +318,7 @@ impl VmConfig {
             rng: false,
             drives: Vec::new(),
             net: None,
+            balloon: None,
         }
     }
 
@@ -344,10 +390,16 @@ impl VmConfig {
         if let Some(net) = &self.net {
             net.validate()?;
         }
+        if let Some(b) = &self.balloon {
+            if b.stats_interval_s > MAX_BALLOON_STATS_S {
+                return Err(ConfigError::BalloonStats(b.stats_interval_s));
+            }
+        }
         let n = usize::from(self.vsock.is_some())
             + usize::from(self.rng)
             + self.drives.len()
-            + usize::from(self.net.is_some());
+            + usize::from(self.net.is_some())
+            + usize::from(self.balloon.is_some());
         if n > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices(n));
         }
@@ -430,6 +482,31 @@ mod tests {
         c.net = None;
         c.drives.push("/nonexistent.img".parse().unwrap());
         assert!(c.validate().unwrap_err().to_string().contains("`drives`"));
+    }
+
+    #[test]
+    fn balloon_flag_and_json_parse() {
+        let b: BalloonConfig = "".parse().unwrap();
+        assert_eq!(b, BalloonConfig::default());
+        let b: BalloonConfig = "deflate-on-oom,stats=5,reporting".parse().unwrap();
+        assert!(b.deflate_on_oom && b.free_page_reporting && b.stats_interval_s == 5);
+        let err = "stats=soon".parse::<BalloonConfig>().unwrap_err();
+        assert!(err.contains("stats=`soon`"), "{err}");
+        let err = "inflate".parse::<BalloonConfig>().unwrap_err();
+        assert!(err.contains("unknown balloon option `inflate`"), "{err}");
+        let c: VmConfig = serde_json::from_str(
+            r#"{"kernel":"/k","balloon":{"stats_interval_s":2,"free_page_reporting":true}}"#,
+        )
+        .unwrap();
+        let b = c.balloon.unwrap();
+        assert!(b.free_page_reporting && !b.deflate_on_oom && b.stats_interval_s == 2);
+        let mut c = valid();
+        c.balloon = Some(BalloonConfig {
+            stats_interval_s: 100_000,
+            ..Default::default()
+        });
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("balloon.stats_interval_s"), "{err}");
     }
 
     #[test]

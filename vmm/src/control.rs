@@ -3,7 +3,8 @@
 //!
 //! Requests: `{"op":"status"}`, `{"op":"pause"}`, `{"op":"resume"}`,
 //! `{"op":"snapshot","path":"/dir","diff":false}` (pauses a running VM for the snapshot and
-//! resumes it after), `{"op":"stop"}`. Replies: `{"ok":true,...}` or `{"ok":false,"error":"..."}`.
+//! resumes it after), `{"op":"stop"}`, `{"op":"balloon"[,"target_mib":N]}` (sets the balloon
+//! target if given; replies with target, actual size, the guest's statistics and counters). Replies: `{"ok":true,...}` or `{"ok":false,"error":"..."}`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -31,6 +32,10 @@ enum Request {
         diff: bool,
     },
     Stop,
+    Balloon {
+        #[serde(default)]
+        target_mib: Option<u64>,
+    },
 }
 
 /// Binds the socket and serves it on a background thread.
@@ -150,6 +155,13 @@ fn execute(vm: &Vm, request: Request) -> Value {
             result
         }
         Request::Stop => unreachable_stop(vm),
+        Request::Balloon { target_mib } => match vm.balloon() {
+            None => Err("this VM has no balloon device; start it with --balloon".into()),
+            Some(b) => target_mib
+                .map_or(Ok(()), |mib| b.set_target_mib(mib))
+                .map_err(|e| e.to_string())
+                .and_then(|()| serde_json::to_value(b.status()).map_err(|e| e.to_string())),
+        },
     };
     match result {
         Ok(Value::Object(mut map)) => {

@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use dsec_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use dsec_vmm::config::{
+    BalloonConfig, DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig,
+};
 use dsec_vmm::jail::Exposure;
 use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
 
@@ -24,7 +26,7 @@ struct Args {
     config: Option<PathBuf>,
     /// Restore from a snapshot directory instead of booting (vsock, net and serial flags
     /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives"])]
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "balloon"])]
     restore: Option<PathBuf>,
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
@@ -78,6 +80,10 @@ struct Args {
     /// Add a virtio-net device on a tap: `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`.
     #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
     net: Option<NetConfig>,
+    /// Add a virtio-balloon device: `--balloon` or `--balloon deflate-on-oom,stats=SECS,reporting`
+    /// (any subset; the control socket's `balloon` op sets the target and reads statistics).
+    #[arg(long, value_name = "[deflate-on-oom][,stats=SECS][,reporting]", num_args = 0..=1, default_missing_value = "")]
+    balloon: Option<BalloonConfig>,
     /// Append the serial console to this file.
     #[arg(long, conflicts_with = "serial_stdout")]
     serial_log: Option<PathBuf>,
@@ -149,6 +155,9 @@ fn build_config(args: &Args) -> Result<VmConfig, String> {
     }
     if let Some(net) = &args.net {
         config.net = Some(net.clone());
+    }
+    if let Some(balloon) = &args.balloon {
+        config.balloon = Some(balloon.clone());
     }
     if let Some(path) = &args.serial_log {
         config.serial = SerialOutput::File(path.clone());

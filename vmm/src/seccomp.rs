@@ -59,6 +59,7 @@ const COMMON: &[libc::c_long] = &[
     libc::SYS_mmap,
     libc::SYS_munmap,
     libc::SYS_mprotect,
+    // Also how the balloon drops guest pages (MADV_DONTNEED) on its device thread.
     libc::SYS_madvise,
     libc::SYS_mremap,
     libc::SYS_brk,

@@ -21,6 +21,7 @@ use crate::arch::{boot, cpu, layout, mptable};
 use crate::config::{ConfigError, NetConfig, SerialOutput, VmConfig};
 use crate::devices::bus::{lock, Bus};
 use crate::devices::legacy::{Cmos, Serial, SerialSink, I8042};
+use crate::devices::virtio::balloon::BalloonControl;
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::slots;
 use crate::memory::{self, DumpPages, GuestMemory, RegionLayout, PAGE_SIZE};
@@ -211,6 +212,8 @@ pub struct Vm {
     last_snapshot: Mutex<Option<PathBuf>>,
     /// Serves page faults of a lazily restored VM; stops when the VM is dropped.
     uffd: Option<UffdHandler>,
+    /// The balloon's control handle (target, statistics), when configured.
+    balloon: Option<Arc<BalloonControl>>,
 }
 
 struct Devices {
@@ -220,6 +223,7 @@ struct Devices {
     virtio: Vec<Arc<Mutex<MmioTransport>>>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
+    balloon: Option<Arc<BalloonControl>>,
 }
 
 fn open_kvm() -> Result<Kvm, VmError> {
@@ -326,6 +330,7 @@ impl Vm {
             dirty_logging: AtomicBool::new(false),
             last_snapshot: Mutex::new(None),
             uffd: None,
+            balloon: devices.balloon,
         }
     }
 
@@ -477,6 +482,11 @@ impl Vm {
         &self.config
     }
 
+    /// The balloon's control handle, if the VM has a balloon.
+    pub fn balloon(&self) -> Option<&Arc<BalloonControl>> {
+        self.balloon.as_ref()
+    }
+
     pub fn is_paused(&self) -> bool {
         self.vcpus.iter().all(VcpuHandle::is_paused)
     }
@@ -548,7 +558,11 @@ impl Vm {
         let devices = DevicesState {
             serial: lock(&self.serial).save(),
             vsock: self.vsock.as_ref().map(|t| lock(t).save()),
-            virtio: slots::save(&self.config, &self.virtio),
+            virtio: {
+                let mut v = slots::save(&self.config, &self.virtio);
+                slots::save_balloon(&self.config, &mut v, self.balloon.as_deref());
+                v
+            },
         };
 
         let mut mem_file = pending.memory_file()?;
@@ -859,6 +873,7 @@ fn build_devices(
         virtio: attached.all,
         pio: Arc::new(pio),
         mmio: Arc::new(mmio),
+        balloon: attached.balloon,
     })
 }
 

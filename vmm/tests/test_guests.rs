@@ -557,6 +557,267 @@ fn rng_guest_gets_entropy_and_survives_hostile_buffers() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// virtio-balloon.
+
+/// One request on a VMM control socket; the JSON reply.
+fn api(sock: &Path, request: &str) -> serde_json::Value {
+    let mut s = UnixStream::connect(sock).expect("connect to the control socket");
+    s.write_all(format!("{request}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("reply {line:?}: {e}"))
+}
+
+fn wait_for_path(p: &Path) {
+    let t0 = Instant::now();
+    while !p.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{} never appeared",
+            p.display()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// VmRSS of process `pid` in MiB.
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kib / 1024.0
+}
+
+/// Waits until the balloon guest's statistics round counter (tag 99) reaches `n`.
+fn wait_stats_rounds(sock: &Path, n: u64) {
+    let t0 = Instant::now();
+    loop {
+        let r = api(sock, r#"{"op":"balloon"}"#);
+        let got = r["stats"]["tag_99"].as_u64().unwrap_or(0);
+        if got >= n {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "only {got} statistics rounds in 15 s: {r}"
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn balloon_inflate_deflate_stats_reporting_and_snapshot() {
+    let _g = serial_lock();
+    let s = Scratch::new("balloon");
+    let sock = s.path("api.sock");
+    let a = args(&[
+        "--kernel",
+        &guest("balloon").display().to_string(),
+        "--mem-mib",
+        "256",
+        "--balloon",
+        "deflate-on-oom,stats=1,reporting",
+        "--api-sock",
+        &sock.display().to_string(),
+        "--cmdline",
+        "balloon_mode=full",
+    ]);
+    let mut vmm = Vmm::spawn(&a, &s.path("serial.log"));
+    let pid = vmm.child.id();
+    let long = Duration::from_secs(120);
+    vmm.wait_for_serial("balloon: touched", long);
+    wait_for_path(&sock);
+    let touched = rss_mib(pid);
+    let r = api(&sock, r#"{"op":"balloon","target_mib":100000}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("at most 256 MiB"),
+        "{r}"
+    );
+    let r = api(&sock, r#"{"op":"balloon","target_mib":64}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["target_pages"], 16384, "{r}");
+
+    vmm.wait_for_serial("balloon: inflated", long);
+    let inflated = rss_mib(pid);
+    eprintln!(
+        "balloon: VMM RSS {touched:.1} MiB touched -> {inflated:.1} MiB after a 64 MiB inflate"
+    );
+    assert!(
+        touched - inflated >= 56.0,
+        "RSS fell only {:.1} MiB ({touched:.1} -> {inflated:.1})",
+        touched - inflated
+    );
+    // The guest writes `actual` right after its last chain; give the write a moment.
+    let t0 = Instant::now();
+    let status = loop {
+        let r = api(&sock, r#"{"op":"balloon"}"#);
+        if r["actual_pages"] == 16384 || t0.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status["actual_pages"], 16384, "{status}");
+    assert_eq!(status["actual_mib"], 64, "{status}");
+    assert!(
+        status["inflated_pages"].as_u64().unwrap() >= 16384,
+        "{status}"
+    );
+    // BAD holds 4 frames outside RAM twice over (16 bytes, then 6 bytes: one whole frame);
+    // the outside-RAM and wrapping buffers are unreadable chains.
+    assert!(status["bad_pfns"].as_u64().unwrap() >= 5, "{status}");
+    assert!(status["bad_chains"].as_u64().unwrap() >= 2, "{status}");
+    assert_eq!(status["stats"]["free_memory"], 12345, "{status}");
+    assert_eq!(status["stats"]["total_memory"], 256u64 << 20, "{status}");
+
+    // A snapshot taken now and restored elsewhere keeps the balloon.
+    let snap = s.path("snap");
+    let r = api(
+        &sock,
+        &format!(r#"{{"op":"snapshot","path":"{}"}}"#, snap.display()),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let sock2 = s.path("api2.sock");
+    let restored = Vmm::spawn(
+        &args(&[
+            "--restore",
+            &snap.display().to_string(),
+            "--api-sock",
+            &sock2.display().to_string(),
+            "--paused",
+        ]),
+        &s.path("serial2.log"),
+    );
+    wait_for_path(&sock2);
+    let r = api(&sock2, r#"{"op":"balloon"}"#);
+    assert_eq!(
+        (&r["target_pages"], &r["actual_pages"]),
+        (&16384.into(), &16384.into()),
+        "{r}"
+    );
+    assert_eq!(r["stats"]["free_memory"], 12345, "{r}");
+    assert_eq!(r["inflated_pages"], status["inflated_pages"], "{r}");
+    // The restored guest carries on as the driver: it deflates, reports and finishes there.
+    let mut restored = restored;
+    assert_eq!(api(&sock2, r#"{"op":"resume"}"#)["ok"], true);
+    assert_eq!(
+        api(&sock2, r#"{"op":"balloon","target_mib":0}"#)["ok"],
+        true
+    );
+    restored.wait_for_serial("balloon: reported", long);
+    let r = api(&sock2, r#"{"op":"balloon"}"#);
+    assert_eq!(r["reported_bytes"], 32u64 << 20, "{r}");
+    // Statistics polling goes on after the restore.
+    wait_stats_rounds(&sock2, 2);
+    api(&sock2, r#"{"op":"balloon","target_mib":1}"#);
+    let run2 = restored.wait(long);
+    assert!(run2.status.success(), "{}", run2.describe());
+    // Dropped pages of a restored VM read as the snapshot file's contents, not zeroes (the
+    // mapping is a private file mapping): that one check is expected to fail there.
+    let (oks, fails, _) = parse_results(&run2.serial);
+    assert!(
+        fails.len() == 1 && fails[0].starts_with("FAIL balloon-reported-pages-zero"),
+        "{}",
+        run2.describe()
+    );
+    for must in ["balloon-deflate", "balloon-report", "balloon-done"] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run2.describe());
+    }
+
+    let r = api(&sock, r#"{"op":"balloon","target_mib":0}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    vmm.wait_for_serial("balloon: reported", long);
+    let reported = rss_mib(pid);
+    eprintln!("balloon: VMM RSS {inflated:.1} MiB -> {reported:.1} MiB after deflate + 32 MiB free page report");
+    assert!(
+        inflated - reported >= 24.0,
+        "RSS fell only {:.1} MiB after the report",
+        inflated - reported
+    );
+    let status = api(&sock, r#"{"op":"balloon"}"#);
+    assert_eq!(status["reported_bytes"], 32u64 << 20, "{status}");
+    assert!(
+        status["deflated_pages"].as_u64().unwrap() >= 16384,
+        "{status}"
+    );
+    // The device keeps asking every second: the guest's round counter (tag 99) climbs.
+    wait_stats_rounds(&sock, 2);
+    // A 1 MiB target tells the guest to finish.
+    let r = api(&sock, r#"{"op":"balloon","target_mib":1}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let run = vmm.wait(long);
+    let oks = run.assert_passed();
+    for must in [
+        "balloon-features-negotiated",
+        "balloon-hostile-inflate-returned",
+        "balloon-deflated-pages-zero",
+        "balloon-reported-pages-zero",
+        "balloon-stats-rounds",
+    ] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    assert!(
+        !run.stderr.contains("forbidden system call"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn balloon_plain_negotiates_only_inflate_and_deflate() {
+    let _g = serial_lock();
+    let s = Scratch::new("balloon-plain");
+    let run = run_guest(
+        &s,
+        &guest("balloon"),
+        &[
+            "--mem-mib",
+            "128",
+            "--balloon",
+            "--cmdline",
+            "balloon_mode=plain",
+        ],
+        Duration::from_secs(60),
+    );
+    let oks = run.assert_passed();
+    for must in [
+        "balloon-features-negotiated",
+        "balloon-queue-count",
+        "balloon-plain-inflate",
+    ] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    let err = vmm_error(&["--kernel", "/proc/self/exe", "--balloon", "stats=often"]);
+    assert!(err.contains("stats=`often`"), "{err}");
+    // A VM without a balloon says so on the control socket.
+    let sock = s.path("api.sock");
+    let vmm = Vmm::spawn(
+        &args(&[
+            "--kernel",
+            &guest("serial").display().to_string(),
+            "--paused",
+            "--api-sock",
+            &sock.display().to_string(),
+        ]),
+        &s.path("serial2.log"),
+    );
+    wait_for_path(&sock);
+    let r = api(&sock, r#"{"op":"balloon","target_mib":8}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("no balloon device"),
+        "{r}"
+    );
+    api(&sock, r#"{"op":"stop"}"#);
+    let run = vmm.wait(Duration::from_secs(30));
+    assert!(run.status.success(), "{}", run.describe());
+}
+
+// ---------------------------------------------------------------------------------------------
 // virtio-blk.
 
 fn allocated_bytes(p: &Path) -> u64 {

@@ -1,5 +1,6 @@
 //! Virtio devices and their MMIO transport.
 
+pub mod balloon;
 pub mod block;
 pub mod mmio;
 pub mod net;
@@ -20,6 +21,8 @@ use vmm_sys_util::eventfd::EventFd;
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 /// Interrupt status bit: a used ring was updated.
 pub const INTERRUPT_USED_RING: u32 = 1;
+/// Interrupt status bit: the device's config space changed.
+pub const INTERRUPT_CONFIG: u32 = 2;
 
 /// A device's interrupt line: the status register the guest reads, and the irqfd that raises it.
 pub struct Interrupt {
@@ -38,6 +41,14 @@ impl Interrupt {
     /// Tells the guest a used ring changed.
     pub fn signal_used_queue(&self) {
         self.status.fetch_or(INTERRUPT_USED_RING, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!("cannot raise virtio interrupt: {e}");
+        }
+    }
+
+    /// Tells the guest the device's config space changed (e.g. a new balloon target).
+    pub fn signal_config_change(&self) {
+        self.status.fetch_or(INTERRUPT_CONFIG, Ordering::SeqCst);
         if let Err(e) = self.irqfd.write(1) {
             tracing::warn!("cannot raise virtio interrupt: {e}");
         }

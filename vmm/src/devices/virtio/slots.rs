@@ -1,6 +1,6 @@
 //! Which virtio-mmio device sits in which slot, and wiring each one to the VM: slot `i` lives
 //! at `VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SIZE` with IRQ `VIRTIO_IRQ_BASE + i`. Order: vsock
-//! (slot 0, when configured), rng, the drives in config order, net. The kernel command line
+//! (slot 0, when configured), rng, the drives in config order, net, balloon. The kernel command line
 //! declares them in the same order, so Linux names the disks vda, vdb, ... as configured.
 
 use std::sync::{Arc, Mutex};
@@ -9,6 +9,7 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::balloon::{Balloon, BalloonControl, BalloonState};
 use super::block::Block;
 use super::mmio::{MmioTransport, TransportState};
 use super::net::Net;
@@ -29,6 +30,7 @@ pub enum Slot {
     /// Index into `VmConfig::drives`.
     Block(usize),
     Net,
+    Balloon,
 }
 
 /// A non-vsock virtio device's snapshot state, keyed by its MMIO slot.
@@ -36,6 +38,9 @@ pub enum Slot {
 pub struct SlotState {
     pub slot: u32,
     pub transport: TransportState,
+    /// The balloon's own state (target, actual, statistics) when this slot is the balloon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon: Option<BalloonState>,
 }
 
 /// The devices of `config` in slot order.
@@ -50,6 +55,9 @@ pub fn plan(config: &VmConfig) -> Vec<Slot> {
     slots.extend((0..config.drives.len()).map(Slot::Block));
     if config.net.is_some() {
         slots.push(Slot::Net);
+    }
+    if config.balloon.is_some() {
+        slots.push(Slot::Balloon);
     }
     slots
 }
@@ -76,6 +84,8 @@ pub fn cmdline(config: &VmConfig) -> String {
 pub struct Attached {
     pub vsock: Option<Arc<Mutex<MmioTransport>>>,
     pub all: Vec<Arc<Mutex<MmioTransport>>>,
+    /// The balloon's control handle, when the VM has one.
+    pub balloon: Option<Arc<BalloonControl>>,
 }
 
 /// Why a device could not be attached.
@@ -104,6 +114,7 @@ pub fn attach(
     let mut out = Attached {
         vsock: None,
         all: Vec::new(),
+        balloon: None,
     };
     for (i, slot) in plan(config).into_iter().enumerate() {
         let err = |detail: String| AttachError::Device {
@@ -127,6 +138,23 @@ pub fn attach(
             Slot::Net => {
                 let n = config.net.as_ref().ok_or_else(|| err("no config".into()))?;
                 Net::open(&n.tap, n.mac_bytes()).map_err(|e| err(e.to_string()))?
+            }
+            Slot::Balloon => {
+                let b = config
+                    .balloon
+                    .clone()
+                    .ok_or_else(|| err("no config".into()))?;
+                let saved_balloon = saved
+                    .iter()
+                    .find(|s| s.slot as usize == i)
+                    .and_then(|s| s.balloon.as_ref());
+                let device = match saved_balloon {
+                    Some(state) => Balloon::restore((b, config.mem_mib), state)
+                        .map_err(|e| err(format!("restore from snapshot: {e}")))?,
+                    None => Balloon::new(b, config.mem_mib),
+                };
+                out.balloon = Some(device.control());
+                Box::new(device)
             }
         };
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| err(e.to_string()))?;
@@ -174,6 +202,18 @@ pub fn save(config: &VmConfig, all: &[Arc<Mutex<MmioTransport>>]) -> Vec<SlotSta
         .map(|(i, (_, t))| SlotState {
             slot: i as u32,
             transport: crate::devices::bus::lock(t).save(),
+            balloon: None,
         })
         .collect()
+}
+
+/// Adds the balloon's own state to its slot in `states` (from [`save`]).
+pub fn save_balloon(config: &VmConfig, states: &mut [SlotState], balloon: Option<&BalloonControl>) {
+    let Some(balloon) = balloon else { return };
+    let Some(i) = plan(config).iter().position(|s| *s == Slot::Balloon) else {
+        return;
+    };
+    if let Some(s) = states.iter_mut().find(|s| s.slot as usize == i) {
+        s.balloon = Some(balloon.state());
+    }
 }

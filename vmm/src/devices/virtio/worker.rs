@@ -6,7 +6,7 @@ use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -33,6 +33,14 @@ pub trait QueueHandler: Send + 'static {
     }
     /// Host fd number `index` (in `host_fds` order) became readable.
     fn fd_event(&mut self, _index: usize, _queues: &mut [Queue], _mem: &GuestMemory) -> bool {
+        false
+    }
+    /// How often `tick` runs (None: never). Read once when the thread starts.
+    fn tick_interval(&self) -> Option<Duration> {
+        None
+    }
+    /// Periodic work (e.g. asking the guest for fresh statistics).
+    fn tick(&mut self, _queues: &mut [Queue], _mem: &GuestMemory) -> bool {
         false
     }
 }
@@ -88,8 +96,14 @@ impl Worker {
                     interrupt.signal_used_queue();
                 }
                 let mut ready = vec![EpollEvent::default(); 16];
+                let interval = handler.tick_interval();
+                let mut next_tick = interval.map(|i| Instant::now() + i);
                 loop {
-                    let n = match epoll.wait(-1, &mut ready) {
+                    let timeout = next_tick.map_or(-1, |t| {
+                        let ms = t.saturating_duration_since(Instant::now()).as_millis();
+                        i32::try_from(ms).unwrap_or(i32::MAX)
+                    });
+                    let n = match epoll.wait(timeout, &mut ready) {
                         Ok(n) => n,
                         Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                         Err(e) => {
@@ -98,6 +112,12 @@ impl Worker {
                         }
                     };
                     let mut used = false;
+                    if let (Some(t), Some(i)) = (next_tick, interval) {
+                        if Instant::now() >= t {
+                            used |= handler.tick(&mut queues, &mem);
+                            next_tick = Some(Instant::now() + i);
+                        }
+                    }
                     for event in &ready[..n] {
                         match event.data() {
                             TOKEN_STOP => {

@@ -153,10 +153,18 @@ struct RunArgs {
     /// Kill the command (and everything it started) after this many seconds.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
+    /// Image under $DSEC_HOME/images/: busybox (tiny, default) or debian (bash, python3, git;
+    /// built by images/debian/build.sh).
+    #[arg(long, value_name = "NAME", default_value = "busybox")]
+    image: String,
+    /// Writable disk in MiB: a container's tmpfs cap (default: unlimited, on the host) or a
+    /// microVM's sparse upper disk on a disk image such as debian (default 1024).
+    #[arg(long = "disk", value_name = "MiB")]
+    disk_mib: Option<u32>,
     /// Guest kernel (microVM). Default: $DSEC_HOME/kernel/vmlinux.
     #[arg(long, value_name = "PATH")]
     kernel: Option<PathBuf>,
-    /// Initramfs (microVM). Default: $DSEC_HOME/images/busybox/initramfs.cpio.
+    /// Initramfs (microVM). Default: the image's initramfs.cpio.
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
     /// Seconds to wait for the sandbox's agent to answer.
@@ -283,6 +291,15 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
         .map_err(CliError::Node)
 }
 
+fn valid_image_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
 fn positive_seconds(what: &str, seconds: f64) -> Result<Duration, CliError> {
     if seconds.is_finite() && seconds > 0.0 {
         Ok(Duration::from_secs_f64(seconds))
@@ -312,11 +329,28 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
             kind
         }
     };
+    if !valid_image_name(&args.image) {
+        return Err(CliError::Usage(format!(
+            "image name {:?} is invalid: use letters, digits, '.', '_' and '-'",
+            args.image
+        )));
+    }
+    let image = Artifacts::from_env().image(&args.image);
+    // An explicit --initrd stands in for the image's own.
+    if kind == BackendKind::Container || args.initrd.is_none() {
+        image.check(&args.image, kind)?;
+    }
+    let root_disk = (kind == BackendKind::MicroVm)
+        .then(|| image.root_disk())
+        .flatten();
     let spec = SandboxSpec {
         vcpus: args.vcpus,
         mem_mib: args.mem_mib,
         kernel: args.kernel,
-        initrd: args.initrd,
+        initrd: Some(args.initrd.unwrap_or(image.initramfs)),
+        rootfs: Some(image.rootfs),
+        disk_mib: args.disk_mib,
+        root_disk,
         ready_timeout,
         ..SandboxSpec::default()
     };

@@ -60,8 +60,12 @@ pub struct SandboxSpec {
     pub ready_timeout: Duration,
     /// Sandbox id; default: generated.
     pub id: Option<String>,
-    /// Writable disk of a container in MiB (a tmpfs in the container); None: unlimited,
-    /// on the host under the sandbox directory.
+    /// Read-only root filesystem image (microVM): attached as the first virtio-blk disk, with a
+    /// fresh sparse ext4 disk of `disk_mib` (default 1024) MiB as the second; the agent
+    /// mounts them as an overlay and runs every command in it.
+    pub root_disk: Option<PathBuf>,
+    /// Writable disk in MiB: of a container a tmpfs in the container (None: unlimited, on the
+    /// host under the sandbox directory); of a microVM with a root disk the sparse upper disk.
     pub disk_mib: Option<u32>,
     /// `cgroup.procs` files the sandbox's first process is written into right after it
     /// starts (everything it starts later inherits them).
@@ -79,6 +83,7 @@ impl Default for SandboxSpec {
             rootfs: None,
             ready_timeout: Duration::from_secs(30),
             id: None,
+            root_disk: None,
             disk_mib: None,
             cgroup_procs: Vec::new(),
         }
@@ -554,6 +559,21 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
             hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
         });
     }
+    if let Some(root) = &spec.root_disk {
+        if !root.is_file() {
+            return Err(EdgeError::MissingArtifact {
+                what: "root disk image",
+                path: root.clone(),
+                hint: "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
+            });
+        }
+        if root.as_os_str().as_bytes().contains(&b',') {
+            return Err(EdgeError::InvalidSpec(format!(
+                "root disk path {} contains ',', which the VMM's --drive flag cannot take",
+                root.display()
+            )));
+        }
+    }
     let kvm = KvmStatus::detect();
     if let Some(reason) = kvm.why_not_microvm() {
         return Err(EdgeError::BackendUnavailable {
@@ -579,6 +599,21 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     let vmm_log = dir.join("vmm.log");
     let api_sock = dir.join("api.sock");
     let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
+    let mut drives = Vec::new();
+    if let Some(root) = &spec.root_disk {
+        let upper = dir.join("upper.ext4");
+        let mib = spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB);
+        if let Err(err) = make_upper_disk(&upper, mib).await {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+        let mut ro = root.clone().into_os_string();
+        ro.push(",ro");
+        drives.push(ro);
+        drives.push(upper.into_os_string());
+        // Read by the agent from /proc/cmdline (dotted words never reach init's argv).
+        cmdline.push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
+    }
     if let Some(extra) = &spec.extra_cmdline {
         cmdline.push(' ');
         cmdline.push_str(extra);
@@ -605,7 +640,11 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         .arg("--serial-log")
         .arg(&serial)
         .arg("--api-sock")
-        .arg(&api_sock)
+        .arg(&api_sock);
+    for drive in &drives {
+        command.arg("--drive").arg(drive);
+    }
+    command
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log_err);
@@ -622,6 +661,55 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         dir,
     };
     wait_microvm_ready(id, host, spec.ready_timeout).await
+}
+
+/// Size of a microVM's writable upper disk when the spec gives none.
+pub const DEFAULT_UPPER_DISK_MIB: u32 = 1024;
+
+/// Creates a sparse file of `mib` MiB holding an empty ext4 (no journal: the disk lives and
+/// dies with the sandbox; lazy init: only metadata blocks get written).
+async fn make_upper_disk(path: &Path, mib: u32) -> Result<()> {
+    if mib < 16 {
+        return Err(EdgeError::InvalidSpec(format!(
+            "a {mib} MiB disk is too small for a root overlay: use at least 16 MiB"
+        )));
+    }
+    let file = std::fs::File::create(path)
+        .map_err(|e| EdgeError::io(format!("create {}", path.display()), e))?;
+    file.set_len(u64::from(mib) << 20)
+        .map_err(|e| EdgeError::io(format!("size {} to {mib} MiB", path.display()), e))?;
+    drop(file);
+    let output = tokio::process::Command::new("mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-L",
+            "dsec-upper",
+            "-O",
+            "^has_journal",
+        ])
+        .args(["-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| EdgeError::FormatDisk {
+            path: path.to_path_buf(),
+            detail: format!("cannot run mkfs.ext4: {e}"),
+        })?;
+    if !output.status.success() {
+        return Err(EdgeError::FormatDisk {
+            path: path.to_path_buf(),
+            detail: format!(
+                "{}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ),
+        });
+    }
+    Ok(())
 }
 
 async fn wait_microvm_ready(

@@ -5,14 +5,18 @@
 #   3. snapshot:    `dsec vm` snapshot/restore/fork of a Linux guest in L1
 #   4. devices:     the guest's own drivers on virtio-blk (2 disks, one read-only), virtio-net
 #                   (TCP both ways over a tap), virtio-rng, 2 vCPUs
+#   5. debian-image: `dsec run --image debian` in a microVM: read-only erofs root disk plus a
+#                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
-# and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
+# and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
+# DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
 # Exit status: number of failed suites.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 BIN=${DSEC_BIN_DIR:-$REPO/target/release}
 AGENT_IMG=${DSEC_AGENT_INITRAMFS:-${DSEC_HOME:-/var/lib/dsec}/images/busybox/initramfs.cpio}
+DEBIAN_IMG=${DSEC_DEBIAN_IMG:-${DSEC_HOME:-/var/lib/dsec}/images/debian/rootfs.img}
 
 kdir=$("$REPO/guest-kernel/build.sh") || { echo "rig: error: guest kernel build failed" >&2; exit 1; }
 tiny=$("$HERE/rig.sh" guest-initramfs)
@@ -46,6 +50,20 @@ if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/devices.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig debian-image (dsec run --image debian in a microVM, in L1)"
+if ((${#missing[@]})); then
+    :
+elif [[ ! -f $DEBIAN_IMG ]]; then
+    echo "FAIL debian-image: $DEBIAN_IMG missing (run images/debian/build.sh --install, or ./setup.sh --no-run)"
+    failed=$((failed + 1))
+else
+    # mke2fs formats the per-sandbox upper disk (the edge runs mkfs.ext4).
+    RIG_MEM=${RIG_MEM:-3072} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$(command -v mke2fs)=/bin/mkfs.ext4" \
+        /etc/mke2fs.conf=/etc/mke2fs.conf "$kdir/vmlinux=/dsec/kernel/vmlinux" \
+        "$AGENT_IMG=/dsec/images/debian/initramfs.cpio" "$DEBIAN_IMG=/dsec/images/debian/rootfs.img" \
         || failed=$((failed + 1))
 fi
 echo "rig suites failed: $failed"

@@ -17,6 +17,7 @@ use super::DaemonConfig;
 use crate::client::AgentClient;
 use crate::error::EdgeError;
 use crate::kvm::KvmStatus;
+use crate::paths::ImagePaths;
 use crate::sandbox::{
     restore_microvm, BackendKind, EdgeConfig, Sandbox, SandboxHandle, SandboxSpec,
 };
@@ -457,6 +458,14 @@ impl Node {
             .join("initramfs.cpio")
     }
 
+    /// The read-only root disk a microVM of this plan boots into, if its image has one.
+    fn image_root_disk(&self, plan: &Plan) -> Option<PathBuf> {
+        if plan.kind != BackendKind::MicroVm {
+            return None;
+        }
+        self.config.artifacts.image(&plan.image).root_disk()
+    }
+
     /// Checks the image exists for the backend.
     pub fn check_image(&self, kind: BackendKind, image: &str) -> Result<(), Status> {
         if image.is_empty()
@@ -478,10 +487,11 @@ impl Node {
             return Ok(());
         }
         Err(Status::not_found(format!(
-            "image {image:?} not found for the {} backend under {}/images; available: {}",
+            "image {image:?} not found for the {} backend under {}/images; available: {}; {}",
             kind.as_str(),
             self.config.artifacts.home.display(),
-            self.image_names().join(", ")
+            self.image_names().join(", "),
+            ImagePaths::install_hint(image)
         )))
     }
 
@@ -515,7 +525,9 @@ impl Node {
             initrd: Some(self.image_initrd(&plan.image)),
             ready_timeout: self.config.ready_timeout,
             id: Some(id.to_string()),
-            disk_mib: (plan.kind == BackendKind::Container).then_some(plan.demand.disk_mib as u32),
+            root_disk: self.image_root_disk(plan),
+            disk_mib: (plan.kind == BackendKind::Container || self.image_root_disk(plan).is_some())
+                .then_some(plan.demand.disk_mib as u32),
             cgroup_procs: cgroup::procs_files(cgroups),
             ..SandboxSpec::default()
         }
@@ -766,6 +778,19 @@ impl Node {
             return Err(Status::unimplemented(
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
             ));
+        }
+        if self
+            .config
+            .artifacts
+            .image(&parent.image)
+            .root_disk()
+            .is_some()
+        {
+            // A restore reopens the parent's disks, and its writable upper disk is locked.
+            return Err(Status::unimplemented(format!(
+                "fork of microvm sandboxes on a disk image ({:?}) is not implemented: each child would need its own copy of the writable disk; fork sandboxes of the busybox image",
+                parent.image
+            )));
         }
         let snapshot = self.snapshot(id, "", false).await?;
         let mut children = Vec::new();

@@ -68,9 +68,14 @@ install_image() {
     # Old entries are moved aside first, so readers see the old or the new image.
     local old
     old=$(mktemp -d "$DEST/.old.XXXXXX")
+    local f
     for f in rootfs rootfs.img manifest initramfs.cpio; do
         if [[ -e $DEST/$f || -L $DEST/$f ]]; then mv "$DEST/$f" "$old/"; fi
         mv "$tmp/$f" "$DEST/$f"
+    done
+    # Whatever an older layout left (not hidden entries: other installs in progress).
+    for f in "$DEST"/*; do
+        case ${f##*/} in rootfs|rootfs.img|manifest|initramfs.cpio) ;; *) mv "$f" "$old/" ;; esac
     done
     rm -rf "$old" "$tmp"
     trap - EXIT
@@ -148,6 +153,12 @@ CFG
     mv "$STAGE" "$OUT"
     rm -rf "$WORK"
     trap - EXIT
+    # Entries of other inputs are dead weight (hundreds of MiB each): drop those unused for a
+    # day, and build leftovers of runs that were killed.
+    find "$CACHE_ROOT" -mindepth 1 -maxdepth 1 -type d -not -name "$HASH" -not -name '.build-*' \
+        -mtime +0 -exec rm -rf {} + 2>/dev/null || true
+    find "$CACHE_ROOT" -mindepth 1 -maxdepth 1 -type d -name '.build-*' -mmin +120 \
+        -exec rm -rf {} + 2>/dev/null || true
     log "built in $(( $(date +%s) - START ))s: $OUT ($(wc -l <"$OUT/manifest") packages, rootfs $(du -sh "$OUT/rootfs" | cut -f1), rootfs.img $(du -h "$OUT/rootfs.img" | cut -f1))"
 fi
 if [[ $INSTALL == 1 ]]; then install_image "$OUT"; else echo "$OUT"; fi

@@ -60,7 +60,7 @@ elif [[ ! -f $DEBIAN_IMG ]]; then
     failed=$((failed + 1))
 else
     # mke2fs formats the per-sandbox upper disk (the edge runs mkfs.ext4).
-    RIG_MEM=${RIG_MEM:-3072} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
+    RIG_MEM=${RIG_MEM:-3072} RIG_TIMEOUT=${RIG_TIMEOUT:-1500} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$(command -v mke2fs)=/bin/mkfs.ext4" \
         /etc/mke2fs.conf=/etc/mke2fs.conf "$kdir/vmlinux=/dsec/kernel/vmlinux" \
         "$AGENT_IMG=/dsec/images/debian/initramfs.cpio" "$DEBIAN_IMG=/dsec/images/debian/rootfs.img" \

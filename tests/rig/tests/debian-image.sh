@@ -35,8 +35,9 @@ run() {
 }
 
 run debian-python3 0 42 python3 -c 'print(6*7)'
-run debian-bash-git-exit 3 "bash git version" bash -c 'echo bash $(git --version | cut -d" " -f1-2); exit 3'
-run debian-os-release 0 'ID=debian' grep -x ID=debian /etc/os-release
+# Each run boots a VM (minutes under TCG on a loaded machine): checks share runs.
+run debian-bash-git-exit 3 "bash git version ID=debian" \
+    bash -c 'echo bash $(git --version | cut -d" " -f1-2) $(grep -x ID=debian /etc/os-release); exit 3'
 # Writes (to / itself and to /usr) land on the upper disk: after a sync the upper disk (vdb)
 # has written sectors (field 7 of its stat), the read-only root disk (vda) none, and / is
 # the overlay.

@@ -953,3 +953,39 @@ pub fn parse_env_pair(pair: &str) -> Result<(String, String)> {
 pub fn parse_env(pairs: &[String]) -> Result<HashMap<String, String>> {
     pairs.iter().map(|p| parse_env_pair(p)).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn upper_disk_is_a_sparse_ext4_of_the_asked_size() {
+        let dir = std::env::temp_dir().join(format!("dsec-upper-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("upper.ext4");
+        let made = make_upper_disk(&path, 256).await;
+        let meta = std::fs::metadata(&path);
+        let mut superblock = [0u8; 2048];
+        let read = std::fs::File::open(&path).and_then(|mut f| {
+            use std::io::Read;
+            f.read_exact(&mut superblock)
+        });
+        let too_small = make_upper_disk(&dir.join("tiny.ext4"), 8).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        made.unwrap();
+        read.unwrap();
+        let meta = meta.unwrap();
+        assert_eq!(meta.len(), 256 << 20);
+        use std::os::unix::fs::MetadataExt;
+        // Lazy init writes only metadata: a small part of the size is allocated.
+        assert!(
+            meta.blocks() * 512 < 32 << 20,
+            "{} bytes allocated",
+            meta.blocks() * 512
+        );
+        // ext4 superblock magic at byte 1024 + 0x38.
+        assert_eq!(&superblock[1080..1082], &[0x53, 0xef]);
+        let err = too_small.unwrap_err().to_string();
+        assert!(err.contains("too small"), "{err}");
+    }
+}

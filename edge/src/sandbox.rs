@@ -679,7 +679,16 @@ async fn make_upper_disk(path: &Path, mib: u32) -> Result<()> {
     file.set_len(u64::from(mib) << 20)
         .map_err(|e| EdgeError::io(format!("size {} to {mib} MiB", path.display()), e))?;
     drop(file);
-    let output = tokio::process::Command::new("mkfs.ext4")
+    // sbin is often not on a non-root PATH.
+    let mkfs = find_binary("mkfs.ext4")
+        .or_else(|| {
+            ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+                .into_iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from("mkfs.ext4"));
+    let output = tokio::process::Command::new(mkfs)
         .args([
             "-q",
             "-F",

@@ -537,8 +537,15 @@ impl Node {
         // A container's disk is a tmpfs charged to its memory cgroup.
         let memory_mib = match plan.kind {
             BackendKind::Container => plan.demand.memory_mib + plan.demand.disk_mib,
-            // The VMM maps guest memory plus its own overhead.
-            BackendKind::MicroVm => plan.demand.memory_mib + 64,
+            // The VMM maps guest memory plus its own overhead, and the pages it writes to
+            // the upper disk of a disk image are charged to it (all of them on a tmpfs).
+            BackendKind::MicroVm => {
+                let upper = match self.image_root_disk(plan) {
+                    Some(_) => plan.demand.disk_mib,
+                    None => 0,
+                };
+                plan.demand.memory_mib + 64 + upper
+            }
         };
         let limits = Limits {
             memory_bytes: memory_mib as u64 * 1024 * 1024,

@@ -62,8 +62,9 @@ pub struct ImagePaths {
     pub rootfs: PathBuf,
     /// Initramfs whose /init is the agent (microVM).
     pub initramfs: PathBuf,
-    /// Read-only root filesystem image, erofs or ext4 (microVM, optional): when present the agent boots from
-    /// the initramfs, then switches into this disk with an overlay on a per-sandbox disk.
+    /// Read-only root filesystem image, erofs or ext4 (microVM, optional): when present the
+    /// agent boots from the initramfs, then switches into this disk with an overlay on a
+    /// per-sandbox disk.
     pub root_disk: PathBuf,
 }
 

@@ -65,7 +65,8 @@ install_image() {
     cp "$src/rootfs.img" "$src/manifest" "$tmp/"
     # A link, not a copy: a rebuilt agent (busybox initramfs) is picked up at once.
     ln -s ../busybox/initramfs.cpio "$tmp/initramfs.cpio"
-    # Old entries are moved aside first, so readers see the old or the new image.
+    # Each part is replaced by two renames (old aside, new in): a reader may miss a part
+    # for an instant but never sees half of one; running VMs keep the old disk open.
     local old
     old=$(mktemp -d "$DEST/.old.XXXXXX")
     local f

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # DSec one-command setup: installs what a fresh Debian 12 host needs, builds the guest kernel
-# (cached by input hash), the binaries, the static guest agent and the default image, then runs
+# (cached by input hash), the binaries, the static guest agent, the default busybox image and
+# the Debian image (cached by input hash), then runs
 # the main job: a single-node DSec on its embedded defaults running a command in a sandbox.
 #
 #   ./setup.sh            set up everything, then `dsec run -- uname -r`
@@ -19,7 +20,7 @@ die() { echo "setup: error: $*" >&2; exit 1; }
 step "apt packages"
 pkgs=(build-essential pkg-config protobuf-compiler busybox-static cpio qemu-system-x86
       linux-source-6.1 bc flex bison libelf-dev libssl-dev dwarves rsync kmod xz-utils
-      docker-registry apache2-utils curl)
+      docker-registry apache2-utils curl debootstrap erofs-utils e2fsprogs)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -45,6 +46,9 @@ install -m 0755 target/x86_64-unknown-linux-gnu/release/dsec-agent "$DSEC_HOME/b
 
 step "default image (busybox + agent)"
 guest-agent/mkinitramfs.sh --install --agent target/x86_64-unknown-linux-gnu/release/dsec-agent >/dev/null
+
+step "debian image (cached under ${DSEC_CACHE:-/var/cache/dsec}/images/debian; first build: debootstrap, a few minutes)"
+images/debian/build.sh --install >/dev/null
 
 target/release/dsec info
 if ((run_main_job)); then

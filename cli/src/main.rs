@@ -166,9 +166,9 @@ struct RunArgs {
     /// Isolation: microvm, container, or auto (microVM where KVM can run the guest).
     #[arg(long, value_enum, default_value = "auto")]
     backend: BackendChoice,
-    /// Image: a directory image ($DSEC_HOME/images/NAME) or, for containers, an image of
-    /// the layer store (`dsec image ls`); a directory image wins a name clash. Default: the
-    /// installed busybox.
+    /// Image: a directory image under $DSEC_HOME/images/ (busybox: tiny, the default; debian:
+    /// bash, python3, git, built by images/debian/build.sh) or, for containers, an image of
+    /// the layer store (`dsec image ls`); a directory image wins a name clash.
     #[arg(long, value_name = "NAME")]
     image: Option<String>,
     /// Virtual CPUs (microVM).
@@ -186,10 +186,14 @@ struct RunArgs {
     /// Kill the command (and everything it started) after this many seconds.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
+    /// Writable disk in MiB: a container's tmpfs cap (default: unlimited, on the host) or a
+    /// microVM's sparse upper disk on a disk image such as debian (default 1024).
+    #[arg(long = "disk", value_name = "MiB")]
+    disk_mib: Option<u32>,
     /// Guest kernel (microVM). Default: $DSEC_HOME/kernel/vmlinux.
     #[arg(long, value_name = "PATH")]
     kernel: Option<PathBuf>,
-    /// Initramfs (microVM). Default: $DSEC_HOME/images/busybox/initramfs.cpio.
+    /// Initramfs (microVM). Default: the image's initramfs.cpio.
     #[arg(long, value_name = "PATH")]
     initrd: Option<PathBuf>,
     /// Seconds to wait for the sandbox's agent to answer.
@@ -377,6 +381,7 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
         mem_mib: args.mem_mib,
         kernel: args.kernel,
         initrd: args.initrd,
+        disk_mib: args.disk_mib,
         ready_timeout,
         ..SandboxSpec::default()
     };
@@ -420,6 +425,8 @@ fn choose_image(
             return Err(catalog.not_found(name, "microvm").into());
         }
         spec.initrd.get_or_insert(initrd);
+        // A disk image (debian) boots from its read-only root disk with an upper disk.
+        spec.root_disk = Artifacts::from_env().image(name).root_disk();
         return Ok(None);
     }
     match catalog.resolve(name)? {

@@ -459,3 +459,80 @@ fn url_and_port_forward_reach_a_server_in_the_sandbox() {
     }
     node.ok(&["rm", &id]);
 }
+
+/// `dsec run --image debian` against the installed image (setup.sh builds it); the private
+/// DSEC_HOME links to it.
+#[test]
+fn run_image_debian_in_a_container() {
+    let installed = dsec_edge::Artifacts::from_env().image("debian");
+    installed
+        .check("debian", dsec_edge::BackendKind::Container)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let link = dsec_home().join("images/debian");
+    if !link.exists() {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&installed.dir, &link).unwrap();
+    }
+    let run = RunDir::new("debian");
+    let out = run
+        .dsec()
+        .args(["run", "--image", "debian", "--backend", "container", "--"])
+        .args(["python3", "-c", "print(6*7)"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "42\n");
+    // The default image stays busybox: no python3 there.
+    let out = run
+        .dsec()
+        .args(["run", "--backend", "container", "--", "sh", "-c"])
+        .arg("command -v python3 || echo none")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "none\n");
+    assert_eq!(run.leftovers(), 0);
+}
+
+#[test]
+fn run_missing_image_names_the_setup_command() {
+    let run = RunDir::new("noimage");
+    let empty_home = run.0.join("empty-home");
+    for (image, hint) in [
+        ("debian", "images/debian/build.sh --install"),
+        ("busybox", "guest-agent/mkinitramfs.sh --install"),
+    ] {
+        let out = run
+            .dsec()
+            .env("DSEC_HOME", &empty_home)
+            .args([
+                "run",
+                "--image",
+                image,
+                "--backend",
+                "container",
+                "--",
+                "true",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(125));
+        let err = stderr_of(&out);
+        assert!(
+            err.contains(&format!("image \"{image}\" is not installed")),
+            "{err}"
+        );
+        assert!(err.contains(hint), "{err}");
+    }
+    let out = run
+        .dsec()
+        .args(["run", "--image", "../etc", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        stderr_of(&out).contains("is invalid"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert_eq!(run.leftovers(), 0);
+}

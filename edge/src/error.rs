@@ -18,6 +18,15 @@ pub enum EdgeError {
         name: &'static str,
         hint: &'static str,
     },
+    #[error("image {name:?} is not installed for the {backend} backend ({path} missing): {hint}")]
+    MissingImage {
+        name: String,
+        backend: &'static str,
+        path: PathBuf,
+        hint: &'static str,
+    },
+    #[error("cannot format the sandbox's writable disk {path} with mkfs.ext4: {detail} (mkfs.ext4 comes with e2fsprogs)")]
+    FormatDisk { path: PathBuf, detail: String },
     #[error("invalid sandbox request: {0}")]
     InvalidSpec(String),
     #[error("{what}: {source}")]

@@ -23,12 +23,14 @@ const CACHE_CAP_BYTES: u64 = 10 << 30;
 pub enum ImageError {
     #[error("image name {name:?} is invalid: use letters, digits, '.', '_' and '-' (plus ':', '@' and '/' for layer-store images), not starting with '.'")]
     InvalidName { name: String },
-    #[error("image {name:?} not found for the {backend} backend; available: {available} (import one with `dsec image import REF --name NAME`)")]
+    #[error("image {name:?} not found for the {backend} backend; available: {available}; {hint}, or import one with `dsec image import REF --name NAME`")]
     NotFound {
         name: String,
         backend: &'static str,
         /// Both kinds, with where they were looked up.
         available: String,
+        /// How to install a directory image of that name.
+        hint: &'static str,
     },
     #[error("cannot read the layer store {store}: {source}; check DSEC_LAYERFS_STORE / $DSEC_HOME/layerfs/store")]
     Store {
@@ -262,6 +264,7 @@ impl Catalog {
         ImageError::NotFound {
             name: name.to_string(),
             backend,
+            hint: crate::paths::ImagePaths::install_hint(name),
             available: format!(
                 "directory images under {}/images: [{}]; layer-store images in {}{only}: {layers}",
                 self.home.display(),

@@ -12,5 +12,5 @@ pub mod sandbox;
 pub use client::{AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec};
 pub use error::{EdgeError, Result};
 pub use kvm::KvmStatus;
-pub use paths::{find_binary, Artifacts};
+pub use paths::{find_binary, Artifacts, ImagePaths};
 pub use sandbox::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};

@@ -34,12 +34,72 @@ impl Artifacts {
         }
     }
 
+    /// The files of image `name` under `$DSEC_HOME/images/<name>/` (present or not).
+    pub fn image(&self, name: &str) -> ImagePaths {
+        let dir = self.home.join("images").join(name);
+        ImagePaths {
+            rootfs: dir.join("rootfs"),
+            initramfs: dir.join("initramfs.cpio"),
+            root_disk: dir.join("rootfs.img"),
+            dir,
+        }
+    }
+
     /// The guest kernel version recorded next to the kernel, if any.
     pub fn kernel_version(&self) -> Option<String> {
         std::fs::read_to_string(&self.kernel_version_file)
             .ok()
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
+    }
+}
+
+/// Where an installed image keeps its parts.
+#[derive(Clone, Debug)]
+pub struct ImagePaths {
+    pub dir: PathBuf,
+    /// Root directory (container backend: the overlay's lower layer).
+    pub rootfs: PathBuf,
+    /// Initramfs whose /init is the agent (microVM).
+    pub initramfs: PathBuf,
+    /// Read-only root filesystem image, erofs or ext4 (microVM, optional): when present the
+    /// agent boots from the initramfs, then switches into this disk with an overlay on a
+    /// per-sandbox disk.
+    pub root_disk: PathBuf,
+}
+
+impl ImagePaths {
+    /// Checks the part `kind` needs is installed; the error names the command that installs it.
+    pub fn check(&self, name: &str, kind: crate::BackendKind) -> crate::Result<()> {
+        let (present, path) = match kind {
+            crate::BackendKind::Container => (self.rootfs.join("bin").is_dir(), &self.rootfs),
+            crate::BackendKind::MicroVm => (self.initramfs.is_file(), &self.initramfs),
+        };
+        if present {
+            return Ok(());
+        }
+        Err(crate::EdgeError::MissingImage {
+            name: name.to_string(),
+            backend: kind.as_str(),
+            path: path.clone(),
+            hint: Self::install_hint(name),
+        })
+    }
+
+    /// The root disk, if this image has one.
+    pub fn root_disk(&self) -> Option<PathBuf> {
+        self.root_disk.is_file().then(|| self.root_disk.clone())
+    }
+
+    /// How to install image `name`, for error messages.
+    pub fn install_hint(name: &str) -> &'static str {
+        match name {
+            "busybox" => {
+                "build it with `guest-agent/mkinitramfs.sh --install` (./setup.sh runs it)"
+            }
+            "debian" => "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
+            _ => "install the image there (./setup.sh installs busybox and debian)",
+        }
     }
 }
 

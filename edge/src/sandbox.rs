@@ -60,8 +60,12 @@ pub struct SandboxSpec {
     pub ready_timeout: Duration,
     /// Sandbox id; default: generated.
     pub id: Option<String>,
-    /// Writable disk of a container in MiB (a tmpfs in the container); None: unlimited,
-    /// on the host under the sandbox directory.
+    /// Read-only root filesystem image (microVM): attached as the first virtio-blk disk, with a
+    /// fresh sparse ext4 disk of `disk_mib` (default 1024) MiB as the second; the agent
+    /// mounts them as an overlay and runs every command in it.
+    pub root_disk: Option<PathBuf>,
+    /// Writable disk in MiB: of a container a tmpfs in the container (None: unlimited, on the
+    /// host under the sandbox directory); of a microVM with a root disk the sparse upper disk.
     pub disk_mib: Option<u32>,
     /// `cgroup.procs` files the sandbox's first process is written into right after it
     /// starts (everything it starts later inherits them).
@@ -79,6 +83,7 @@ impl Default for SandboxSpec {
             rootfs: None,
             ready_timeout: Duration::from_secs(30),
             id: None,
+            root_disk: None,
             disk_mib: None,
             cgroup_procs: Vec::new(),
         }
@@ -554,6 +559,21 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
             hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
         });
     }
+    if let Some(root) = &spec.root_disk {
+        if !root.is_file() {
+            return Err(EdgeError::MissingArtifact {
+                what: "root disk image",
+                path: root.clone(),
+                hint: "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
+            });
+        }
+        if root.as_os_str().as_bytes().contains(&b',') {
+            return Err(EdgeError::InvalidSpec(format!(
+                "root disk path {} contains ',', which the VMM's --drive flag cannot take",
+                root.display()
+            )));
+        }
+    }
     let kvm = KvmStatus::detect();
     if let Some(reason) = kvm.why_not_microvm() {
         return Err(EdgeError::BackendUnavailable {
@@ -579,6 +599,21 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     let vmm_log = dir.join("vmm.log");
     let api_sock = dir.join("api.sock");
     let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
+    let mut drives = Vec::new();
+    if let Some(root) = &spec.root_disk {
+        let upper = dir.join("upper.ext4");
+        let mib = spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB);
+        if let Err(err) = make_upper_disk(&upper, mib).await {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+        let mut ro = root.clone().into_os_string();
+        ro.push(",ro");
+        drives.push(ro);
+        drives.push(upper.into_os_string());
+        // Read by the agent from /proc/cmdline (dotted words never reach init's argv).
+        cmdline.push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
+    }
     if let Some(extra) = &spec.extra_cmdline {
         cmdline.push(' ');
         cmdline.push_str(extra);
@@ -605,7 +640,11 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         .arg("--serial-log")
         .arg(&serial)
         .arg("--api-sock")
-        .arg(&api_sock)
+        .arg(&api_sock);
+    for drive in &drives {
+        command.arg("--drive").arg(drive);
+    }
+    command
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log_err);
@@ -622,6 +661,64 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
         dir,
     };
     wait_microvm_ready(id, host, spec.ready_timeout).await
+}
+
+/// Size of a microVM's writable upper disk when the spec gives none.
+pub const DEFAULT_UPPER_DISK_MIB: u32 = 1024;
+
+/// Creates a sparse file of `mib` MiB holding an empty ext4 (no journal: the disk lives and
+/// dies with the sandbox; lazy init: only metadata blocks get written).
+async fn make_upper_disk(path: &Path, mib: u32) -> Result<()> {
+    if mib < 16 {
+        return Err(EdgeError::InvalidSpec(format!(
+            "a {mib} MiB disk is too small for a root overlay: use at least 16 MiB"
+        )));
+    }
+    let file = std::fs::File::create(path)
+        .map_err(|e| EdgeError::io(format!("create {}", path.display()), e))?;
+    file.set_len(u64::from(mib) << 20)
+        .map_err(|e| EdgeError::io(format!("size {} to {mib} MiB", path.display()), e))?;
+    drop(file);
+    // sbin is often not on a non-root PATH.
+    let mkfs = find_binary("mkfs.ext4")
+        .or_else(|| {
+            ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+                .into_iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| PathBuf::from("mkfs.ext4"));
+    let output = tokio::process::Command::new(mkfs)
+        .args([
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-L",
+            "dsec-upper",
+            "-O",
+            "^has_journal",
+        ])
+        .args(["-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|e| EdgeError::FormatDisk {
+            path: path.to_path_buf(),
+            detail: format!("cannot run mkfs.ext4: {e}"),
+        })?;
+    if !output.status.success() {
+        return Err(EdgeError::FormatDisk {
+            path: path.to_path_buf(),
+            detail: format!(
+                "{}: {}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            ),
+        });
+    }
+    Ok(())
 }
 
 async fn wait_microvm_ready(
@@ -864,4 +961,40 @@ pub fn parse_env_pair(pair: &str) -> Result<(String, String)> {
 /// Collects `K=V` pairs into a map (later ones win).
 pub fn parse_env(pairs: &[String]) -> Result<HashMap<String, String>> {
     pairs.iter().map(|p| parse_env_pair(p)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn upper_disk_is_a_sparse_ext4_of_the_asked_size() {
+        let dir = std::env::temp_dir().join(format!("dsec-upper-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("upper.ext4");
+        let made = make_upper_disk(&path, 256).await;
+        let meta = std::fs::metadata(&path);
+        let mut superblock = [0u8; 2048];
+        let read = std::fs::File::open(&path).and_then(|mut f| {
+            use std::io::Read;
+            f.read_exact(&mut superblock)
+        });
+        let too_small = make_upper_disk(&dir.join("tiny.ext4"), 8).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        made.unwrap();
+        read.unwrap();
+        let meta = meta.unwrap();
+        assert_eq!(meta.len(), 256 << 20);
+        use std::os::unix::fs::MetadataExt;
+        // Lazy init writes only metadata: a small part of the size is allocated.
+        assert!(
+            meta.blocks() * 512 < 32 << 20,
+            "{} bytes allocated",
+            meta.blocks() * 512
+        );
+        // ext4 superblock magic at byte 1024 + 0x38.
+        assert_eq!(&superblock[1080..1082], &[0x53, 0xef]);
+        let err = too_small.unwrap_err().to_string();
+        assert!(err.contains("too small"), "{err}");
+    }
 }

@@ -44,6 +44,37 @@ async fn bad_specs_are_named() {
         "{err}"
     );
 
+    // A microVM's root disk is checked before anything starts (kernel and initramfs exist).
+    let kernel = node.rootfs.join("bin/busybox");
+    let initrd = node.rootfs.parent().unwrap().join("initramfs.cpio");
+    let spec = SandboxSpec {
+        kernel: Some(kernel.clone()),
+        initrd: Some(initrd.clone()),
+        root_disk: Some(PathBuf::from("/nonexistent/rootfs.img")),
+        ..node.spec()
+    };
+    let err = create_err(&node, BackendKind::MicroVm, spec)
+        .await
+        .to_string();
+    assert!(
+        err.contains("root disk image not found at /nonexistent/rootfs.img")
+            && err.contains("images/debian/build.sh --install"),
+        "{err}"
+    );
+    let comma = node.config.state_dir.with_extension("a,b.img");
+    std::fs::write(&comma, b"").unwrap();
+    let spec = SandboxSpec {
+        kernel: Some(kernel),
+        initrd: Some(initrd),
+        root_disk: Some(comma.clone()),
+        ..node.spec()
+    };
+    let err = create_err(&node, BackendKind::MicroVm, spec)
+        .await
+        .to_string();
+    std::fs::remove_file(&comma).unwrap();
+    assert!(err.contains("contains ','"), "{err}");
+
     let spec = SandboxSpec {
         rootfs: Some(PathBuf::from("/nonexistent/rootfs")),
         ..node.spec()

@@ -5,6 +5,7 @@
 mod agent;
 mod confine;
 mod container;
+mod diskroot;
 mod exec;
 mod files;
 mod init;
@@ -74,6 +75,14 @@ struct Args {
     /// container's mount namespace; writes beyond it fail with ENOSPC).
     #[arg(long, value_name = "MiB", requires = "overlay_dir")]
     disk_mib: Option<u64>,
+    /// VM mode: boot into this read-only root disk (erofs or ext4) with an overlay; default:
+    /// `dsec.root=` on the kernel command line, else stay in the initramfs.
+    #[arg(long, value_name = "DEV")]
+    root_disk: Option<String>,
+    /// With a root disk: the writable disk (ext4) for the overlay's upper layer; default:
+    /// `dsec.upper=` on the kernel command line, else a tmpfs.
+    #[arg(long, value_name = "DEV")]
+    upper_disk: Option<String>,
     /// Hostname to set in a VM or container.
     #[arg(long, default_value = "dsec")]
     hostname: String,
@@ -135,6 +144,20 @@ fn run(args: Args, mode: Mode) -> Result<(), AgentError> {
     }
     // Bind first: in a container the socket path lives on the host and is gone after pivot.
     let listener = BoundListener::bind(&args.listen)?;
+    if mode == Mode::Vm {
+        let disks = match args.root_disk {
+            Some(root) => Some(diskroot::DiskRoot {
+                root,
+                upper: args.upper_disk,
+            }),
+            None => diskroot::from_cmdline(
+                &std::fs::read_to_string("/proc/cmdline").unwrap_or_default(),
+            ),
+        };
+        if let Some(disks) = disks {
+            diskroot::enter(&disks)?;
+        }
+    }
     if let Some(root) = &args.container_root {
         container::enter_root(
             root,

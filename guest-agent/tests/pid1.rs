@@ -147,3 +147,135 @@ async fn agent_as_pid1_sets_up_reaps_and_powers_off() {
     };
     assert!(exited.is_some(), "PID 1 did not power off on Shutdown");
 }
+
+/// Removes a directory on drop, also when an assertion fails.
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A loop device over a file, detached on drop (deferred by the kernel while still mounted).
+struct Loop(String);
+
+impl Loop {
+    fn attach(file: &std::path::Path, read_only: bool) -> Self {
+        let mut cmd = Command::new("losetup");
+        cmd.args(["--find", "--show"]);
+        if read_only {
+            cmd.arg("--read-only");
+        }
+        let out = cmd.arg(file).output().expect("run losetup (util-linux)");
+        assert!(
+            out.status.success(),
+            "losetup {}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.0]).status();
+    }
+}
+
+fn sh(script: &str) {
+    let status = Command::new("sh").args(["-ec", script]).status().unwrap();
+    assert!(status.success(), "{script}");
+}
+
+/// VM mode on a disk image, as in a microVM on the debian image: a read-only erofs root
+/// disk and an ext4 upper disk (loop devices here, virtio-blk there) become an overlay root
+/// that every command runs in; writes land on the upper disk only.
+#[tokio::test]
+async fn agent_as_pid1_boots_into_a_root_disk_with_an_upper_disk() {
+    let dir = PathBuf::from("/var/tmp").join(format!("dsec-pid1-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = RemoveDir(dir.clone());
+    let tree = dir.join("tree");
+    let (root_img, upper_img) = (dir.join("root.img"), dir.join("upper.img"));
+    sh(&format!(
+        "mkdir -p {t}/bin {t}/etc {t}/proc {t}/sys {t}/dev {t}/tmp {t}/run {t}/mnt
+         cp \"$(command -v busybox)\" {t}/bin/busybox
+         for a in sh cat echo grep cut awk test sync; do ln -s busybox {t}/bin/$a; done
+         echo from-image > {t}/etc/marker
+         mkfs.erofs --quiet -zlz4hc {r} {t} >/dev/null
+         truncate -s 64M {u}
+         mkfs.ext4 -q -F -O ^has_journal {u}",
+        t = tree.display(),
+        r = root_img.display(),
+        u = upper_img.display()
+    ));
+    let image_before = std::fs::read(&root_img).unwrap();
+    let root_loop = Loop::attach(&root_img, true);
+    let upper_loop = Loop::attach(&upper_img, false);
+
+    let socket = dir.join("agent.sock");
+    let child = Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount",
+            "--uts",
+            "--net",
+            "--ipc",
+            "--kill-child",
+        ])
+        .arg(env!("CARGO_BIN_EXE_dsec-agent"))
+        .arg("--listen")
+        .arg(format!("unix:{}", socket.display()))
+        .args(["--root-disk", &root_loop.0, "--upper-disk", &upper_loop.0])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("run unshare (util-linux)");
+    let mut agent = Pid1Agent {
+        child,
+        dir: dir.clone(),
+    };
+    let client = connect(&socket)
+        .await
+        .expect("agent as PID 1 on a root disk did not answer");
+
+    let script = "cat /etc/marker; awk '$2 == \"/\" {print $3}' /proc/mounts | tail -1; \
+                  test -x /bin/busybox && test -c /dev/null && test -e /proc/1/comm && echo sane; \
+                  echo written-in-sandbox > /etc/new && sync && cat /etc/new";
+    let out = client
+        .exec_collect(&ExecSpec::new(["sh", "-c", script]), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "from-image\noverlay\nsane\nwritten-in-sandbox\n",
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.outcome.code, Some(0));
+    // The Files API sees the same root.
+    assert_eq!(
+        client.read_file("/etc/marker").await.unwrap(),
+        b"from-image\n"
+    );
+
+    drop(client);
+    let _ = agent.child.kill();
+    let _ = agent.child.wait();
+    let upper = std::fs::read(&upper_img).unwrap();
+    let needle = b"written-in-sandbox\n";
+    assert!(
+        upper.windows(needle.len()).any(|w| w == needle),
+        "the write did not land on the upper disk"
+    );
+    assert!(
+        std::fs::read(&root_img).unwrap() == image_before,
+        "the read-only root disk changed"
+    );
+    drop(agent);
+    drop(upper_loop);
+    drop(root_loop);
+}

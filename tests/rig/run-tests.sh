@@ -7,14 +7,18 @@
 #                   (TCP both ways over a tap), virtio-rng, 2 vCPUs
 #   5. balloon:     the guest's virtio_balloon driver: statistics, inflate/deflate on a host
 #                   target, free page reporting (the VMM's RSS falls), a restored copy
+#   6. debian-image: `dsec run --image debian` in a microVM: read-only erofs root disk plus a
+#                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
-# and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio).
+# and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
+# DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
 # Exit status: number of failed suites.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 BIN=${DSEC_BIN_DIR:-$REPO/target/release}
 AGENT_IMG=${DSEC_AGENT_INITRAMFS:-${DSEC_HOME:-/var/lib/dsec}/images/busybox/initramfs.cpio}
+DEBIAN_IMG=${DSEC_DEBIAN_IMG:-${DSEC_HOME:-/var/lib/dsec}/images/debian/rootfs.img}
 
 kdir=$("$REPO/guest-kernel/build.sh") || { echo "rig: error: guest kernel build failed" >&2; exit 1; }
 tiny=$("$HERE/rig.sh" guest-initramfs)
@@ -55,6 +59,21 @@ if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/balloon.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig debian-image (dsec run --image debian in a microVM, in L1)"
+if ((${#missing[@]})); then
+    :
+elif [[ ! -f $DEBIAN_IMG ]]; then
+    echo "FAIL debian-image: $DEBIAN_IMG missing (run images/debian/build.sh --install, or ./setup.sh --no-run)"
+    failed=$((failed + 1))
+else
+    # mke2fs formats the per-sandbox upper disk (the edge runs mkfs.ext4).
+    mke2fs_bin=$(PATH=$PATH:/usr/sbin:/sbin command -v mke2fs) || mke2fs_bin=/sbin/mke2fs
+    RIG_MEM=${RIG_MEM:-3072} RIG_TIMEOUT=${RIG_TIMEOUT:-1500} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$mke2fs_bin=/bin/mkfs.ext4" \
+        /etc/mke2fs.conf=/etc/mke2fs.conf "$kdir/vmlinux=/dsec/kernel/vmlinux" \
+        "$AGENT_IMG=/dsec/images/debian/initramfs.cpio" "$DEBIAN_IMG=/dsec/images/debian/rootfs.img" \
         || failed=$((failed + 1))
 fi
 echo "rig suites failed: $failed"

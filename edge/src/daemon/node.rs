@@ -472,6 +472,14 @@ impl Node {
             .join("initramfs.cpio")
     }
 
+    /// The read-only root disk a microVM of this plan boots into, if its image has one.
+    fn image_root_disk(&self, plan: &Plan) -> Option<PathBuf> {
+        if plan.kind != BackendKind::MicroVm {
+            return None;
+        }
+        self.config.artifacts.image(&plan.image).root_disk()
+    }
+
     /// Resolves the image for the backend: for containers a directory image
     /// (`$DSEC_HOME/images/NAME/rootfs`) wins over a layer-store image of the same name; for
     /// microVMs only `$DSEC_HOME/images/NAME/initramfs.cpio` counts.
@@ -525,7 +533,9 @@ impl Node {
             initrd: Some(self.image_initrd(&plan.image)),
             ready_timeout: self.config.ready_timeout,
             id: Some(id.to_string()),
-            disk_mib: (plan.kind == BackendKind::Container).then_some(plan.demand.disk_mib as u32),
+            root_disk: self.image_root_disk(plan),
+            disk_mib: (plan.kind == BackendKind::Container || self.image_root_disk(plan).is_some())
+                .then_some(plan.demand.disk_mib as u32),
             cgroup_procs: cgroup::procs_files(cgroups),
             ..SandboxSpec::default()
         }
@@ -535,8 +545,15 @@ impl Node {
         // A container's disk is a tmpfs charged to its memory cgroup.
         let memory_mib = match plan.kind {
             BackendKind::Container => plan.demand.memory_mib + plan.demand.disk_mib,
-            // The VMM maps guest memory plus its own overhead.
-            BackendKind::MicroVm => plan.demand.memory_mib + 64,
+            // The VMM maps guest memory plus its own overhead, and the pages it writes to
+            // the upper disk of a disk image are charged to it (all of them on a tmpfs).
+            BackendKind::MicroVm => {
+                let upper = match self.image_root_disk(plan) {
+                    Some(_) => plan.demand.disk_mib,
+                    None => 0,
+                };
+                plan.demand.memory_mib + 64 + upper
+            }
         };
         let limits = Limits {
             memory_bytes: memory_mib as u64 * 1024 * 1024,
@@ -803,6 +820,19 @@ impl Node {
             return Err(Status::unimplemented(
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
             ));
+        }
+        if self
+            .config
+            .artifacts
+            .image(&parent.image)
+            .root_disk()
+            .is_some()
+        {
+            // A restore reopens the parent's disks, and its writable upper disk is locked.
+            return Err(Status::unimplemented(format!(
+                "fork of microvm sandboxes on a disk image ({:?}) is not implemented: each child would need its own copy of the writable disk; fork sandboxes of the busybox image",
+                parent.image
+            )));
         }
         let snapshot = self.snapshot(id, "", false).await?;
         let mut children = Vec::new();

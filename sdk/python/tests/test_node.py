@@ -266,6 +266,21 @@ class ApiTest(NodeTest):
             # The sandbox's memory cgroup (64 MiB + disk) held; the agent did not balloon.
             self.assertLess(usage, 200 << 20)
 
+    def test_debian_image(self):
+        """Create with image "debian" (images/debian/build.sh, run by setup.sh): its tools run
+        and a write stays in the sandbox."""
+        with self.client.create(image="debian", memory_mib=256, disk_mib=512) as sb:
+            self.assertEqual(sb.info.image, "debian")
+            r = sb.exec(["python3", "-c", "print(6*7)"])
+            self.assertEqual((r.exit_code, r.text), (0, "42\n"), r.stderr)
+            r = sb.exec(["bash", "-c", "git --version && echo x > /usr/local/bin/mine"])
+            self.assertEqual(r.exit_code, 0, r.stderr)
+            self.assertTrue(r.text.startswith("git version 2."), r.text)
+            self.assertEqual(sb.read_file("/usr/local/bin/mine"), b"x\n")
+        image_rootfs = Path(os.environ.get("DSEC_HOME", "/var/lib/dsec")) / "images/debian/rootfs"
+        self.assertFalse((image_rootfs / "usr/local/bin/mine").exists())
+        self.assertClean()
+
     def test_bad_requests(self):
         c = self.client
         with self.assertRaises(dsec.InvalidArgument) as e:
@@ -274,6 +289,7 @@ class ApiTest(NodeTest):
         with self.assertRaises(dsec.NotFound) as e:
             c.create(image="no-such-image")
         self.assertIn("available", e.exception.details)
+        self.assertIn("./setup.sh", e.exception.details)
         with self.assertRaises(dsec.NotFound):
             c.get("sb-000000000000")
         with self.assertRaises(dsec.NotFound):

@@ -1,0 +1,57 @@
+#!/bin/sh
+# Runs inside the rig's L1: `dsec run --image debian` on the microVM backend. The agent boots
+# from the initramfs, mounts the read-only erofs root disk (vda) and a fresh sparse upper disk
+# (vdb, made by the edge with mkfs.ext4) as an overlay, and runs every command in it.
+# Expects in L1: /bin/dsec, /bin/dsec-vmm, /bin/mkfs.ext4 and DSEC_HOME=/dsec holding
+# kernel/vmlinux and images/debian/{initramfs.cpio,rootfs.img}.
+# Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
+pass=0; fail=0
+ok()  { echo "PASS $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
+now() { cut -d' ' -f1 /proc/uptime; }
+export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
+T=${DEBIAN_IMAGE_TIMEOUT:-300}
+IMG=$DSEC_HOME/images/debian/rootfs.img
+
+for f in /bin/dsec /bin/dsec-vmm /bin/mkfs.ext4 $DSEC_HOME/kernel/vmlinux \
+         $DSEC_HOME/images/debian/initramfs.cpio $IMG; do
+    [ -e $f ] || bad "input $f" "missing from the L1 initramfs (pass it to rig.sh run)"
+done
+img_sum=$(md5sum <$IMG | cut -d' ' -f1)
+
+# run NAME EXPECTED_STATUS EXPECTED_STDOUT CMD...: one `dsec run --image debian` check.
+run() {
+    name=$1; want_rc=$2; want_out=$3; shift 3
+    t0=$(now)
+    out=$(timeout $T dsec run --backend microvm --image debian --boot-timeout 240 -- "$@" 2>/tmp/$name.err)
+    rc=$?; t1=$(now)
+    if [ "$rc" = "$want_rc" ] && [ "$out" = "$want_out" ]; then
+        ok "$name"
+        echo "METRIC ${name}_s $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')"
+    else
+        bad "$name" "exit=$rc (want $want_rc) stdout='$out' (want '$want_out'); stderr:"
+        tail -30 /tmp/$name.err
+    fi
+}
+
+run debian-python3 0 42 python3 -c 'print(6*7)'
+# Each run boots a VM (minutes under TCG on a loaded machine): checks share runs.
+run debian-bash-git-exit 3 "bash git version ID=debian" \
+    bash -c 'echo bash $(git --version | cut -d" " -f1-2) $(grep -x ID=debian /etc/os-release); exit 3'
+# Writes (to / itself and to /usr) land on the upper disk: after a sync the upper disk (vdb)
+# has written sectors (field 7 of its stat), the read-only root disk (vda) none, and / is
+# the overlay.
+run debian-writes-to-upper 0 "marker ok root=overlay vda=0 vdb=big" bash -c '
+    head -c 8388608 /dev/zero >/big && echo marker >/usr/local/marker && sync
+    [ "$(cat /usr/local/marker)" = marker ] && m=ok || m=lost
+    vda=$(awk "{print \$7}" /sys/block/vda/stat); vdb=$(awk "{print \$7}" /sys/block/vdb/stat)
+    [ "$vdb" -ge 16384 ] && vdb=big
+    echo "marker $m root=$(awk "\$2 == \"/\" {print \$3}" /proc/mounts | tail -1) vda=$vda vdb=$vdb"'
+[ "$(md5sum <$IMG | cut -d' ' -f1)" = "$img_sum" ] && ok image-unchanged || bad image-unchanged "rootfs.img changed on the host"
+# Each sandbox gets a fresh upper disk: the previous one's file is gone.
+run debian-fresh-upper 0 "" sh -c 'test ! -e /usr/local/marker && test ! -e /big'
+left=$(ls $DSEC_RUN_DIR/sandboxes 2>/dev/null | wc -l)
+[ "$left" = 0 ] && ok no-leftovers || bad no-leftovers "$left sandbox directories left in $DSEC_RUN_DIR/sandboxes"
+
+echo "$pass passed, $fail failed"
+exit $fail

@@ -518,7 +518,9 @@ fn run_missing_image_names_the_setup_command() {
         assert_eq!(out.status.code(), Some(125));
         let err = stderr_of(&out);
         assert!(
-            err.contains(&format!("image \"{image}\" is not installed")),
+            err.contains(&format!(
+                "image \"{image}\" not found for the container backend"
+            )),
             "{err}"
         );
         assert!(err.contains(hint), "{err}");

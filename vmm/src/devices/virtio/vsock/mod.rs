@@ -3,6 +3,8 @@
 //! guest-initiated ones).
 
 mod muxer;
+#[doc(hidden)]
+pub use muxer::hostile_round;
 pub mod packet;
 
 use std::path::PathBuf;

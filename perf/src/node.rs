@@ -996,11 +996,13 @@ mod tests {
     #[test]
     fn procs_referencing_finds_a_child_by_its_argument() {
         let marker = std::env::temp_dir().join(format!("dsec-perf-marker-{}", std::process::id()));
-        // `$0` of the shell is the marker; `; :` keeps the shell from exec'ing sleep.
+        // `$0` of the shell is the marker; the builtin `read` waits on the pipe without
+        // forking, so the shell is the only process carrying it.
         let mut child = Command::new("sh")
             .arg("-c")
-            .arg("sleep 30; :")
+            .arg("read x")
             .arg(&marker)
+            .stdin(Stdio::piped())
             .spawn()
             .unwrap();
         let pid = child.id() as libc::pid_t;

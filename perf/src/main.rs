@@ -304,6 +304,10 @@ struct NodeArgs {
     /// Write the full results (machine info, summaries, ratios, every sample) here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Parent of the scratch directory holding the daemon's state dir [default: /run, where
+    /// a default node keeps its state].
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
     /// Keep the scratch directory (the daemon's log).
     #[arg(long)]
     keep_workdir: bool,
@@ -742,7 +746,17 @@ fn node_cmd(a: NodeArgs) -> Result<(), String> {
     let home = std::env::var_os("DSEC_HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"));
-    let workdir = std::env::temp_dir().join(format!("dsec-perf-node-{}", std::process::id()));
+    // Beside a default node's state dir (/run/dsec): the daemon's per-create fsync of
+    // meta.json then costs what it costs a default node on this host.
+    let parent = a.workdir.clone().unwrap_or_else(|| {
+        let run = PathBuf::from("/run");
+        if run.is_dir() {
+            run
+        } else {
+            std::env::temp_dir()
+        }
+    });
+    let workdir = parent.join(format!("dsec-perf-node-{}", std::process::id()));
     let opts = node::NodeOpts {
         edge: a
             .edge
@@ -794,7 +808,7 @@ fn node_cmd(a: NodeArgs) -> Result<(), String> {
                     "samples": a.samples, "warmup": a.warmup, "burst": a.burst,
                     "burst_rounds": a.burst_rounds, "exec_samples": a.exec_samples,
                     "memory_mib": a.memory_mib, "disk_mib": a.disk_mib,
-                    "rootfs": opts.rootfs, "edge": opts.edge,
+                    "rootfs": opts.rootfs, "edge": opts.edge, "workdir": workdir,
                 },
                 "edge_command": r.edge_command,
                 "backends": r.backends,

@@ -127,6 +127,16 @@ pub fn plan_backends(wanted: &[String], kvm_kind: &str) -> Result<Vec<BackendPla
     Ok(plans)
 }
 
+/// The daemon's default vCPU overcommit (DaemonConfig::default()).
+pub const DEFAULT_OVERCOMMIT_CPU: f64 = 64.0;
+
+/// The `--overcommit-cpu` a daemon on `cores` needs to admit `sandboxes` 1-vCPU sandboxes at
+/// once, when its default does not (on 2 cores the default budget is 128 vCPUs).
+pub fn cpu_overcommit_for(sandboxes: usize, cores: usize) -> Option<f64> {
+    let needed = (sandboxes as f64 / cores.max(1) as f64).ceil();
+    (needed > DEFAULT_OVERCOMMIT_CPU).then_some(needed)
+}
+
 /// A `dsec-edge` on a private state directory and cgroup name. Dropping it deletes nothing
 /// through the API (use `Edge::delete_all` first) but always stops the daemon, kills any
 /// process still referencing its sandboxes, removes its cgroups and the state directory.
@@ -140,7 +150,7 @@ pub struct Edge {
 }
 
 impl Edge {
-    pub fn start(bin: &Path, workdir: &Path) -> Result<Edge, NodeError> {
+    pub fn start(bin: &Path, workdir: &Path, extra: &[String]) -> Result<Edge, NodeError> {
         let state = workdir.join("edge");
         let cgroup_name = format!("dsec-perf-{}", std::process::id());
         std::fs::create_dir_all(&state).map_err(io(format!("create {}", state.display())))?;
@@ -149,7 +159,7 @@ impl Edge {
             std::fs::File::create(&log).map_err(io(format!("create {}", log.display())))?;
         let err_file = log_file.try_clone().map_err(io("dup the log file"))?;
         // Isolation only (state dir, cgroup name, no metrics port clash); all else default.
-        let args: Vec<std::ffi::OsString> = vec![
+        let mut args: Vec<std::ffi::OsString> = vec![
             "--state-dir".into(),
             state.clone().into(),
             "--metrics".into(),
@@ -157,6 +167,7 @@ impl Edge {
             "--cgroup-name".into(),
             cgroup_name.clone().into(),
         ];
+        args.extend(extra.iter().map(Into::into));
         let command = shell_words(bin, &args);
         let mut cmd = Command::new(bin);
         cmd.args(&args)
@@ -188,6 +199,17 @@ impl Edge {
             log,
             command,
         })
+    }
+
+    /// CPU time of the daemon and of its reaped children (the sandboxes' agents and what
+    /// they ran), in ms: kernel work done elsewhere (e.g. network namespace cleanup in
+    /// kworkers) is not in it.
+    pub fn cpu_ms(&self) -> Option<f64> {
+        let pid = self.child.as_ref()?.id();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // SAFETY: sysconf has no memory arguments.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        cpu_ms_of_stat(&stat, hz as f64)
     }
 
     fn sandboxes_dir(&self) -> PathBuf {
@@ -298,6 +320,20 @@ impl Drop for Edge {
         }
         let _ = std::fs::remove_dir_all(&self.state);
     }
+}
+
+/// utime + stime + cutime + cstime of a `/proc/PID/stat` line, in ms.
+pub fn cpu_ms_of_stat(stat: &str, ticks_per_s: f64) -> Option<f64> {
+    // The command name may contain spaces and parentheses: fields start after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the name: state is field 3, utime..cstime are fields 14..=17.
+    let ticks: f64 = f
+        .get(11..15)?
+        .iter()
+        .map(|v| v.parse::<f64>().ok())
+        .sum::<Option<f64>>()?;
+    (ticks_per_s > 0.0).then(|| ticks * 1000.0 / ticks_per_s)
 }
 
 /// Pids (not ours) whose command line contains `text`.
@@ -590,6 +626,7 @@ async fn burst_round(
     round: usize,
 ) -> Vec<Sample> {
     let name = b.name.to_string();
+    let cpu0 = edge.cpu_ms();
     let mut set = tokio::task::JoinSet::new();
     let t0 = Instant::now();
     for i in 0..o.burst {
@@ -688,6 +725,11 @@ async fn burst_round(
     ]
     .into_iter()
     .collect();
+    if let (Some(a), Some(b)) = (cpu0, edge.cpu_ms()) {
+        if !created.is_empty() {
+            values.insert("cpu_ms_per_sandbox", (b - a) / created.len() as f64);
+        }
+    }
     if !created.is_empty() && span > Duration::ZERO {
         values.insert("creates_per_s", created.len() as f64 / span.as_secs_f64());
     }
@@ -696,11 +738,12 @@ async fn burst_round(
         index: round,
         values,
         error: (!errors.is_empty()).then(|| {
-            let more = errors.len().saturating_sub(5);
+            let more = errors.len().saturating_sub(3);
+            let short = |e: &String| e.chars().take(160).collect::<String>();
             let mut e = errors
                 .iter()
-                .take(5)
-                .cloned()
+                .take(3)
+                .map(short)
                 .collect::<Vec<_>>()
                 .join("; ");
             if more > 0 {
@@ -787,7 +830,23 @@ pub fn bench(o: &NodeOpts, kvm_kind: &str) -> Result<Results, NodeError> {
         .enable_all()
         .build()
         .map_err(io("start the async runtime"))?;
-    let mut edge = Edge::start(&o.edge, &o.workdir)?;
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mut extra = Vec::new();
+    let mut budget_note = None;
+    if let Some(ratio) = cpu_overcommit_for(o.burst, cores) {
+        extra = vec!["--overcommit-cpu".to_string(), ratio.to_string()];
+        budget_note = Some(format!(
+            "the default vCPU budget ({cores} cores x {DEFAULT_OVERCOMMIT_CPU} = {} vCPUs) \
+             admits fewer than {} 1-vCPU sandboxes at once (the rest get RESOURCE_EXHAUSTED): \
+             the daemon ran with --overcommit-cpu {ratio}, its only non-default setting \
+             besides the state dir, cgroup name and metrics",
+            cores as f64 * DEFAULT_OVERCOMMIT_CPU,
+            o.burst
+        ));
+    }
+    let mut edge = Edge::start(&o.edge, &o.workdir, &extra)?;
     let edge_cmd = edge.command.clone();
     let result = runtime.block_on(async {
         let client = edge.connect(o.timeout).await?;
@@ -837,6 +896,9 @@ pub fn bench(o: &NodeOpts, kvm_kind: &str) -> Result<Results, NodeError> {
                 left.join(", ")
             ));
         }
+        if let Some(n) = &budget_note {
+            burst.notes.push(n.clone());
+        }
         add_goal_notes(&mut burst, &mut exec, &plans);
         Ok::<_, NodeError>((create, burst, exec))
     });
@@ -881,6 +943,11 @@ fn skeleton_burst(o: &NodeOpts, plans: &[BackendPlan]) -> Scenario {
             detail("burst_created", "sandboxes created", "count"),
             detail("burst_checked", "outputs checked ok", "count"),
             detail("leftovers", "left on the host after deletes", "count"),
+            detail(
+                "cpu_ms_per_sandbox",
+                "node CPU per sandbox, create..delete",
+                "ms",
+            ),
         ],
         contenders: plans
             .iter()
@@ -970,6 +1037,25 @@ mod tests {
         assert!(p.iter().all(|b| b.skipped.is_none()));
         let p = plan_backends(&want, "none").unwrap();
         assert!(p[1].skipped.as_deref().unwrap().contains("kvm_kind=none"));
+    }
+
+    #[test]
+    fn cpu_budget_is_raised_only_when_the_default_is_short() {
+        assert_eq!(cpu_overcommit_for(128, 2), None);
+        assert_eq!(cpu_overcommit_for(200, 2), Some(100.0));
+        assert_eq!(cpu_overcommit_for(201, 2), Some(101.0));
+        assert_eq!(cpu_overcommit_for(200, 4), None);
+        assert_eq!(cpu_overcommit_for(10, 0), None);
+    }
+
+    #[test]
+    fn cpu_time_from_proc_stat() {
+        let stat = "42 (tokio (rt) x) S 1 42 42 0 -1 4194560 100 0 0 0 150 50 7 3 20 0 4";
+        assert_eq!(cpu_ms_of_stat(stat, 100.0), Some(2100.0));
+        assert_eq!(cpu_ms_of_stat("42 (x) S 1", 100.0), None);
+        assert_eq!(cpu_ms_of_stat(stat, 0.0), None);
+        let me = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert!(cpu_ms_of_stat(&me, 100.0).unwrap() >= 0.0);
     }
 
     #[test]

@@ -28,10 +28,10 @@ fn edge() -> PathBuf {
 
 #[test]
 fn node_scenario_runs_with_tiny_counts() {
-    // SAFETY: geteuid cannot fail.
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let euid = unsafe { libc::geteuid() };
     assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
+        euid, 0,
         "run as root: the node benchmark starts dsec-edge (namespaces, cgroups)"
     );
     let edge = edge();

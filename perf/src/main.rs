@@ -1,7 +1,8 @@
 //! dsec-perf: DSec's benchmark harness. `dsec-perf boot` measures boot latency of our VMM
 //! beside QEMU `-M microvm`, alternating between them, and reports percentiles and ratios;
 //! `dsec-perf snapshot` measures restore, fork and the memory of forked children;
-//! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads).
+//! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads);
+//! `dsec-perf node` measures the node daemon (create, bursts of creates, exec round trip).
 
 mod direct;
 mod fleet;
@@ -9,6 +10,7 @@ mod guest;
 mod kvmfloor;
 mod layerfs;
 mod machine;
+mod node;
 mod report;
 mod rig;
 mod rig_devices;
@@ -46,6 +48,10 @@ enum Cmd {
     /// Device throughput and VMM memory, ours vs QEMU microvm, in the rig (Linux guest):
     /// block sequential/random reads, TCP both ways, idle VMM memory overhead.
     Devices(DevicesArgs),
+    /// The node daemon: a real dsec-edge on a private state dir, driven through the Rust
+    /// SDK: create -> first exec beside unshare/bwrap, bursts of concurrent creates, exec
+    /// round trip in a warm sandbox. Needs root.
+    Node(NodeArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -253,6 +259,56 @@ struct LayerfsArgs {
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Keep the scratch directory (staged tree, store, the last extracted tree and cache).
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct NodeArgs {
+    /// Sequential create -> first exec samples per contender (contenders alternate).
+    #[arg(long, default_value_t = 30)]
+    samples: usize,
+    /// Discarded rounds before the samples.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Concurrent creates per burst.
+    #[arg(long, default_value_t = 200)]
+    burst: usize,
+    /// Bursts per backend.
+    #[arg(long, default_value_t = 3)]
+    burst_rounds: usize,
+    /// Exec round trips timed in the warm sandbox.
+    #[arg(long, default_value_t = 300)]
+    exec_samples: usize,
+    /// Backends to measure; microvm is skipped (reason in the JSON) where a Linux guest
+    /// cannot boot.
+    #[arg(long, value_delimiter = ',', default_value = "container,microvm")]
+    backends: Vec<String>,
+    /// Memory of each sandbox (admission budget and cgroup limit).
+    #[arg(long, default_value_t = 64)]
+    memory_mib: i64,
+    /// Writable disk of each sandbox.
+    #[arg(long, default_value_t = 64)]
+    disk_mib: i64,
+    /// The daemon [default: dsec-edge next to this binary, else target/release, else PATH;
+    /// it uses the dsec-agent next to itself].
+    #[arg(long, value_name = "PATH")]
+    edge: Option<PathBuf>,
+    /// Rootfs of the baselines [default: $DSEC_HOME/images/busybox/rootfs, the image the
+    /// daemon uses].
+    #[arg(long, value_name = "DIR")]
+    rootfs: Option<PathBuf>,
+    /// Seconds to wait for the daemon to serve.
+    #[arg(long, default_value_t = 30)]
+    timeout_s: u64,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Parent of the scratch directory holding the daemon's state dir [default: /run, where
+    /// a default node keeps its state].
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<PathBuf>,
+    /// Keep the scratch directory (the daemon's log).
     #[arg(long)]
     keep_workdir: bool,
 }
@@ -671,6 +727,110 @@ fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
     out
 }
 
+fn default_beside_or_release(root: &Path, name: &str) -> PathBuf {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join(name)));
+    if let Some(p) = beside.filter(|p| p.is_file()) {
+        return p;
+    }
+    let built = root.join("target/release").join(name);
+    if built.is_file() {
+        return built;
+    }
+    direct::which(Path::new(name)).unwrap_or(built)
+}
+
+fn node_cmd(a: NodeArgs) -> Result<(), String> {
+    let root = repo_root();
+    let home = std::env::var_os("DSEC_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"));
+    // Beside a default node's state dir (/run/dsec): the daemon's per-create fsync of
+    // meta.json then costs what it costs a default node on this host.
+    let parent = a.workdir.clone().unwrap_or_else(|| {
+        let run = PathBuf::from("/run");
+        if run.is_dir() {
+            run
+        } else {
+            std::env::temp_dir()
+        }
+    });
+    let workdir = parent.join(format!("dsec-perf-node-{}", std::process::id()));
+    let opts = node::NodeOpts {
+        edge: a
+            .edge
+            .clone()
+            .unwrap_or_else(|| default_beside_or_release(&root, "dsec-edge")),
+        rootfs: a
+            .rootfs
+            .clone()
+            .unwrap_or_else(|| home.join("images/busybox/rootfs")),
+        bwrap: direct::which(Path::new("bwrap")),
+        unshare: direct::which(Path::new("unshare")),
+        backends: a.backends.clone(),
+        samples: a.samples,
+        warmup: a.warmup,
+        burst: a.burst,
+        burst_rounds: a.burst_rounds,
+        exec_samples: a.exec_samples,
+        memory_mib: a.memory_mib,
+        disk_mib: a.disk_mib,
+        timeout: Duration::from_secs(a.timeout_s),
+        workdir: workdir.clone(),
+    };
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    let kvm_kind = machine["kvm_kind"]
+        .as_str()
+        .unwrap_or("unknown")
+        .to_string();
+    eprintln!(
+        "dsec-perf: node, kvm={kvm_kind} cpu={:?} edge={} rootfs={}",
+        machine["cpu_model"].as_str().unwrap_or("?"),
+        opts.edge.display(),
+        opts.rootfs.display()
+    );
+    std::fs::create_dir_all(&workdir).map_err(|e| format!("create {}: {e}", workdir.display()))?;
+    let result = node::bench(&opts, &kvm_kind);
+    let out = result.map_err(|e| e.to_string()).and_then(|r| {
+        for sc in [&r.create, &r.burst, &r.exec] {
+            print!("{}", sc.table());
+            println!();
+        }
+        if let Some(path) = &a.json {
+            let doc = json!({
+                "tool": "dsec-perf",
+                "scenario": "node",
+                "version": env!("CARGO_PKG_VERSION"),
+                "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+                "machine": machine,
+                "options": {
+                    "samples": a.samples, "warmup": a.warmup, "burst": a.burst,
+                    "burst_rounds": a.burst_rounds, "exec_samples": a.exec_samples,
+                    "memory_mib": a.memory_mib, "disk_mib": a.disk_mib,
+                    "rootfs": opts.rootfs, "edge": opts.edge, "workdir": workdir,
+                },
+                "edge_command": r.edge_command,
+                "backends": r.backends,
+                "create": r.create.to_json(),
+                "burst": r.burst.to_json(),
+                "exec": r.exec.to_json(),
+            });
+            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+            std::fs::write(path, text + "\n")
+                .map_err(|e| format!("write {}: {e}", path.display()))?;
+            eprintln!("dsec-perf: wrote {}", path.display());
+        }
+        Ok(())
+    });
+    if a.keep_workdir {
+        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&workdir);
+    }
+    out
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -696,6 +856,13 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Layerfs(a) => match layerfs_cmd(a) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("dsec-perf: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Cmd::Node(a) => match node_cmd(a) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("dsec-perf: {e}");

@@ -108,8 +108,8 @@ impl Scenario {
         }
         let _ = writeln!(
             o,
-            "   {:<34} {:<10} {:>3} {:>10} {:>10} {:>10} {:>10}",
-            "metric", "contender", "n", "min", "p50", "p90", "max"
+            "   {:<34} {:<10} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "metric", "contender", "n", "min", "p50", "p90", "p99", "max"
         );
         for m in &self.metrics {
             let mut first = true;
@@ -125,13 +125,14 @@ impl Scenario {
                 first = false;
                 let _ = writeln!(
                     o,
-                    "   {:<34} {:<10} {:>3} {:>10} {:>10} {:>10} {:>10}",
+                    "   {:<34} {:<10} {:>3} {:>10} {:>10} {:>10} {:>10} {:>10}",
                     label,
                     c.name,
                     s.n,
                     fmt_num(s.min),
                     fmt_num(s.p50),
                     fmt_num(s.p90),
+                    fmt_num(s.p99),
                     fmt_num(s.max)
                 );
             }

@@ -40,6 +40,7 @@ pub struct Summary {
     pub min: f64,
     pub p50: f64,
     pub p90: f64,
+    pub p99: f64,
     pub max: f64,
     pub mean: f64,
 }
@@ -57,6 +58,7 @@ impl Summary {
             min: v[0],
             p50: percentile(&v, 50.0)?,
             p90: percentile(&v, 90.0)?,
+            p99: percentile(&v, 99.0)?,
             max: v[v.len() - 1],
             mean: v.iter().sum::<f64>() / v.len() as f64,
         })
@@ -65,7 +67,7 @@ impl Summary {
     pub fn to_json(&self) -> Value {
         json!({
             "n": self.n, "min": self.min, "p50": self.p50, "p90": self.p90,
-            "max": self.max, "mean": self.mean,
+            "p99": self.p99, "max": self.max, "mean": self.mean,
         })
     }
 }
@@ -131,6 +133,7 @@ mod tests {
         assert_eq!(s.max, 10.0);
         assert!(close(s.p50, 5.5));
         assert!(close(s.p90, 9.1));
+        assert!(close(s.p99, 9.91));
         assert!(close(s.mean, 5.5));
         assert_eq!(Summary::of(&[]), None);
     }

@@ -95,12 +95,22 @@ pub struct DebianImage {
     pub built_s: Option<f64>,
 }
 
+const DEBOOTSTRAP: &[&str] = &["/usr/sbin/debootstrap", "/usr/bin/debootstrap"];
+
 /// The cached image, built first if absent (minutes: it downloads a few hundred MiB).
 /// A failed build leaves nothing behind but its log.
 pub fn ensure() -> Result<DebianImage, DebianError> {
+    ensure_in(&cache_root(), DEBOOTSTRAP, MIRROR_HOST)
+}
+
+/// `ensure` with the cache root, where debootstrap may be and the mirror's host:port given.
+fn ensure_in(
+    cache: &Path,
+    debootstrap: &[&str],
+    mirror_host: &str,
+) -> Result<DebianImage, DebianError> {
     let key = key();
-    let cache = cache_root();
-    let dir = image_dir(&cache, &key);
+    let dir = image_dir(cache, &key);
     if dir.join("usr/bin/python3").exists() {
         return Ok(DebianImage {
             root: dir,
@@ -108,11 +118,11 @@ pub fn ensure() -> Result<DebianImage, DebianError> {
             built_s: None,
         });
     }
-    if !has_debootstrap() {
+    if !debootstrap.iter().any(|p| Path::new(p).exists()) {
         return Err(DebianError::NoDebootstrap);
     }
-    mirror_reachable()?;
-    fs::create_dir_all(&cache).map_err(io("creating", &cache))?;
+    mirror_reachable(mirror_host)?;
+    fs::create_dir_all(cache).map_err(io("creating", cache))?;
     let name = dir.file_name().expect("a file name").to_string_lossy();
     let tmp = cache.join(format!("tmp-{name}-{}", std::process::id()));
     let log = cache.join(format!("{name}.log"));
@@ -142,17 +152,11 @@ pub fn ensure() -> Result<DebianImage, DebianError> {
     })
 }
 
-fn has_debootstrap() -> bool {
-    ["/usr/sbin/debootstrap", "/usr/bin/debootstrap"]
-        .iter()
-        .any(|p| Path::new(p).exists())
-}
-
 /// A TCP connect to the mirror within 5 s (name resolution included).
-fn mirror_reachable() -> Result<(), DebianError> {
-    let addrs = MIRROR_HOST
+fn mirror_reachable(host: &str) -> Result<(), DebianError> {
+    let addrs = host
         .to_socket_addrs()
-        .map_err(|e| DebianError::MirrorUnreachable(format!("resolving {MIRROR_HOST}: {e}")))?;
+        .map_err(|e| DebianError::MirrorUnreachable(format!("resolving {host}: {e}")))?;
     let mut last = String::from("no address");
     for a in addrs {
         match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
@@ -213,6 +217,39 @@ mod tests {
         let name = a.file_name().unwrap().to_str().unwrap();
         assert!(name.starts_with("debian-bookworm-") && name.len() == 16 + 16);
         assert!(a.starts_with(root));
+    }
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("dsec-perf-debian-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_cached_image_is_used_without_debootstrap_or_mirror() {
+        let cache = scratch("cached");
+        let dir = image_dir(&cache, &key());
+        fs::create_dir_all(dir.join("usr/bin")).unwrap();
+        fs::write(dir.join("usr/bin/python3"), b"").unwrap();
+        let img = ensure_in(&cache, &["/nonexistent/debootstrap"], "host.invalid:80").unwrap();
+        assert_eq!((img.root, img.built_s), (dir, None));
+        fs::remove_dir_all(&cache).unwrap();
+    }
+
+    #[test]
+    fn missing_debootstrap_or_mirror_are_clear_errors_and_leave_nothing() {
+        let cache = scratch("missing");
+        let e = ensure_in(&cache, &["/nonexistent/debootstrap"], MIRROR_HOST).unwrap_err();
+        assert!(matches!(e, DebianError::NoDebootstrap), "{e}");
+        assert!(e.to_string().contains("apt-get install debootstrap"), "{e}");
+        // Any existing file stands in for debootstrap: the mirror check comes first.
+        let e = ensure_in(&cache, &["/proc/self/exe"], "host.invalid:80").unwrap_err();
+        assert!(matches!(e, DebianError::MirrorUnreachable(_)), "{e}");
+        assert!(e.to_string().contains("--image host"), "{e}");
+        assert!(
+            !cache.exists(),
+            "nothing is created before the build starts"
+        );
     }
 
     #[test]

@@ -196,6 +196,31 @@ impl Pinned<'_> {
         // this borrow holds); the file is never written (see ChunkFile).
         Some(unsafe { std::slice::from_raw_parts((m.ptr as *const u8).add(off), len) })
     }
+
+    /// Drops this process's page table entries for a range `mapped` returned, once the
+    /// reply is written. The pages stay in the page cache, but a mapped page is one the
+    /// kernel will not drop (drop_caches skips it, reclaim must unmap it first): without
+    /// this the daemon would pin every chunk it served while the mapping is cached.
+    fn unmap_pages(&self, off: u64, len: usize) {
+        let Some(m) = self.file.map.as_ref() else {
+            return;
+        };
+        let page = 4096usize;
+        let start = (off as usize) & !(page - 1);
+        let end = ((off as usize + len).div_ceil(page) * page).min(m.len.div_ceil(page) * page);
+        if end > start {
+            // SAFETY: [start, end) lies in the mapping (whole pages of it); MADV_DONTNEED on
+            // a read-only shared file mapping only zaps page table entries (a later access
+            // faults the page cache page back in), and no slice of it is alive here.
+            unsafe {
+                libc::madvise(
+                    m.ptr.cast::<u8>().add(start).cast(),
+                    end - start,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+    }
 }
 
 impl Drop for Pinned<'_> {
@@ -538,7 +563,9 @@ impl NodeCache {
                             self.advise_willneed(&next.digest);
                         }
                     }
-                    return Ok(f(data));
+                    let r = f(data);
+                    p.unmap_pages(within, len);
+                    return Ok(r);
                 }
             }
         }

@@ -369,7 +369,7 @@ fn import(o: &LayerfsOpts) -> Result<(Image, Scenario), BenchError> {
             stats.chunks,
         ),
         metrics: vec![
-            detail("stage_s", "stage (hard links)", "s"),
+            detail("stage_s", "stage or check image", "s"),
             detail("import_s", "import", "s"),
             detail("import_mib_s", "import rate, file bytes", "MiB/s"),
             detail("entries", "entries", "count"),

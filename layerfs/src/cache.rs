@@ -65,25 +65,87 @@ pub struct NodeCache {
     state: Mutex<State>,
     cv: Condvar,
     layers: Mutex<HashMap<Digest, Arc<LayerIndex>>>,
-    /// Open files of recently read chunks: a read then costs no open/close.
+    /// Open (and mapped) files of recently read chunks: a read then costs no open/close.
     fds: Mutex<FdCache>,
     pub stats: CacheStats,
     tmp_seq: AtomicU64,
 }
 
 const FD_CACHE: usize = 256;
+/// Cached chunk files a sequential reader asks the kernel to read ahead (WILLNEED).
+const WILLNEED_AHEAD: usize = 4;
+
+/// A cached chunk file, open and, when it is not empty, mapped read-only. A reply is then
+/// written to /dev/fuse straight from the mapping (the chunk file's page cache): one copy
+/// of the data fewer than `pread` into a buffer first.
+#[derive(Debug)]
+struct ChunkFile {
+    file: File,
+    map: Option<Mapping>,
+}
+
+#[derive(Debug)]
+struct Mapping {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: a read-only shared mapping of a file nobody writes (cache files are written under
+// tmp/ and renamed into place, never modified, only unlinked, which keeps the pages): any
+// thread may read it, and it is unmapped once, on drop.
+unsafe impl Send for Mapping {}
+// SAFETY: as above, reads only.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr and len come from a successful mmap and are unmapped only here.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+impl ChunkFile {
+    fn open(path: &Path) -> std::io::Result<ChunkFile> {
+        use std::os::fd::AsRawFd;
+        let file = File::open(path)?;
+        let len = file.metadata()?.len() as usize;
+        let map = (len > 0)
+            .then(|| {
+                // SAFETY: a new read-only shared mapping of an open file; the kernel picks
+                // the address, and the result is checked before use.
+                let ptr = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        len,
+                        libc::PROT_READ,
+                        libc::MAP_SHARED,
+                        file.as_raw_fd(),
+                        0,
+                    )
+                };
+                (ptr != libc::MAP_FAILED).then_some(Mapping { ptr, len })
+            })
+            .flatten();
+        if let Some(m) = &map {
+            // No 1 MiB read-around on a fault: `mapped` asks for exactly what it copies.
+            // SAFETY: the range is the mapping just made.
+            unsafe { libc::madvise(m.ptr, m.len, libc::MADV_RANDOM) };
+        }
+        Ok(ChunkFile { file, map })
+    }
+}
 
 #[derive(Debug, Default)]
 struct FdCache {
-    map: HashMap<Digest, Arc<File>>,
+    map: HashMap<Digest, Arc<ChunkFile>>,
     order: std::collections::VecDeque<Digest>,
 }
 
 impl FdCache {
-    fn get(&self, d: &Digest) -> Option<Arc<File>> {
+    fn get(&self, d: &Digest) -> Option<Arc<ChunkFile>> {
         self.map.get(d).cloned()
     }
-    fn insert(&mut self, d: Digest, f: Arc<File>) {
+    fn insert(&mut self, d: Digest, f: Arc<ChunkFile>) {
         if self.map.insert(d, f).is_none() {
             self.order.push_back(d);
         }
@@ -104,12 +166,60 @@ impl FdCache {
 pub struct Pinned<'a> {
     cache: &'a NodeCache,
     digest: Digest,
-    file: Arc<File>,
+    file: Arc<ChunkFile>,
 }
 
 impl Pinned<'_> {
     pub fn read_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
-        self.file.read_exact_at(buf, off)
+        self.file.file.read_exact_at(buf, off)
+    }
+
+    /// `len` bytes at `off` of the mapped chunk (`None` if unmapped or out of range), after
+    /// asking the kernel to read that range in (one request, not a fault per page).
+    pub fn mapped(&self, off: u64, len: usize) -> Option<&[u8]> {
+        use std::os::fd::AsRawFd;
+        let m = self.file.map.as_ref()?;
+        let off = usize::try_from(off).ok()?;
+        if off.checked_add(len)? > m.len {
+            return None;
+        }
+        // SAFETY: fadvise only hints the page cache about this open file's range.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.file.as_raw_fd(),
+                off as i64,
+                len as i64,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        // SAFETY: off + len is within the mapping, which lives as long as self.file (an Arc
+        // this borrow holds); the file is never written (see ChunkFile).
+        Some(unsafe { std::slice::from_raw_parts((m.ptr as *const u8).add(off), len) })
+    }
+
+    /// Drops this process's page table entries for a range `mapped` returned, once the
+    /// reply is written. The pages stay in the page cache, but a mapped page is one the
+    /// kernel will not drop (drop_caches skips it, reclaim must unmap it first): without
+    /// this the daemon would pin every chunk it served while the mapping is cached.
+    fn unmap_pages(&self, off: u64, len: usize) {
+        let Some(m) = self.file.map.as_ref() else {
+            return;
+        };
+        let page = 4096usize;
+        let start = (off as usize) & !(page - 1);
+        let end = ((off as usize + len).div_ceil(page) * page).min(m.len.div_ceil(page) * page);
+        if end > start {
+            // SAFETY: [start, end) lies in the mapping (whole pages of it); MADV_DONTNEED on
+            // a read-only shared file mapping only zaps page table entries (a later access
+            // faults the page cache page back in), and no slice of it is alive here.
+            unsafe {
+                libc::madvise(
+                    m.ptr.cast::<u8>().add(start).cast(),
+                    end - start,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
     }
 }
 
@@ -292,7 +402,7 @@ impl NodeCache {
                         file,
                     });
                 }
-                match File::open(self.chunk_path(&d)) {
+                match ChunkFile::open(&self.chunk_path(&d)) {
                     Ok(file) => {
                         let file = Arc::new(file);
                         self.fd_cache().insert(d, file.clone());
@@ -358,7 +468,7 @@ impl NodeCache {
         }
     }
 
-    fn fill(&self, c: &ChunkRef) -> Result<File> {
+    fn fill(&self, c: &ChunkRef) -> Result<ChunkFile> {
         let data = self.store.get_chunk(&c.digest, c.len)?;
         self.stats
             .fetched_bytes
@@ -370,7 +480,7 @@ impl NodeCache {
             f.write_all(&data)?;
             drop(f);
             fs::rename(&tmp, &dest)?;
-            File::open(&dest)
+            ChunkFile::open(&dest)
         })();
         res.map_err(|e| {
             let _ = fs::remove_file(&tmp);
@@ -426,6 +536,62 @@ impl NodeCache {
     /// Reads `size` bytes at `off` of a regular file (short at EOF). Every chunk touched is
     /// verified on fill, so the bytes returned are the layer's bytes or an error.
     pub fn read(&self, tree: &dyn ImageTree, ino: u64, off: u64, size: u32) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let n = self.read_into(tree, ino, off, size, &mut out)?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// Calls `f` with `size` bytes at `off` of a regular file (short at EOF), or the error.
+    /// A range inside one chunk (every aligned FUSE readahead request) is passed straight
+    /// from the chunk's mapping; any other range goes through `buf`.
+    pub fn with_data<R>(
+        &self,
+        tree: &dyn ImageTree,
+        ino: u64,
+        off: u64,
+        size: u32,
+        buf: &mut Vec<u8>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        let (cs, chunks) = tree
+            .file_chunks(ino)
+            .ok_or_else(|| Error::Invalid(format!("inode {ino} is not a regular file")))?;
+        let cs = cs as u64;
+        let ci = (off / cs) as usize;
+        let within = off % cs;
+        if let Some(c) = chunks.get(ci) {
+            let len = (c.len as u64).saturating_sub(within).min(size as u64) as usize;
+            // Whole request in this chunk (or it is the file's last chunk: short at EOF).
+            if len > 0 && (len == size as usize || ci + 1 == chunks.len()) {
+                let p = self.get(c)?;
+                if let Some(data) = p.mapped(within, len) {
+                    if within < 256 * 1024 {
+                        for next in chunks.iter().skip(ci + 1).take(WILLNEED_AHEAD) {
+                            self.advise_willneed(&next.digest);
+                        }
+                    }
+                    let r = f(data);
+                    p.unmap_pages(within, len);
+                    return Ok(r);
+                }
+            }
+        }
+        let n = self.read_into(tree, ino, off, size, buf)?;
+        Ok(f(&buf[..n]))
+    }
+
+    /// [`NodeCache::read`] into a caller-kept buffer: returns the byte count, the data is
+    /// `buf[..n]`. The buffer only grows, so a reader that keeps it (the FUSE workers, one
+    /// per thread) neither allocates nor zeroes per request.
+    pub fn read_into(
+        &self,
+        tree: &dyn ImageTree,
+        ino: u64,
+        off: u64,
+        size: u32,
+        buf: &mut Vec<u8>,
+    ) -> Result<usize> {
         let (cs, chunks) = tree
             .file_chunks(ino)
             .ok_or_else(|| Error::Invalid(format!("inode {ino} is not a regular file")))?;
@@ -433,9 +599,13 @@ impl NodeCache {
         let file_size: u64 = chunks.iter().map(|c| c.len as u64).sum();
         let end = file_size.min(off.saturating_add(size as u64));
         if off >= end {
-            return Ok(Vec::new());
+            return Ok(0);
         }
-        let mut out = vec![0u8; (end - off) as usize];
+        let len = (end - off) as usize;
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        let out = &mut buf[..len];
         let mut pos = off;
         while pos < end {
             let ci = (pos / cs) as usize;
@@ -446,18 +616,20 @@ impl NodeCache {
             let at = (pos - off) as usize;
             p.read_at(&mut out[at..at + n], within)
                 .map_err(|e| Error::io("reading cached chunk", self.chunk_path(&c.digest), e))?;
+            drop(p);
             pos += n as u64;
             // Sequential reader: ask the kernel to start reading the next cached chunk files
             // now (each chunk is its own file, so page cache readahead stops at chunk ends).
-            // Once per chunk (on the read that enters it), two chunks ahead: keeps the disk
-            // queue busy like the page cache's own readahead does within one file.
+            // Once per chunk (on the read that enters it), as far ahead as the FUSE
+            // readahead window: keeps the disk queue busy like the page cache's own
+            // readahead does within one file.
             if pos == end && within < 256 * 1024 {
-                for next in chunks.iter().skip(ci + 1).take(2) {
+                for next in chunks.iter().skip(ci + 1).take(WILLNEED_AHEAD) {
                     self.advise_willneed(&next.digest);
                 }
             }
         }
-        Ok(out)
+        Ok(len)
     }
 
     fn advise_willneed(&self, d: &Digest) {
@@ -467,7 +639,7 @@ impl NodeCache {
         if let Some(f) = self.fd_cache().get(d) {
             use std::os::fd::AsRawFd;
             // SAFETY: f is an open file descriptor owned by the Arc for this call.
-            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+            unsafe { libc::posix_fadvise(f.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
         }
     }
 

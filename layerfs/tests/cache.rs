@@ -224,3 +224,108 @@ fn a_second_process_on_the_cache_dir_spares_fills_in_flight() {
         .collect();
     assert_eq!(left, ["in-flight.4242.0"]);
 }
+
+#[test]
+fn reads_at_any_offset_match_the_file_mapped_or_buffered() {
+    let env = Env::with(
+        StoreConfig {
+            chunk_size: 64 * 1024,
+            zstd_level: None,
+            fsync: false,
+        },
+        u64::MAX,
+    );
+    let cs = 64 * 1024usize;
+    let data = pseudo_random(3 * cs + 1000, 11);
+    let id = env.import(
+        Tar::new()
+            .file("f", &data)
+            .file("empty", b"")
+            .dir("d", 0o755)
+            .bytes(),
+    );
+    let c = env.cache.compose(&[id]).unwrap();
+    let ino = c.resolve("f").unwrap();
+    let mut buf = Vec::new();
+    // Inside one chunk (mapped), across chunk ends (buffered), the short last chunk, at and
+    // past EOF; a reused buffer must not leak bytes of an earlier, longer read.
+    let len = data.len() as u64;
+    let cases: &[(u64, u32)] = &[
+        (0, 65536),
+        (0, 4096),
+        (65536, 65536),
+        (100, 65536),
+        (65000, 200_000),
+        (0, 1 << 20),
+        (3 * 65536, 65536),
+        (3 * 65536 + 10, 5),
+        (len - 1, 4096),
+        (len, 4096),
+        (len + 5000, 10),
+        (0, 0),
+    ];
+    for &(off, size) in cases {
+        let end = (off + size as u64).min(len).max(off.min(len)) as usize;
+        let want = &data[(off.min(len) as usize)..end];
+        let got = env
+            .cache
+            .with_data(&c, ino, off, size, &mut buf, |d| d.to_vec())
+            .unwrap();
+        assert_eq!(got.len(), want.len(), "read at {off} size {size}");
+        assert!(got == want, "bytes differ at {off} size {size}");
+        assert_eq!(env.cache.read(&c, ino, off, size).unwrap(), want);
+    }
+    let empty = c.resolve("empty").unwrap();
+    let got = env
+        .cache
+        .with_data(&c, empty, 0, 4096, &mut buf, |d| d.len())
+        .unwrap();
+    assert_eq!(got, 0);
+    // Not a regular file: an error, and the callback never runs.
+    let d = c.resolve("d").unwrap();
+    let mut called = false;
+    let err = env
+        .cache
+        .with_data(&c, d, 0, 10, &mut buf, |_| called = true)
+        .unwrap_err();
+    assert!(!called);
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+}
+
+#[test]
+fn mapped_read_of_a_corrupt_chunk_is_an_error_and_intact_chunks_still_read() {
+    let env = Env::with(
+        StoreConfig {
+            chunk_size: 64 * 1024,
+            zstd_level: None,
+            fsync: false,
+        },
+        u64::MAX,
+    );
+    let data = pseudo_random(2 * 64 * 1024, 12);
+    let id = env.import(Tar::new().file("f", &data).bytes());
+    let c = env.cache.compose(&[id]).unwrap();
+    let ino = c.resolve("f").unwrap();
+    let idx = env.cache.layer(&id).unwrap();
+    let f = idx.entries.iter().find(|e| e.path == "f").unwrap();
+    let dsec_layerfs::index::Kind::File { chunks, .. } = &f.kind else {
+        panic!("f is a file")
+    };
+    let p = env.store.chunk_path(&chunks[1].digest);
+    let mut raw = fs::read(&p).unwrap();
+    raw[10] ^= 0xff;
+    fs::write(&p, raw).unwrap();
+    let mut buf = Vec::new();
+    let mut called = false;
+    let err = env
+        .cache
+        .with_data(&c, ino, 64 * 1024, 64 * 1024, &mut buf, |_| called = true)
+        .unwrap_err();
+    assert!(!called, "no bytes of a corrupt chunk reach the reader");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    let first = env
+        .cache
+        .with_data(&c, ino, 0, 64 * 1024, &mut buf, |d| d.to_vec())
+        .unwrap();
+    assert!(first == data[..64 * 1024]);
+}

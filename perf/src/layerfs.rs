@@ -1,6 +1,6 @@
 //! `dsec-perf layerfs`: the layerfs image path on this machine, through the library API.
-//! An image staged from the host's own files (`stage.rs`) is imported once into a fresh
-//! store; then (1) from an empty node cache to the first command done in the image, lazy
+//! The benchmark image (the cached Debian debootstrap image of `debian.rs`, else one staged
+//! from the host's own files, `stage.rs`) is imported once into a fresh store; then (1) from an empty node cache to the first command done in the image, lazy
 //! (FUSE mount, chunks fetched on demand) against eager (every chunk fetched and the tree
 //! extracted, as pull + extract in a plain OCI runtime), and (2) warm re-reads through the
 //! FUSE view against the same files extracted on the host's disk, the page cache dropped
@@ -26,11 +26,35 @@ use crate::report::{detail, goal, goal_line, metric, Bound, Contender, Sample, S
 use crate::stage::{self, Staged, PYTHON};
 use crate::stats::ratio;
 
+/// Which benchmark image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageChoice {
+    /// The Debian image (built and cached if absent), else the host's files with a message.
+    Auto,
+    /// The Debian image or an error.
+    Debian,
+    /// Staged from the host's files.
+    Host,
+}
+
+impl std::str::FromStr for ImageChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(ImageChoice::Auto),
+            "debian" => Ok(ImageChoice::Debian),
+            "host" => Ok(ImageChoice::Host),
+            _ => Err(format!("unknown image {s:?}: use auto, debian or host")),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct LayerfsOpts {
+    pub image: ImageChoice,
     /// Samples per contender in both scenarios.
     pub samples: usize,
-    /// Byte budget of the staged image beyond what the first command needs.
+    /// Byte budget of a host-staged image beyond what the first command needs.
     pub image_bytes: u64,
     /// Random 4 KiB reads per sample.
     pub random_reads: usize,
@@ -56,6 +80,8 @@ pub enum BenchError {
     DropCaches(String),
     #[error(transparent)]
     Stage(#[from] stage::StageError),
+    #[error(transparent)]
+    Debian(#[from] crate::debian::DebianError),
     #[error("{what}: {source}")]
     Layerfs {
         what: &'static str,
@@ -236,13 +262,39 @@ struct Image {
 
 fn import(o: &LayerfsOpts) -> Result<(Image, Scenario), BenchError> {
     let t = Instant::now();
-    let staged = stage::stage(&o.workdir.join("stage"), o.image_bytes)?;
+    let host = || stage::stage(&o.workdir.join("stage"), o.image_bytes);
+    let staged = match o.image {
+        ImageChoice::Host => host()?,
+        ImageChoice::Debian => stage::debian(crate::debian::ensure()?)?,
+        ImageChoice::Auto => match crate::debian::ensure() {
+            Ok(d) => stage::debian(d)?,
+            Err(e) => {
+                eprintln!(
+                    "dsec-perf: no Debian benchmark image: {e}\n\
+                     dsec-perf: FALLING BACK to an image staged from this host's own files \
+                     (not the Debian image; figures are not comparable)"
+                );
+                host()?
+            }
+        },
+    };
     let stage_s = t.elapsed().as_secs_f64();
-    eprintln!(
-        "dsec-perf: staged {} files, {:.0} MiB from this host in {stage_s:.1} s; importing",
-        staged.files,
-        mib(staged.bytes)
-    );
+    match &staged.debian {
+        Some(d) => eprintln!(
+            "dsec-perf: Debian image {} ({}): {} files, {:.0} MiB; importing",
+            d.root.display(),
+            d.built_s
+                .map(|s| format!("built now in {s:.0} s"))
+                .unwrap_or_else(|| "cached".into()),
+            staged.files,
+            mib(staged.bytes)
+        ),
+        None => eprintln!(
+            "dsec-perf: staged {} files, {:.0} MiB from this host in {stage_s:.1} s; importing",
+            staged.files,
+            mib(staged.bytes)
+        ),
+    }
     let store = Arc::new(
         Store::open(o.workdir.join("store"), StoreConfig::default())
             .map_err(layerfs_err("creating the store"))?,
@@ -284,19 +336,32 @@ fn import(o: &LayerfsOpts) -> Result<(Image, Scenario), BenchError> {
         .filter(|src| src.dir != "/etc")
         .map(ToString::to_string)
         .collect();
+    let what = match &staged.debian {
+        Some(d) => format!(
+            "the Debian image `{}` (cached in {}{})",
+            d.key,
+            d.root.display(),
+            d.built_s
+                .map(|s| format!(", built by this run in {s:.0} s"))
+                .unwrap_or_default()
+        ),
+        None => format!(
+            "a root tree staged from THIS HOST's own files (NOT the Debian image, which was \
+             unavailable): hard links to {}, in that order, cut at a budget of {:.0} MiB \
+             (what the first command needs always goes in), a copy of /etc, the merged-/usr \
+             symlinks ({} files copied in all)",
+            sources.join(", "),
+            mib(o.image_bytes),
+            staged.copied,
+        ),
+    };
     let sc = Scenario {
         name: "import",
         title: "layerfs: the image, imported once into a fresh store".into(),
         method: format!(
-            "a root tree staged from THIS HOST's own files (not a debootstrap image): \
-             hard links to {}, in that order, cut at a budget of {:.0} MiB (what the first \
-             command needs always goes in), a copy of /etc, the merged-/usr symlinks \
-             ({} files copied in all); imported with \
+            "{what}; imported with \
              build_from_dir into a new store in {} ({}; {} KiB chunks, zstd where it \
              saves > 1/9), page cache dropped first. {} new chunks of {}",
-            sources.join(", "),
-            mib(o.image_bytes),
-            staged.copied,
             o.workdir.join("store").display(),
             fs_of(&o.workdir),
             index.chunk_size / 1024,
@@ -304,7 +369,7 @@ fn import(o: &LayerfsOpts) -> Result<(Image, Scenario), BenchError> {
             stats.chunks,
         ),
         metrics: vec![
-            detail("stage_s", "stage (hard links)", "s"),
+            detail("stage_s", "stage or check image", "s"),
             detail("import_s", "import", "s"),
             detail("import_mib_s", "import rate, file bytes", "MiB/s"),
             detail("entries", "entries", "count"),
@@ -358,7 +423,7 @@ fn lazy_sample(img: &Image, dir: &Path) -> Result<BTreeMap<&'static str, f64>, S
     let tree = Arc::new(cache.compose(&[img.id]).map_err(|e| e.to_string())?);
     let m = fuse::mount(tree, cache.clone(), &mnt, false).map_err(|e| e.to_string())?;
     let ready = t.elapsed().as_secs_f64();
-    stage::run_first_command(&mnt)?;
+    stage::run_first_command(&mnt, img.staged.first_imports)?;
     let done = t.elapsed().as_secs_f64();
     let fetched = cache.snapshot().fetched_bytes;
     // Then the largest file, straight from the store (read + verify + cache write).
@@ -391,7 +456,7 @@ fn eager_sample(
     let index = cache.layer(&img.id).map_err(|e| e.to_string())?;
     overlay::export_overlay_dir(&cache, &index, &root).map_err(|e| e.to_string())?;
     let ready = t.elapsed().as_secs_f64();
-    stage::run_first_command(&root)?;
+    stage::run_first_command(&root, img.staged.first_imports)?;
     let done = t.elapsed().as_secs_f64();
     let fetched = cache.snapshot().fetched_bytes;
     let values = [
@@ -422,7 +487,10 @@ pub fn round_order<T: Copy>(items: &[T], i: usize) -> Vec<T> {
 }
 
 fn cold(o: &LayerfsOpts, img: &Image) -> (Scenario, Option<Extracted>) {
-    let cmd = format!("chroot ROOT {PYTHON} -c {:?}", stage::first_cmd());
+    let cmd = format!(
+        "chroot ROOT {PYTHON} -c {:?}",
+        stage::first_cmd(img.staged.first_imports)
+    );
     let mut sc = Scenario {
         name: "cold",
         title: "layerfs: empty node cache -> first command done in the image".into(),
@@ -659,6 +727,10 @@ pub fn bench(o: &LayerfsOpts) -> Result<Results, BenchError> {
     let (cold_sc, extracted) = cold(o, &img);
     let warm_sc = warm(o, &img, extracted.as_ref());
     let image = json!({
+        "debian": img.staged.debian.as_ref().map(|d| json!({
+            "key": d.key, "dir": d.root, "built_s": d.built_s,
+        })),
+        "first_imports": img.staged.first_imports,
         "staged_files": img.staged.files,
         "staged_bytes": img.staged.bytes,
         "copied_files": img.staged.copied,
@@ -714,6 +786,15 @@ mod tests {
         assert_eq!(round_order(&["a", "b"], 1), ["b", "a"]);
         assert_eq!(round_order(&["a", "b", "c"], 4), ["b", "c", "a"]);
         assert!(round_order::<u8>(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn image_choice_parses_and_rejects_unknown() {
+        assert_eq!("auto".parse(), Ok(ImageChoice::Auto));
+        assert_eq!("debian".parse(), Ok(ImageChoice::Debian));
+        assert_eq!("host".parse(), Ok(ImageChoice::Host));
+        let e = "ubuntu".parse::<ImageChoice>().unwrap_err();
+        assert!(e.contains("auto, debian or host"), "{e}");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads);
 //! `dsec-perf node` measures the node daemon (create, bursts of creates, exec round trip).
 
+mod debian;
 mod direct;
 mod fleet;
 mod guest;
@@ -41,9 +42,9 @@ enum Cmd {
     /// Snapshot restore latency (MAP_PRIVATE, lazy, lazy + prefetch) vs a cold boot, fork
     /// latency for batches of children, host memory of forked children vs independent VMs.
     Snapshot(SnapArgs),
-    /// layerfs on an image staged from this host's files: empty node cache to the first
-    /// command (lazy FUSE mount vs fetch-all + extract), warm re-reads vs native ext4.
-    /// Needs root and /dev/fuse.
+    /// layerfs on a ~1 GiB Debian image (debootstrap, cached; else staged from this host's
+    /// files): empty node cache to the first command (lazy FUSE mount vs fetch-all +
+    /// extract), warm re-reads vs native ext4. Needs root and /dev/fuse.
     Layerfs(LayerfsArgs),
     /// Device throughput and VMM memory, ours vs QEMU microvm, in the rig (Linux guest):
     /// block sequential/random reads, TCP both ways, idle VMM memory overhead.
@@ -237,11 +238,18 @@ struct SnapArgs {
 
 #[derive(Args, Debug)]
 struct LayerfsArgs {
+    /// The image: `debian` = debootstrap bookworm minbase + python3 and a large scientific
+    /// stack, built once into ${DSEC_CACHE:-/var/cache/dsec}/perf/ (needs debootstrap and
+    /// deb.debian.org); `host` = staged from this host's files; `auto` = debian, else host
+    /// with a message.
+    #[arg(long, default_value = "auto", value_name = "auto|debian|host")]
+    image: layerfs::ImageChoice,
     /// Samples per contender in the cold and warm scenarios [default: 3; --quick: 1].
     #[arg(long)]
     samples: Option<usize>,
-    /// Size budget of the image staged from this host's files, in MiB (what the first
-    /// command needs always goes in) [default: 1024; --quick: 384].
+    /// Size budget of an image staged from this host's files, in MiB (what the first
+    /// command needs always goes in; the Debian image is used whole) [default: 1024;
+    /// --quick: 384].
     #[arg(long, value_name = "MIB")]
     image_mib: Option<u64>,
     /// Random 4 KiB reads per warm sample [default: 2000; --quick: 500].
@@ -662,6 +670,7 @@ fn devices_cmd(a: DevicesArgs) -> Result<(), String> {
 
 fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
     let opts = layerfs::LayerfsOpts {
+        image: a.image,
         samples: layerfs::pick(a.samples, a.quick, 1, 3),
         image_bytes: layerfs::pick(a.image_mib, a.quick, 384, 1024) << 20,
         random_reads: layerfs::pick(a.random_reads, a.quick, 500, 2000),
@@ -700,6 +709,7 @@ fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
                 "finished_unix_s": run::realtime_ns() / 1_000_000_000,
                 "machine": machine,
                 "options": {
+                    "image": format!("{:?}", opts.image).to_lowercase(),
                     "samples": opts.samples, "image_mib": opts.image_bytes >> 20,
                     "random_reads": opts.random_reads, "quick": a.quick,
                 },

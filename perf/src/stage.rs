@@ -1,8 +1,9 @@
-//! A root filesystem tree staged from this host's own files, as the layerfs benchmark image:
-//! hard links to /usr/bin, /usr/sbin, /usr/lib/x86_64-linux-gnu, /usr/lib/python3* ...
-//! (so staging takes seconds and no disk), a copy of /etc, the merged-/usr symlinks. It is
-//! not a debootstrap image: it is whatever this host has installed, cut to a byte budget,
-//! but always with what the benchmark's first command needs.
+//! The layerfs benchmark image. Preferred: the cached Debian debootstrap image
+//! (`debian.rs`), used in place. Fallback: a root filesystem tree staged from this host's
+//! own files: hard links to /usr/bin, /usr/sbin, /usr/lib/x86_64-linux-gnu,
+//! /usr/lib/python3* ... (so staging takes seconds and no disk), a copy of /etc, the
+//! merged-/usr symlinks; whatever this host has installed, cut to a byte budget, but always
+//! with what the benchmark's first command needs.
 
 use std::collections::{BTreeSet, HashSet};
 use std::fs;
@@ -10,16 +11,19 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::debian::DebianImage;
+
 /// The host interpreter the first command runs (a path inside the staged tree too).
 pub const PYTHON: &str = "/usr/bin/python3";
-/// The imports of the first command run inside the image: Python and a few C extensions.
+/// The imports of the first command run inside a host-staged image: Python and a few C
+/// extensions (the host need not have numpy).
 const FIRST_IMPORTS: &str = "import json, os, sqlite3, ssl";
 /// What the first command prints.
 const FIRST_CMD_OUTPUT: &str = "2";
 
-/// The first command's `-c` program.
-pub fn first_cmd() -> String {
-    format!("{FIRST_IMPORTS}; print(1+1)")
+/// The first command's `-c` program for these imports.
+pub fn first_cmd(imports: &str) -> String {
+    format!("{imports}; print(1+1)")
 }
 
 /// Directories hard-linked into the image, in this order, until the budget is used up.
@@ -65,6 +69,10 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
 #[derive(Debug, Clone, Default)]
 pub struct Staged {
     pub root: PathBuf,
+    /// The Debian image used in place, or `None` for a tree staged from the host's files.
+    pub debian: Option<DebianImage>,
+    /// The first command's imports (`first_cmd`).
+    pub first_imports: &'static str,
     /// Regular files (distinct inodes) and their bytes.
     pub files: u64,
     pub bytes: u64,
@@ -279,6 +287,7 @@ pub fn stage(root: &Path, budget: u64) -> Result<Staged, StageError> {
         seen: HashSet::new(),
         staged: Staged {
             root: root.to_path_buf(),
+            first_imports: FIRST_IMPORTS,
             python_stdlib: stdlib.trim_start_matches('/').to_string(),
             ..Staged::default()
         },
@@ -317,18 +326,76 @@ pub fn stage(root: &Path, budget: u64) -> Result<Staged, StageError> {
     {
         s.source(&dir, false, false)?;
     }
-    run_first_command(root).map_err(|detail| StageError::FirstCommand {
+    run_first_command(root, FIRST_IMPORTS).map_err(|detail| StageError::FirstCommand {
         root: root.to_path_buf(),
         detail,
     })?;
     Ok(s.staged)
 }
 
-/// `chroot ROOT python3 -c FIRST_CMD`; checks its output.
-pub fn run_first_command(root: &Path) -> Result<(), String> {
+/// The Debian image as the benchmark image, used in place (read only: the first command
+/// writes no bytecode). Counts its files and checks the first command runs in it.
+pub fn debian(img: DebianImage) -> Result<Staged, StageError> {
+    let root = img.root.clone();
+    let lib = root.join("usr/lib");
+    let stdlib = fs::read_dir(&lib)
+        .map_err(io("listing", &lib))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("python3.") && lib.join(n).join("os.py").is_file())
+        .max()
+        .ok_or_else(|| {
+            StageError::Python(format!("no usr/lib/python3.N/os.py in {}", root.display()))
+        })?;
+    let mut seen = HashSet::new();
+    let (mut files, mut bytes) = (0u64, 0u64);
+    count_files(&root, &mut seen, &mut files, &mut bytes)?;
+    run_first_command(&root, crate::debian::FIRST_IMPORTS).map_err(|detail| {
+        StageError::FirstCommand {
+            root: root.clone(),
+            detail,
+        }
+    })?;
+    Ok(Staged {
+        root,
+        debian: Some(img),
+        first_imports: crate::debian::FIRST_IMPORTS,
+        files,
+        bytes,
+        copied: 0,
+        python_stdlib: format!("usr/lib/{stdlib}"),
+        sources: Vec::new(),
+    })
+}
+
+/// Regular files under `dir` (distinct inodes) and their bytes; symlinks are not followed.
+fn count_files(
+    dir: &Path,
+    seen: &mut HashSet<(u64, u64)>,
+    files: &mut u64,
+    bytes: &mut u64,
+) -> Result<(), StageError> {
+    for e in fs::read_dir(dir).map_err(io("listing", dir))? {
+        let e = e.map_err(io("listing", dir))?;
+        let p = e.path();
+        let md = fs::symlink_metadata(&p).map_err(io("reading", &p))?;
+        if md.is_dir() {
+            count_files(&p, seen, files, bytes)?;
+        } else if md.is_file() && seen.insert((md.dev(), md.ino())) {
+            *files += 1;
+            *bytes += md.len();
+        }
+    }
+    Ok(())
+}
+
+/// `chroot ROOT python3 -c "IMPORTS; print(1+1)"`; checks its output. No bytecode is
+/// written (the tree may be a shared cached image, and the lazy view is read-only anyway).
+pub fn run_first_command(root: &Path, imports: &str) -> Result<(), String> {
     let out = Command::new("chroot")
         .arg(root)
-        .args([PYTHON, "-c", &first_cmd()])
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .args([PYTHON, "-c", &first_cmd(imports)])
         .output()
         .map_err(|e| format!("cannot run chroot: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);

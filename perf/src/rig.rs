@@ -227,6 +227,73 @@ pub fn parse_line(line: &str) -> Option<BTreeMap<String, String>> {
     parse_tagged(line, "PERF-RIG ")
 }
 
+/// One `rig.sh run SCRIPT FILES...` of a scenario script in a fresh L1 (`--qemu` adds QEMU
+/// to it): its console lines go to `on_line` as they arrive and are kept in
+/// `WORKDIR/NAME.console`, rig.sh's own log in `WORKDIR/NAME.log`. Errors when nothing
+/// matching `tag` came back, with the console's tail.
+pub struct ScriptRun<'a> {
+    pub rig: &'a Path,
+    pub script: &'a Path,
+    /// `SRC=DEST` files for the L1 initramfs.
+    pub files: Vec<String>,
+    pub qemu: bool,
+    /// The guest kernel, also L1's unless RIG_KERNEL says otherwise.
+    pub kernel: &'a Path,
+    pub timeout_s: u64,
+    pub workdir: &'a Path,
+    pub name: &'a str,
+}
+
+impl ScriptRun<'_> {
+    pub fn run(&self, tag: &str, mut on_line: impl FnMut(&str)) -> Result<(), String> {
+        let log = self.workdir.join(format!("{}.log", self.name));
+        let stderr =
+            std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
+        let mut command = Command::new(self.rig);
+        command.arg("run").arg(self.script);
+        if self.qemu {
+            command.arg("--qemu");
+        }
+        let mut child = command
+            .args(&self.files)
+            .env(
+                "RIG_KERNEL",
+                std::env::var_os("RIG_KERNEL")
+                    .unwrap_or_else(|| self.kernel.as_os_str().to_owned()),
+            )
+            .env("RIG_TIMEOUT", self.timeout_s.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", self.rig.display()))?;
+        let mut console = Vec::new();
+        let mut tagged = 0;
+        if let Some(out) = child.stdout.take() {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.trim_end_matches('\r').starts_with(tag) {
+                    tagged += 1;
+                }
+                on_line(&line);
+                console.push(line);
+            }
+        }
+        let status = child.wait().map_err(|e| format!("wait rig.sh: {e}"))?;
+        let _ = std::fs::write(
+            self.workdir.join(format!("{}.console", self.name)),
+            console.join("\n"),
+        );
+        if tagged == 0 {
+            let tail: Vec<String> = console.iter().rev().take(15).rev().cloned().collect();
+            return Err(format!(
+                "rig.sh exited {status} with no {} lines; console tail: {tail:?}",
+                tag.trim()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A parsed `<tag>key=value ... [error=rest of line]` line with a `contender` key.
 pub fn parse_tagged(line: &str, tag: &str) -> Option<BTreeMap<String, String>> {
     let rest = line.trim_end_matches('\r').strip_prefix(tag)?;

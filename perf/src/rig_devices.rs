@@ -4,12 +4,11 @@
 //! The L1 side is `perf/rig/devices-in-l1.sh`; the guest side `perf/rig/bench-init`.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::report::{detail, metric, Contender, Sample, Scenario};
-use crate::rig::parse_tagged;
+use crate::rig::{parse_tagged, ScriptRun};
 
 const SCRIPT_TEMPLATE: &str = include_str!("../rig/devices-in-l1.sh");
 const BENCH_INIT: &str = include_str!("../rig/bench-init");
@@ -216,48 +215,30 @@ fn run(o: &RigDevOpts, sc: &mut Scenario) -> Result<(), String> {
         .strip_prefix("#!/bin/sh\n")
         .unwrap_or(SCRIPT_TEMPLATE);
     std::fs::write(&script, format!("{header}{body}")).map_err(|e| format!("write script: {e}"))?;
-    let log = o.workdir.join("rig-devices.log");
-    let stderr =
-        std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
     eprintln!(
         "dsec-perf: rig device scenario: one L1, {} rounds x 2 VMMs x (idle + io)",
         o.samples
     );
-    let mut child = Command::new(&o.rig)
-        .arg("run")
-        .arg(&script)
-        .arg("--qemu")
-        .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
-        .arg(format!("{}=/bin/dsec-guest-bench", o.guest_bench.display()))
-        .arg(format!("{}=/guest/vmlinux", kernel.display()))
-        .arg(format!("{}=/guest/bench.cpio", bench_cpio.display()))
-        .env(
-            "RIG_KERNEL",
-            std::env::var_os("RIG_KERNEL").unwrap_or_else(|| kernel.as_os_str().to_owned()),
-        )
-        .env("RIG_TIMEOUT", (600 + 900 * o.samples).to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", o.rig.display()))?;
-    let mut console = Vec::new();
-    if let Some(out) = child.stdout.take() {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(m) = parse_tagged(&line, TAG) {
-                sc.samples.push(sample_of(&m));
-            }
-            console.push(line);
+    let run = ScriptRun {
+        rig: &o.rig,
+        script: &script,
+        files: vec![
+            format!("{}=/bin/dsec-vmm", o.vmm.display()),
+            format!("{}=/bin/dsec-guest-bench", o.guest_bench.display()),
+            format!("{}=/guest/vmlinux", kernel.display()),
+            format!("{}=/guest/bench.cpio", bench_cpio.display()),
+        ],
+        qemu: true,
+        kernel: &kernel,
+        timeout_s: 600 + 900 * o.samples as u64,
+        workdir: &o.workdir,
+        name: "rig-devices",
+    };
+    run.run(TAG, |line| {
+        if let Some(m) = parse_tagged(line, TAG) {
+            sc.samples.push(sample_of(&m));
         }
-    }
-    let status = child.wait().map_err(|e| format!("wait rig.sh: {e}"))?;
-    let _ = std::fs::write(o.workdir.join("rig-devices.console"), console.join("\n"));
-    if sc.samples.is_empty() {
-        let tail: Vec<String> = console.iter().rev().take(15).rev().cloned().collect();
-        return Err(format!(
-            "rig.sh exited {status} with no PERF-DEV lines; console tail: {tail:?}"
-        ));
-    }
+    })?;
     Ok(())
 }
 

@@ -3,12 +3,10 @@
 //! `dsec vm boot`, each timed to the end of its first `exec true` through the agent.
 //! The L1 side is `perf/rig/snapshot-in-l1.sh`; this side runs it and parses its lines.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 
 use crate::report::{Contender, Metric, Sample, Scenario};
-use crate::rig::parse_tagged;
+use crate::rig::{parse_tagged, ScriptRun};
 
 const SCRIPT_TEMPLATE: &str = include_str!("../rig/snapshot-in-l1.sh");
 const TAG: &str = "PERF-SNAP ";
@@ -149,50 +147,33 @@ fn run(o: &RigSnapOpts, sc: &mut Scenario) -> Result<(), String> {
         .strip_prefix("#!/bin/sh\n")
         .unwrap_or(SCRIPT_TEMPLATE);
     std::fs::write(&script, format!("{header}{body}")).map_err(|e| format!("write script: {e}"))?;
-    let log = o.workdir.join("rig-restore.log");
-    let stderr =
-        std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
     eprintln!(
         "dsec-perf: rig restore scenario: one L1, {} samples x {} contenders",
         o.samples,
         CONTENDERS.len()
     );
-    let mut child = Command::new(&o.rig)
-        .arg("run")
-        .arg(&script)
-        .arg(format!("{}=/bin/dsec", o.dsec.display()))
-        .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
-        .arg(format!("{}=/guest/vmlinux", kernel.display()))
-        .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()))
-        .env(
-            "RIG_KERNEL",
-            std::env::var_os("RIG_KERNEL").unwrap_or_else(|| kernel.as_os_str().to_owned()),
-        )
-        .env("RIG_TIMEOUT", (600 + 300 * o.samples).to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", o.rig.display()))?;
-    let mut console = Vec::new();
-    if let Some(out) = child.stdout.take() {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Some(m) = parse_tagged(&line, TAG) {
-                sc.samples.push(sample_of(&m));
-            } else if let Some(info) = line.strip_prefix("PERF-SNAP-INFO ") {
-                sc.notes.push(format!("snapshot: {info}"));
-            }
-            console.push(line);
+    let run = ScriptRun {
+        rig: &o.rig,
+        script: &script,
+        files: vec![
+            format!("{}=/bin/dsec", o.dsec.display()),
+            format!("{}=/bin/dsec-vmm", o.vmm.display()),
+            format!("{}=/guest/vmlinux", kernel.display()),
+            format!("{}=/guest/initramfs.cpio", initramfs.display()),
+        ],
+        qemu: false,
+        kernel: &kernel,
+        timeout_s: 600 + 300 * o.samples as u64,
+        workdir: &o.workdir,
+        name: "rig-restore",
+    };
+    run.run(TAG, |line| {
+        if let Some(m) = parse_tagged(line, TAG) {
+            sc.samples.push(sample_of(&m));
+        } else if let Some(info) = line.strip_prefix("PERF-SNAP-INFO ") {
+            sc.notes.push(format!("snapshot: {info}"));
         }
-    }
-    let status = child.wait().map_err(|e| format!("wait rig.sh: {e}"))?;
-    let _ = std::fs::write(o.workdir.join("rig-restore.console"), console.join("\n"));
-    if sc.samples.is_empty() {
-        let tail: Vec<String> = console.iter().rev().take(15).rev().cloned().collect();
-        return Err(format!(
-            "rig.sh exited {status} with no PERF-SNAP lines; console tail: {tail:?}"
-        ));
-    }
+    })?;
     Ok(())
 }
 

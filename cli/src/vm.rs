@@ -46,6 +46,18 @@ pub enum VmCommand {
         #[arg(trailing_var_arg = true, required = true)]
         argv: Vec<String>,
     },
+    /// Run shell text in a persistent session of the VM's agent (cwd, exports and shell
+    /// state carry over between calls, and across snapshot/restore). Without --id a new
+    /// session is created and its id printed on the first line.
+    Session {
+        dir: PathBuf,
+        /// The session to run in (as printed by an earlier call).
+        #[arg(long)]
+        id: Option<String>,
+        /// Shell text, run as-is by the session's shell.
+        #[arg(trailing_var_arg = true, required = true)]
+        command: Vec<String>,
+    },
     /// Pause the VM's vCPUs and devices.
     Pause { dir: PathBuf },
     /// Resume a paused VM.
@@ -127,6 +139,8 @@ pub enum VmError {
     Vmm(String),
     #[error(transparent)]
     Edge(#[from] dsec_edge::EdgeError),
+    #[error("the agent refused: {}: {}", .0.code(), .0.message())]
+    Agent(#[from] tonic::Status),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
@@ -346,6 +360,35 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                 )
                 .await?;
             Ok(outcome.exit_code())
+        }
+        VmCommand::Session { dir, id, command } => {
+            use dsec_api::agent::v1::sessions_client::SessionsClient;
+            use dsec_api::agent::v1::{CreateSessionRequest, RunInSessionRequest};
+            let mut sessions = SessionsClient::new(agent(&dir).channel());
+            let session_id = match id {
+                Some(id) => id,
+                None => {
+                    let info = sessions
+                        .create_session(CreateSessionRequest::default())
+                        .await?
+                        .into_inner();
+                    println!("{}", info.session_id);
+                    info.session_id
+                }
+            };
+            let result = sessions
+                .run_in_session(RunInSessionRequest {
+                    session_id,
+                    command: command.join(" "),
+                    wait: true,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            std::io::stdout()
+                .write_all(&result.output)
+                .map_err(io("write the output"))?;
+            Ok(result.exit_code.unwrap_or(1))
         }
         VmCommand::Pause { dir } => {
             control(&dir, serde_json::json!({"op": "pause"}))?;

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Runs inside the rig's L1: snapshot, restore and fork of a real Linux guest through
-# `dsec vm`. A file and a background process started before the snapshot must both still be
-# there after the VM is killed and restored, and the process must keep running; forks each
+# `dsec vm`. A file, a background process and a shell session started before the snapshot
+# must all still be there after the VM is killed and restored (the process still running, the
+# session with its cwd and exports); forks each
 # answer on their own socket and write privately.
 # Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
 pass=0; fail=0
@@ -22,6 +23,8 @@ echo "METRIC boot_to_agent_ms $(ms "$t0" "$(now)")"
 timeout 60 dsec vm exec /tmp/vm1 -- sh -c 'echo kept > /root/file
 (i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) </dev/null >/dev/null 2>&1 &
 echo $! > /root/bgpid'
+# A persistent shell session (Chronus): its cwd and exports must survive the restore.
+sid=$(timeout 60 dsec vm session /tmp/vm1 -- 'cd /tmp && export KEPT_VAR=from-before' | head -1)
 sleep 1
 before=$(timeout 60 dsec vm exec /tmp/vm1 -- cat /tmp/count)
 t0=$(now)
@@ -35,6 +38,8 @@ t0=$(now)
 timeout 120 dsec vm restore /tmp/snap1 /tmp/vm2 --boot-timeout 60 && ok restore || bad restore "exit $?; $(cat /tmp/vm2/vmm.log 2>/dev/null)"
 echo "METRIC restore_to_agent_ms $(ms "$t0" "$(now)")"
 [ "$(timeout 60 dsec vm exec /tmp/vm2 -- cat /root/file)" = kept ] && ok file-survives || bad file-survives "file lost"
+got=$(timeout 60 dsec vm session /tmp/vm2 --id "$sid" -- 'echo "$(pwd) $KEPT_VAR"')
+[ -n "$sid" ] && [ "$got" = "/tmp from-before" ] && ok session-survives || bad session-survives "session '$sid' answered '$got'"
 guest_now=$(timeout 60 dsec vm exec /tmp/vm2 -- date +%s); host_now=$(date +%s)
 diff=$((guest_now - host_now)); [ $diff -lt 0 ] && diff=$((-diff))
 [ $diff -le 2 ] && ok clock-corrected || bad clock-corrected "guest $guest_now vs host $host_now"

@@ -58,8 +58,15 @@ ok boot
 
 for d in /tmp/pm1 /tmp/pm2; do
     n=${d#/tmp/}
+    # nvdimm namespaces are probed asynchronously: the agent can answer before /dev/pmem0 exists.
+    if ! x $d sh -c 'for i in $(seq 1 60); do [ -b /dev/pmem0 ] && exit 0; sleep 0.5; done; exit 1'; then
+        bad "$n-pmem-device" "no /dev/pmem0"
+        x $d sh -c 'dmesg | tail -40; ls /sys/bus/nd/devices /sys/bus/virtio/devices; cat /sys/bus/virtio/devices/*/device; grep -i -e pmem -e persist -e nd /proc/iomem'
+        continue
+    fi
+    ok "$n-pmem-device"
     if ! x $d sh -c 'mkdir -p /mnt/p && mount -t ext4 -o dax,ro /dev/pmem0 /mnt/p'; then
-        bad "$n-mount-dax" "$(x $d sh -c 'dmesg | grep -i -e pmem -e dax -e ext4 | tail -8')"
+        bad "$n-mount-dax" "$(x $d sh -c 'dmesg | tail -8')"
         continue
     fi
     opts=$(x $d sh -c 'grep " /mnt/p " /proc/mounts')
@@ -72,6 +79,10 @@ done
 # Both VMMs map the read-only file MAP_PRIVATE and never write it, so the pages the guests
 # read are the same page-cache pages: each VMM's proportional share is about half its RSS.
 for p in $vm1 $vm2; do
+    if [ ! -r /proc/$p/smaps ]; then
+        bad "shared-pages-$p" "no /proc/$p/smaps (L1 kernel without CONFIG_PROC_PAGE_MONITOR?)"
+        continue
+    fi
     rss=$(smaps_kib $p $IMG Rss); pss=$(smaps_kib $p $IMG Pss); sh=$(smaps_kib $p $IMG Shared_Clean)
     echo "METRIC pmem_vmm${p}_rss_kib $rss"; echo "METRIC pmem_vmm${p}_pss_kib $pss"
     echo "METRIC pmem_vmm${p}_shared_clean_kib $sh"
@@ -85,7 +96,7 @@ done
 # Writable pmem: a file written through DAX and synced (the driver's flush request) is in the
 # host file.
 marker="pmem-flush-$(date +%s)-$$"
-if x /tmp/pm1 sh -c "mkdir -p /mnt/w && mount -t ext4 -o dax /dev/pmem1 /mnt/w && echo $marker > /mnt/w/new.txt && sync && umount /mnt/w"; then
+if x /tmp/pm1 sh -c "for i in \$(seq 1 60); do [ -b /dev/pmem1 ] && break; sleep 0.5; done; mkdir -p /mnt/w && mount -t ext4 -o dax /dev/pmem1 /mnt/w && echo $marker > /mnt/w/new.txt && sync && umount /mnt/w"; then
     grep -q "$marker" /tmp/rw.img && ok rw-flush || bad rw-flush "the guest's file is not in the host image"
 else
     bad rw-flush "mount/write/sync failed: $(x /tmp/pm1 sh -c 'dmesg | tail -5')"

@@ -17,8 +17,7 @@ use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 
 use dsec_test_guests::virtio::{Device, Queue};
 use dsec_test_guests::{
-    boot_info_or_finish, check, fail, finish, param, param_num, pass, pattern_word, println,
-    rdtsc,
+    boot_info_or_finish, check, fail, finish, param, param_num, pass, pattern_word, println, rdtsc,
 };
 
 const VIRTIO_ID_PMEM: u32 = 27;
@@ -128,7 +127,10 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
     };
     dsec_test_guests::ioapic_mask(dev.irq());
     if let Err(status) = dev.begin(0) {
-        fail("pmem-probe", format_args!("FEATURES_OK refused, status {status:#x}"));
+        fail(
+            "pmem-probe",
+            format_args!("FEATURES_OK refused, status {status:#x}"),
+        );
         finish()
     }
     let Some(mut q) = dev.queue(0) else {
@@ -136,7 +138,12 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
         finish()
     };
     dev.driver_ok();
-    check!(dev.status() & 0x80 == 0, "pmem-probe", "status {:#x}", dev.status());
+    check!(
+        dev.status() & 0x80 == 0,
+        "pmem-probe",
+        "status {:#x}",
+        dev.status()
+    );
 
     let start = dev.read_config64(0);
     let size = dev.read_config64(8);
@@ -150,7 +157,10 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
         bi.ram_end()
     );
     if size == 0 || !map_window(start, size) {
-        fail("pmem-map", format_args!("window {start:#x}+{size:#x} not mappable here"));
+        fail(
+            "pmem-map",
+            format_args!("window {start:#x}+{size:#x} not mappable here"),
+        );
         finish()
     }
 
@@ -170,11 +180,19 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
     );
 
     let (st, len) = request(&mut q, 7, 4, true);
-    check!(st == 1 && len == 4, "pmem-unknown-type", "status {st} len {len}");
+    check!(
+        st == 1 && len == 4,
+        "pmem-unknown-type",
+        "status {st} len {len}"
+    );
     let (_, len) = request(&mut q, 0, 4, false);
     check!(len == 0, "pmem-no-status-buffer", "len {len}");
     let (st, len) = request(&mut q, 0, 2, true);
-    check!(st == 1 && len == 4, "pmem-short-type", "status {st} len {len}");
+    check!(
+        st == 1 && len == 4,
+        "pmem-short-type",
+        "status {st} len {len}"
+    );
 
     if !rw {
         let before = word(start);
@@ -189,15 +207,24 @@ pub extern "C" fn main(info_addr: u64, kind: u64) -> ! {
             after.1
         );
         let (st, len) = request(&mut q, 0, 4, true);
-        check!(st == 0 && len == 4, "pmem-flush-ro", "status {st} len {len}");
+        check!(
+            st == 0 && len == 4,
+            "pmem-flush-ro",
+            "status {st} len {len}"
+        );
         finish()
     }
 
     for k in 0..WRITE_LEN / 8 {
         store(start + WRITE_AT + 8 * k, pattern_word(seed + 1, k));
     }
-    let back = (0..WRITE_LEN / 8).all(|k| word(start + WRITE_AT + 8 * k) == pattern_word(seed + 1, k));
-    check!(back, "pmem-write-readback", "a stored word reads back differently");
+    let back =
+        (0..WRITE_LEN / 8).all(|k| word(start + WRITE_AT + 8 * k) == pattern_word(seed + 1, k));
+    check!(
+        back,
+        "pmem-write-readback",
+        "a stored word reads back differently"
+    );
     println!("pmem-written");
     if !wait_doorbell(start, GO_FLUSH, "pmem-wait-flush") {
         finish()

@@ -243,3 +243,33 @@ pub fn save_balloon(config: &VmConfig, states: &mut [SlotState], balloon: Option
         s.balloon = Some(balloon.state());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pmem_files_come_last_in_config_order() {
+        let mut c = VmConfig::new("/k");
+        c.rng = true;
+        c.drives.push("/d.img".parse().unwrap());
+        c.net = Some("tap=t0".parse().unwrap());
+        c.pmem.push("/a.img,ro".parse().unwrap());
+        c.pmem.push("/b.img".parse().unwrap());
+        assert_eq!(
+            plan(&c),
+            [
+                Slot::Rng,
+                Slot::Block(0),
+                Slot::Net,
+                Slot::Pmem(0),
+                Slot::Pmem(1)
+            ]
+        );
+        let line = cmdline(&c);
+        assert!(
+            line.ends_with(" virtio_mmio.device=4K@0xd0004000:9"),
+            "{line}"
+        );
+    }
+}

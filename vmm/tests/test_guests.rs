@@ -1337,27 +1337,10 @@ fn pwrite_u64(file: &Path, offset: u64, v: u64) {
     f.write_all_at(&v.to_le_bytes(), offset).unwrap();
 }
 
-/// One request on a control socket; returns the reply line.
-fn api(sock: &Path, request: &str) -> String {
-    let mut s = UnixStream::connect(sock).expect("connect control socket");
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    writeln!(s, "{request}").unwrap();
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply).unwrap();
-    assert!(reply.contains("\"ok\":true"), "{request} -> {reply}");
-    reply
-}
-
-fn wait_for_file(p: &Path) {
-    let t0 = Instant::now();
-    while !p.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "{} never appeared",
-            p.display()
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
+/// One request on a control socket that must succeed.
+fn api_ok(sock: &Path, request: &str) {
+    let reply = api(sock, request);
+    assert_eq!(reply["ok"], true, "{request} -> {reply}");
 }
 
 #[test]
@@ -1455,11 +1438,11 @@ fn pmem_snapshot_restore_remaps_the_file_and_refuses_a_changed_one() {
     let mut vmm = Vmm::spawn(&a, &s.path("serial.log"));
     vmm.wait_for_serial("pmem-written", Duration::from_secs(60));
     let snap = s.path("snap");
-    api(
+    api_ok(
         &sock,
         &format!(r#"{{"op":"snapshot","path":"{}"}}"#, snap.display()),
     );
-    api(&sock, r#"{"op":"stop"}"#);
+    api_ok(&sock, r#"{"op":"stop"}"#);
     let first = vmm.wait(Duration::from_secs(30));
     assert_eq!(first.status.code(), Some(0), "{}", first.describe());
 
@@ -1493,8 +1476,8 @@ fn pmem_snapshot_restore_remaps_the_file_and_refuses_a_changed_one() {
     // The original file back: the restored guest sees it at the same window, its flush works.
     std::fs::rename(&keep, &img).unwrap();
     let (mut vmm, sock2) = restore("restored.log");
-    wait_for_file(&sock2);
-    api(&sock2, r#"{"op":"resume"}"#);
+    wait_for_path(&sock2);
+    api_ok(&sock2, r#"{"op":"resume"}"#);
     pwrite_u64(&img, 0x1000, PMEM_GO_FLUSH);
     vmm.wait_for_serial("pmem-flushed", Duration::from_secs(60));
     pwrite_u64(&img, 0x1000, PMEM_GO_FINISH);

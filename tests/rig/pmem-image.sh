@@ -9,8 +9,10 @@ mkdir -p "$dir/root"
 hello="hello from a host-built ext4 image"
 printf '%s\n' "$hello" >"$dir/root/hello.txt"
 # Deterministic content (a new random blob would make a new cached L1 image every run).
-seq 1 2100000 >"$dir/root/blob.bin"
-truncate -s 16M "$dir/root/blob.bin"
+# Exactly 16 MiB of data, no holes: every page of it is on the pmem device.
+seq 1 2240000 >"$dir/seq"
+head -c 16777216 "$dir/seq" >"$dir/root/blob.bin"
+rm "$dir/seq"
 mkfs.ext4 -q -F -b 4096 -d "$dir/root" "$dir/pmem.img" 32M >/dev/null
 {
     echo "hello='$hello'"

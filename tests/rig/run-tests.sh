@@ -9,6 +9,8 @@
 #                   target, free page reporting (the VMM's RSS falls), a restored copy
 #   6. debian-image: `dsec run --image debian` in a microVM: read-only erofs root disk plus a
 #                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk
+#   7. pmem:        the guest's virtio_pmem driver on our virtio-pmem: ext4 -o dax,ro from a
+#                   host-built image, two VMs sharing its host pages, flush of a writable one
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
@@ -75,6 +77,20 @@ else
         /etc/mke2fs.conf=/etc/mke2fs.conf "$kdir/vmlinux=/dsec/kernel/vmlinux" \
         "$AGENT_IMG=/dsec/images/debian/initramfs.cpio" "$DEBIAN_IMG=/dsec/images/debian/rootfs.img" \
         || failed=$((failed + 1))
+fi
+echo "==> rig pmem (Linux virtio_pmem on our virtio-pmem: DAX mount, shared pages, flush, in L1)"
+if ((${#missing[@]} == 0)); then
+    pm=$(mktemp -d)
+    if "$HERE/pmem-image.sh" "$pm"; then
+        "$HERE/rig.sh" run "$HERE/tests/pmem.sh" \
+            "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+            "$kdir/vmlinux=/guest/vmlinux" "$AGENT_IMG=/guest/initramfs.cpio" \
+            "$pm/pmem.img=/guest/pmem.img" "$pm/pmem.expect=/guest/pmem.expect" \
+            || failed=$((failed + 1))
+    else
+        failed=$((failed + 1))
+    fi
+    rm -rf "$pm"
 fi
 echo "rig suites failed: $failed"
 exit "$failed"

@@ -70,6 +70,48 @@ impl std::str::FromStr for DriveConfig {
     }
 }
 
+/// A virtio-pmem device: a host file mapped into guest-physical memory (the guest sees
+/// /dev/pmemN and can mount it with `-o dax`). Its size must be a non-zero multiple of 2 MiB.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PmemConfig {
+    pub path: PathBuf,
+    /// Mapped read-only (MAP_PRIVATE, KVM read-only slot): guest writes are dropped. Several
+    /// VMs mapping one read-only file share its page-cache pages.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Writable, but with a shared lock: several VMs may map the file at once (and see each
+    /// other's writes). Without it a writable file is locked to one VM.
+    #[serde(default)]
+    pub shared: bool,
+}
+
+impl std::str::FromStr for PmemConfig {
+    type Err = String;
+    /// `PATH[,ro|,shared]`
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (path, read_only, shared) = match s.rsplit_once(',') {
+            Some((p, "ro")) => (p, true, false),
+            Some((p, "shared")) => (p, false, true),
+            Some((p, "rw")) => (p, false, false),
+            Some((_, other)) => {
+                return Err(format!(
+                    "unknown pmem option `{other}`; use PATH, PATH,ro or PATH,shared"
+                ))
+            }
+            None => (s, false, false),
+        };
+        if path.is_empty() {
+            return Err("empty pmem path; use PATH, PATH,ro or PATH,shared".into());
+        }
+        Ok(PmemConfig {
+            path: path.into(),
+            read_only,
+            shared,
+        })
+    }
+}
+
 /// A virtio-net device on a host tap interface.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -237,6 +279,9 @@ pub struct VmConfig {
     /// virtio-balloon device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balloon: Option<BalloonConfig>,
+    /// virtio-pmem devices (/dev/pmem0, /dev/pmem1, ... in this order).
+    #[serde(default)]
+    pub pmem: Vec<PmemConfig>,
 }
 
 /// Default command line for a Linux guest: quiet console (each byte costs VM exits),
@@ -300,7 +345,13 @@ pub enum ConfigError {
     Mac(String),
     #[error("field `balloon.stats_interval_s`: {0} s is too long; use 0 (no statistics) to {MAX_BALLOON_STATS_S}")]
     BalloonStats(u32),
-    #[error("too many virtio devices ({0}); a VM has at most {MAX_VIRTIO_DEVICES} (vsock + rng + drives + net)")]
+    #[error("field `pmem`: {0}")]
+    Pmem(crate::devices::virtio::pmem::PmemError),
+    #[error(
+        "field `pmem`: {0} is both read-only and shared; shared is for writable files, pick one"
+    )]
+    PmemMode(PathBuf),
+    #[error("too many virtio devices ({0}); a VM has at most {MAX_VIRTIO_DEVICES} (vsock + rng + drives + net + balloon + pmem)")]
     TooManyDevices(usize),
 }
 
@@ -319,6 +370,7 @@ impl VmConfig {
             drives: Vec::new(),
             net: None,
             balloon: None,
+            pmem: Vec::new(),
         }
     }
 
@@ -395,11 +447,19 @@ impl VmConfig {
                 return Err(ConfigError::BalloonStats(b.stats_interval_s));
             }
         }
+        for p in &self.pmem {
+            if p.read_only && p.shared {
+                return Err(ConfigError::PmemMode(p.path.clone()));
+            }
+            crate::devices::virtio::pmem::open_file(&p.path, p.read_only)
+                .map_err(ConfigError::Pmem)?;
+        }
         let n = usize::from(self.vsock.is_some())
             + usize::from(self.rng)
             + self.drives.len()
             + usize::from(self.net.is_some())
-            + usize::from(self.balloon.is_some());
+            + usize::from(self.balloon.is_some())
+            + self.pmem.len();
         if n > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices(n));
         }
@@ -512,7 +572,53 @@ mod tests {
     #[test]
     fn old_configs_without_device_fields_load() {
         let c: VmConfig = serde_json::from_str(r#"{"kernel":"/k"}"#).unwrap();
-        assert!(!c.rng && c.drives.is_empty() && c.net.is_none());
+        assert!(!c.rng && c.drives.is_empty() && c.net.is_none() && c.pmem.is_empty());
+    }
+
+    #[test]
+    fn pmem_flag_parses_and_bad_files_are_named() {
+        let p: PmemConfig = "/a/b.img,ro".parse().unwrap();
+        assert!(p.read_only && !p.shared);
+        let p: PmemConfig = "/a/b.img,shared".parse().unwrap();
+        assert!(!p.read_only && p.shared);
+        let p: PmemConfig = "/a/b.img".parse().unwrap();
+        assert!(!p.read_only && !p.shared);
+        assert!("/x,dax".parse::<PmemConfig>().is_err());
+        assert!(",ro".parse::<PmemConfig>().is_err());
+        let json: VmConfig =
+            serde_json::from_str(r#"{"kernel":"/k","pmem":[{"path":"/p","read_only":true}]}"#)
+                .unwrap();
+        assert_eq!(json.pmem[0].path, PathBuf::from("/p"));
+        let dir = std::env::temp_dir().join(format!("dsec-cfg-pmem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = valid();
+        let check = |c: &VmConfig, want: &[&str]| {
+            let err = c.validate().unwrap_err().to_string();
+            for w in want {
+                assert!(err.contains(w), "{err} lacks {w}");
+            }
+        };
+        c.pmem = vec![format!("{}/missing.img,ro", dir.display()).parse().unwrap()];
+        check(&c, &["`pmem`", "missing.img"]);
+        let empty = dir.join("empty.img");
+        std::fs::write(&empty, b"").unwrap();
+        c.pmem = vec![format!("{},ro", empty.display()).parse().unwrap()];
+        check(&c, &["`pmem`", "empty"]);
+        let odd = dir.join("odd.img");
+        std::fs::File::create(&odd)
+            .unwrap()
+            .set_len(3 << 20)
+            .unwrap();
+        c.pmem = vec![format!("{},ro", odd.display()).parse().unwrap()];
+        check(&c, &["`pmem`", "multiple of 2 MiB", "truncate -s 4194304"]);
+        std::fs::File::create(&odd)
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        c.validate().unwrap();
+        c.pmem[0].shared = true;
+        check(&c, &["`pmem`", "read-only and shared"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use dsec_vmm::config::{
-    BalloonConfig, DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig,
+    BalloonConfig, DriveConfig, NetConfig, PmemConfig, SerialOutput, VmConfig, VsockConfig,
 };
 use dsec_vmm::jail::Exposure;
 use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
@@ -26,7 +26,7 @@ struct Args {
     config: Option<PathBuf>,
     /// Restore from a snapshot directory instead of booting (vsock, net and serial flags
     /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "balloon"])]
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "balloon", "pmem"])]
     restore: Option<PathBuf>,
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
@@ -77,6 +77,11 @@ struct Args {
     /// the guest sees them in this order. Replaces the config file's drives.
     #[arg(long = "drive", value_name = "PATH[,ro]")]
     drives: Vec<DriveConfig>,
+    /// Add a virtio-pmem device: host file PATH (size a multiple of 2 MiB) mapped into guest
+    /// memory (/dev/pmemN); `,ro` read-only (VMs share its pages), `,shared` writable by
+    /// several VMs at once. Repeat for more. Replaces the config file's pmem list.
+    #[arg(long = "pmem", value_name = "PATH[,ro|,shared]")]
+    pmem: Vec<PmemConfig>,
     /// Add a virtio-net device on a tap: `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`.
     #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
     net: Option<NetConfig>,
@@ -158,6 +163,9 @@ fn build_config(args: &Args) -> Result<VmConfig, String> {
     }
     if let Some(balloon) = &args.balloon {
         config.balloon = Some(balloon.clone());
+    }
+    if !args.pmem.is_empty() {
+        config.pmem = args.pmem.clone();
     }
     if let Some(path) = &args.serial_log {
         config.serial = SerialOutput::File(path.clone());
@@ -253,6 +261,7 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
         Exposure::writable(dir.unwrap_or(Path::new(".")))
     };
     let mut drives = Vec::new();
+    let mut pmem = Vec::new();
     let mut vsock = None;
     match (&args.restore, args.prewarm) {
         (Some(dir), _) => {
@@ -272,6 +281,7 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
                 expose.push(Exposure::read_only(p));
             }
             drives = state.config.drives.clone();
+            pmem = state.config.pmem.clone();
             vsock = state.config.vsock.as_ref().map(|v| v.uds_path.clone());
         }
         (None, true) => {}
@@ -285,6 +295,7 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
                 expose.push(parent_rw(path));
             }
             drives = config.drives.clone();
+            pmem = config.pmem.clone();
             vsock = config.vsock.as_ref().map(|v| v.uds_path.clone());
         }
     }
@@ -295,6 +306,12 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
         expose.push(Exposure {
             writable: !d.read_only,
             path: d.path,
+        });
+    }
+    for p in pmem {
+        expose.push(Exposure {
+            writable: !p.read_only,
+            path: p.path,
         });
     }
     for path in [

@@ -1291,6 +1291,244 @@ fn vsock_single_descriptor_layout() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// virtio-pmem.
+
+const PMEM_GO_FLUSH: u64 = 0x600d_f105_0000_0001;
+const PMEM_GO_FINISH: u64 = 0x600d_f105_0000_0002;
+
+/// A scratch directory on the target's file system, not /tmp: flush tests need a file system
+/// with real writeback (tmpfs pages are always dirty).
+fn disk_scratch(name: &str) -> Scratch {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "dsec-tg-{}-{name}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    Scratch(dir)
+}
+
+/// Dirty KiB (shared + private) of `pid`'s mappings of `file`, from /proc/PID/smaps.
+fn smaps_dirty_kib(pid: u32, file: &Path) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let name = file.display().to_string();
+    let mut inside = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            inside = line.ends_with(&name);
+        } else if inside && (first == "Shared_Dirty:" || first == "Private_Dirty:") {
+            kib += words
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    kib
+}
+
+fn pwrite_u64(file: &Path, offset: u64, v: u64) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all_at(&v.to_le_bytes(), offset).unwrap();
+}
+
+/// One request on a control socket that must succeed.
+fn api_ok(sock: &Path, request: &str) {
+    let reply = api(sock, request);
+    assert_eq!(reply["ok"], true, "{request} -> {reply}");
+}
+
+#[test]
+fn pmem_read_only_window_reads_the_file_and_drops_guest_writes() {
+    let _g = serial_lock();
+    let s = Scratch::new("pmemro");
+    let img = s.path("ro.img");
+    let content = pattern_bytes(5, 4 << 20);
+    std::fs::write(&img, &content).unwrap();
+    let pmem = format!("{},ro", img.display());
+    let run = run_guest(
+        &s,
+        &guest("pmem"),
+        &["--pmem", &pmem, "--cmdline", "seed=5 size=4194304 mode=ro"],
+        Duration::from_secs(120),
+    );
+    let oks = run.assert_passed();
+    for must in [
+        "pmem-config",
+        "pmem-read-pattern",
+        "pmem-ro-write-dropped",
+        "pmem-flush-ro",
+        "pmem-unknown-type",
+        "pmem-no-status-buffer",
+    ] {
+        assert!(oks.iter().any(|o| o == must), "{must}\n{}", run.describe());
+    }
+    assert!(
+        std::fs::read(&img).unwrap() == content,
+        "read-only file changed"
+    );
+}
+
+#[test]
+fn pmem_flush_writes_back_what_the_guest_stored() {
+    let _g = serial_lock();
+    let s = disk_scratch("pmemrw");
+    let img = s.path("rw.img");
+    std::fs::write(&img, pattern_bytes(6, 2 << 20)).unwrap();
+    let pmem = img.display().to_string();
+    let a = args(&[
+        "--kernel",
+        &guest("pmem").display().to_string(),
+        "--pmem",
+        &pmem,
+        "--cmdline",
+        "seed=6 size=2097152 mode=rw",
+    ]);
+    let mut vmm = Vmm::spawn(&a, &s.path("serial.log"));
+    vmm.wait_for_serial("pmem-written", Duration::from_secs(60));
+    // The guest's 64 KiB of stores are dirty page-cache pages of the shared mapping.
+    let dirty_before = smaps_dirty_kib(vmm.child.id(), &img);
+    pwrite_u64(&img, 0x1000, PMEM_GO_FLUSH);
+    vmm.wait_for_serial("pmem-flushed", Duration::from_secs(60));
+    // The flush request wrote them back (fdatasync): nothing of the file is dirty any more.
+    let dirty_after = smaps_dirty_kib(vmm.child.id(), &img);
+    pwrite_u64(&img, 0x1000, PMEM_GO_FINISH);
+    let run = vmm.wait(Duration::from_secs(60));
+    let oks = run.assert_passed();
+    assert!(oks.iter().any(|o| o == "pmem-flush"), "{}", run.describe());
+    assert!(
+        dirty_before >= 64,
+        "only {dirty_before} KiB dirty after the guest's stores"
+    );
+    assert_eq!(
+        dirty_after, 0,
+        "still dirty after the flush ({dirty_before} KiB before)"
+    );
+    let file = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &file[1 << 20..(1 << 20) + 65536],
+        &pattern_bytes(7, 65536)[..]
+    );
+    assert_eq!(&file[..0x1000], &pattern_bytes(6, 0x1000)[..]);
+    eprintln!("pmem: {dirty_before} KiB dirty before the flush, {dirty_after} after");
+}
+
+#[test]
+fn pmem_snapshot_restore_remaps_the_file_and_refuses_a_changed_one() {
+    let _g = serial_lock();
+    let s = disk_scratch("pmemsnap");
+    let img = s.path("rw.img");
+    std::fs::write(&img, pattern_bytes(8, 2 << 20)).unwrap();
+    let sock = s.path("api.sock");
+    let a = args(&[
+        "--kernel",
+        &guest("pmem").display().to_string(),
+        "--pmem",
+        &img.display().to_string(),
+        "--api-sock",
+        &sock.display().to_string(),
+        "--cmdline",
+        "seed=8 size=2097152 mode=rw",
+    ]);
+    let mut vmm = Vmm::spawn(&a, &s.path("serial.log"));
+    vmm.wait_for_serial("pmem-written", Duration::from_secs(60));
+    let snap = s.path("snap");
+    api_ok(
+        &sock,
+        &format!(r#"{{"op":"snapshot","path":"{}"}}"#, snap.display()),
+    );
+    api_ok(&sock, r#"{"op":"stop"}"#);
+    let first = vmm.wait(Duration::from_secs(30));
+    assert_eq!(first.status.code(), Some(0), "{}", first.describe());
+
+    let restore = |serial: &str| {
+        let sock2 = s.path(&format!("{serial}.sock"));
+        let vmm = Vmm::spawn(
+            &args(&[
+                "--restore",
+                &snap.display().to_string(),
+                "--api-sock",
+                &sock2.display().to_string(),
+            ]),
+            &s.path(serial),
+        );
+        (vmm, sock2)
+    };
+    // A same-size file renamed over the image (a rebuilt image) is refused.
+    let keep = s.path("keep.img");
+    std::fs::hard_link(&img, &keep).unwrap();
+    let other = s.path("other.img");
+    std::fs::write(&other, pattern_bytes(8, 2 << 20)).unwrap();
+    std::fs::rename(&other, &img).unwrap();
+    let (vmm, _) = restore("bad.log");
+    let bad = vmm.wait(Duration::from_secs(30));
+    assert_eq!(bad.status.code(), Some(1), "{}", bad.describe());
+    assert!(
+        bad.stderr.contains("changed since the snapshot") && bad.stderr.contains("rw.img"),
+        "{}",
+        bad.stderr
+    );
+    // The original file back: the restored guest sees it at the same window, its flush works.
+    std::fs::rename(&keep, &img).unwrap();
+    let (mut vmm, sock2) = restore("restored.log");
+    wait_for_path(&sock2);
+    api_ok(&sock2, r#"{"op":"resume"}"#);
+    pwrite_u64(&img, 0x1000, PMEM_GO_FLUSH);
+    vmm.wait_for_serial("pmem-flushed", Duration::from_secs(60));
+    pwrite_u64(&img, 0x1000, PMEM_GO_FINISH);
+    let run = vmm.wait(Duration::from_secs(60));
+    assert_eq!(run.status.code(), Some(0), "{}", run.describe());
+    let (oks, fails, done) = parse_results(&run.serial);
+    assert!(fails.is_empty(), "{}", run.describe());
+    assert!(
+        oks.iter().any(|o| o == "pmem-flush") && oks.iter().any(|o| o == "pmem-host-checked"),
+        "{}",
+        run.describe()
+    );
+    assert!(matches!(done, Some((_, 0))), "{}", run.describe());
+    let file = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &file[1 << 20..(1 << 20) + 65536],
+        &pattern_bytes(9, 65536)[..]
+    );
+}
+
+#[test]
+fn pmem_bad_files_are_refused_with_the_reason() {
+    let _g = serial_lock();
+    let s = Scratch::new("pmembad");
+    let kernel = guest("serial").display().to_string();
+    let err = |pmem: &str| vmm_error(&["--kernel", &kernel, "--pmem", pmem]);
+    let missing = s.path("missing.img").display().to_string();
+    let e = err(&format!("{missing},ro"));
+    assert!(e.contains("`pmem`") && e.contains("missing.img"), "{e}");
+    let empty = s.path("empty.img");
+    std::fs::write(&empty, b"").unwrap();
+    let e = err(&format!("{},ro", empty.display()));
+    assert!(e.contains("is empty"), "{e}");
+    let odd = s.path("odd.img");
+    std::fs::write(&odd, vec![0u8; (2 << 20) + 512]).unwrap();
+    let e = err(&odd.display().to_string());
+    assert!(
+        e.contains("not a multiple of 2 MiB") && e.contains("truncate -s 4194304"),
+        "{e}"
+    );
+    let e = err(&format!("{},dax", odd.display()));
+    assert!(e.contains("unknown pmem option"), "{e}");
+    // One writable file twice: the second mapping finds the lock.
+    let img = s.path("a.img");
+    std::fs::write(&img, vec![0u8; 2 << 20]).unwrap();
+    let a = img.display().to_string();
+    let e = vmm_error(&["--kernel", &kernel, "--pmem", &a, "--pmem", &a]);
+    assert!(e.contains("in use by another VM"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Bad input: each is refused with a message naming the problem.
 
 fn vmm_error(a: &[&str]) -> String {

@@ -282,6 +282,9 @@ tss_end:
 pml4:
     .quad pdpt + 0x7
     .fill 511, 8, 0
+/* Exported so a guest can map more (the pmem guest adds its window above 4 GiB). */
+    .global dsec_pdpt
+dsec_pdpt:
 pdpt:
     .quad pd + 0x7
     .quad pd + 0x1000 + 0x7

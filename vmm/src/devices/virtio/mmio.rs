@@ -82,6 +82,11 @@ impl MmioTransport {
         }
     }
 
+    /// The device's own snapshot state (see `VirtioDevice::device_state`).
+    pub fn device_state(&self) -> Option<serde_json::Value> {
+        self.device.device_state()
+    }
+
     /// See `Interrupt::reassert_pending`.
     pub fn reassert_pending_interrupt(&self) {
         self.interrupt.reassert_pending();

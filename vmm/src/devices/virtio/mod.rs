@@ -4,6 +4,7 @@ pub mod balloon;
 pub mod block;
 pub mod mmio;
 pub mod net;
+pub mod pmem;
 pub mod rng;
 pub mod slots;
 pub mod testing;
@@ -108,6 +109,11 @@ pub trait VirtioDevice: Send {
     /// Called before `activate` when the device comes back from a snapshot: host-side
     /// state (connections, files) did not survive, so the device tells the guest.
     fn prepare_restore(&mut self) {}
+    /// Device-specific snapshot state beyond the transport's (e.g. which file pmem mapped),
+    /// checked by the device's own restore path in `slots::attach`.
+    fn device_state(&self) -> Option<serde_json::Value> {
+        None
+    }
     /// Live queue positions while the device thread runs (for snapshots); None if inactive.
     /// Only meaningful while the device is paused.
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {

@@ -1,6 +1,7 @@
 //! Which virtio-mmio device sits in which slot, and wiring each one to the VM: slot `i` lives
 //! at `VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SIZE` with IRQ `VIRTIO_IRQ_BASE + i`. Order: vsock
-//! (slot 0, when configured), rng, the drives in config order, net, balloon. The kernel command line
+//! (slot 0, when configured), rng, the drives in config order, net, balloon, the pmem files in
+//! config order. The kernel command line
 //! declares them in the same order, so Linux names the disks vda, vdb, ... as configured.
 
 use std::sync::{Arc, Mutex};
@@ -13,6 +14,7 @@ use super::balloon::{Balloon, BalloonControl, BalloonState};
 use super::block::Block;
 use super::mmio::{MmioTransport, TransportState};
 use super::net::Net;
+use super::pmem::{self, Pmem, PmemState};
 use super::rng::Rng;
 use super::vsock::Vsock;
 use super::VirtioDevice;
@@ -31,6 +33,8 @@ pub enum Slot {
     Block(usize),
     Net,
     Balloon,
+    /// Index into `VmConfig::pmem`.
+    Pmem(usize),
 }
 
 /// A non-vsock virtio device's snapshot state, keyed by its MMIO slot.
@@ -41,6 +45,9 @@ pub struct SlotState {
     /// The balloon's own state (target, actual, statistics) when this slot is the balloon.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balloon: Option<BalloonState>,
+    /// Device-specific state (pmem: the mapped file's identity and window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<serde_json::Value>,
 }
 
 /// The devices of `config` in slot order.
@@ -59,6 +66,7 @@ pub fn plan(config: &VmConfig) -> Vec<Slot> {
     if config.balloon.is_some() {
         slots.push(Slot::Balloon);
     }
+    slots.extend((0..config.pmem.len()).map(Slot::Pmem));
     slots
 }
 
@@ -116,7 +124,9 @@ pub fn attach(
         all: Vec::new(),
         balloon: None,
     };
+    let mut pmem_addr = pmem::window_base(config.mem_mib << 20);
     for (i, slot) in plan(config).into_iter().enumerate() {
+        let saved_slot = saved.iter().find(|s| s.slot as usize == i);
         let err = |detail: String| AttachError::Device {
             slot: i,
             what: format!("{slot:?}"),
@@ -156,16 +166,28 @@ pub fn attach(
                 out.balloon = Some(device.control());
                 Box::new(device)
             }
+            Slot::Pmem(index) => {
+                let p = &config.pmem[*index];
+                let backing = pmem::Backing::open(&p.path, p.read_only, p.shared, pmem_addr)
+                    .map_err(|e| err(e.to_string()))?;
+                if let Some(saved) = saved_slot.and_then(|s| s.device.clone()) {
+                    let saved: PmemState = serde_json::from_value(saved)
+                        .map_err(|e| err(format!("restore from snapshot: {e}")))?;
+                    backing.matches(&saved).map_err(|e| err(e.to_string()))?;
+                }
+                backing
+                    .register(vm, pmem::KVM_SLOT_BASE + *index as u32)
+                    .map_err(|e| err(e.to_string()))?;
+                pmem_addr += backing.size();
+                Box::new(Pmem::new(backing))
+            }
         };
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| err(e.to_string()))?;
         vm.register_irqfd(&irqfd, irq(i))
             .map_err(|e| err(format!("KVM refused the interrupt: {e}")))?;
         let state = match &slot {
             Slot::Vsock => saved_vsock,
-            _ => saved
-                .iter()
-                .find(|s| s.slot as usize == i)
-                .map(|s| &s.transport),
+            _ => saved_slot.map(|s| &s.transport),
         };
         let transport = match state {
             Some(state) => MmioTransport::restore((device, mem.clone(), irqfd), state)
@@ -199,10 +221,14 @@ pub fn save(config: &VmConfig, all: &[Arc<Mutex<MmioTransport>>]) -> Vec<SlotSta
         .zip(all)
         .enumerate()
         .filter(|(_, (slot, _))| **slot != Slot::Vsock)
-        .map(|(i, (_, t))| SlotState {
-            slot: i as u32,
-            transport: crate::devices::bus::lock(t).save(),
-            balloon: None,
+        .map(|(i, (_, t))| {
+            let t = crate::devices::bus::lock(t);
+            SlotState {
+                slot: i as u32,
+                transport: t.save(),
+                balloon: None,
+                device: t.device_state(),
+            }
         })
         .collect()
 }
@@ -215,5 +241,35 @@ pub fn save_balloon(config: &VmConfig, states: &mut [SlotState], balloon: Option
     };
     if let Some(s) = states.iter_mut().find(|s| s.slot as usize == i) {
         s.balloon = Some(balloon.state());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pmem_files_come_last_in_config_order() {
+        let mut c = VmConfig::new("/k");
+        c.rng = true;
+        c.drives.push("/d.img".parse().unwrap());
+        c.net = Some("tap=t0".parse().unwrap());
+        c.pmem.push("/a.img,ro".parse().unwrap());
+        c.pmem.push("/b.img".parse().unwrap());
+        assert_eq!(
+            plan(&c),
+            [
+                Slot::Rng,
+                Slot::Block(0),
+                Slot::Net,
+                Slot::Pmem(0),
+                Slot::Pmem(1)
+            ]
+        );
+        let line = cmdline(&c);
+        assert!(
+            line.ends_with(" virtio_mmio.device=4K@0xd0004000:9"),
+            "{line}"
+        );
     }
 }

@@ -1,0 +1,476 @@
+//! virtio-pmem: a host file mapped into guest-physical address space above RAM and the MMIO
+//! hole, so the guest reads (and, if writable, writes) it with plain loads and stores (DAX,
+//! no page cache copy in the guest). Read-only files are mapped MAP_PRIVATE/PROT_READ and
+//! registered with KVM_MEM_READONLY (guest writes become MMIO exits that are dropped); writable
+//! ones MAP_SHARED, so guest stores land in the host page cache. The one request queue carries
+//! flushes: fdatasync(2) of the file for a writable mapping, nothing to do for a read-only one.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
+use kvm_ioctls::VmFd;
+use serde::{Deserialize, Serialize};
+use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::worker::{drain_queue, QueueHandler, Worker, WorkerSlot};
+use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::arch::layout;
+use crate::memory::GuestMemory;
+
+pub const VIRTIO_ID_PMEM: u32 = 27;
+const QUEUE_SIZES: [u16; 1] = [32];
+/// Start and size of every pmem window: Linux hot-adds the range as ZONE_DEVICE memory in
+/// 2 MiB subsections.
+pub const ALIGN: u64 = 2 << 20;
+/// KVM memory slot of pmem device `i` is `KVM_SLOT_BASE + i` (RAM uses slots 0 and 1).
+pub const KVM_SLOT_BASE: u32 = 16;
+/// The only request type (`VIRTIO_PMEM_REQ_TYPE_FLUSH`).
+pub const REQ_FLUSH: u32 = 0;
+pub const RESP_OK: u32 = 0;
+pub const RESP_EIO: u32 = 1;
+
+/// Why a pmem file could not be mapped or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum PmemError {
+    #[error("cannot open pmem file {path}{mode}: {source}")]
+    Open {
+        path: PathBuf,
+        mode: &'static str,
+        source: std::io::Error,
+    },
+    #[error("pmem file {0} is in use by another VM (locked); map it read-only (,ro) or shared (,shared) in every VM, or give each VM its own copy")]
+    Locked(PathBuf),
+    #[error("pmem file {0} is empty; it needs a non-zero size that is a multiple of 2 MiB")]
+    Empty(PathBuf),
+    #[error("pmem file {path} is {size} bytes, not a multiple of 2 MiB (the guest maps it in 2 MiB units); pad it, e.g. truncate -s {padded} {path}")]
+    Unaligned {
+        path: PathBuf,
+        size: u64,
+        padded: u64,
+    },
+    #[error("cannot map pmem file {path} ({size} bytes): {source}")]
+    Map {
+        path: PathBuf,
+        size: u64,
+        source: std::io::Error,
+    },
+    #[error("KVM refused the memory slot for pmem file {path} at {addr:#x}: {source}{hint}")]
+    Register {
+        path: PathBuf,
+        addr: u64,
+        source: kvm_ioctls::Error,
+        hint: &'static str,
+    },
+    #[error("pmem file {path} changed since the snapshot: {detail}; restore needs the same, unmodified file")]
+    Changed { path: PathBuf, detail: String },
+}
+
+/// What identifies the mapped file, checked again when a snapshot is restored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PmemState {
+    pub path: PathBuf,
+    pub guest_addr: u64,
+    pub size: u64,
+    pub read_only: bool,
+    pub dev: u64,
+    pub ino: u64,
+    /// Modification time (ns) of a read-only file: the guest may have its contents cached.
+    /// Not checked for writable files, which the guest itself modifies.
+    pub mtime_ns: Option<i128>,
+}
+
+/// The mapped file. Unmapped on drop.
+pub struct Backing {
+    file: File,
+    path: PathBuf,
+    host: *mut libc::c_void,
+    size: u64,
+    read_only: bool,
+    guest_addr: u64,
+    dev: u64,
+    ino: u64,
+    mtime_ns: i128,
+}
+
+// SAFETY: `host` is a mapping owned by this value; nothing in the VMM reads or writes through
+// the pointer (only the guest does, through KVM), so sharing it between threads is sound.
+unsafe impl Send for Backing {}
+// SAFETY: as above; every method takes `&self` and only uses the file descriptor.
+unsafe impl Sync for Backing {}
+
+/// The file's size if it can be a pmem window: non-zero, a multiple of [`ALIGN`].
+pub fn check_size(path: &Path, size: u64) -> Result<u64, PmemError> {
+    if size == 0 {
+        return Err(PmemError::Empty(path.to_owned()));
+    }
+    if !size.is_multiple_of(ALIGN) {
+        return Err(PmemError::Unaligned {
+            path: path.to_owned(),
+            size,
+            padded: size.div_ceil(ALIGN) * ALIGN,
+        });
+    }
+    Ok(size)
+}
+
+/// Opens `path` as a pmem file and checks its size (config validation and [`Backing::open`]).
+pub fn open_file(path: &Path, read_only: bool) -> Result<(File, u64), PmemError> {
+    let open_err = |source| PmemError::Open {
+        path: path.to_owned(),
+        mode: if read_only {
+            ""
+        } else {
+            " for writing (add ,ro?)"
+        },
+        source,
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)
+        .map_err(open_err)?;
+    let meta = file.metadata().map_err(open_err)?;
+    if !meta.is_file() {
+        return Err(open_err(std::io::Error::other("not a regular file")));
+    }
+    let size = check_size(path, meta.len())?;
+    Ok((file, size))
+}
+
+/// Where the first pmem window goes: above RAM and the 32-bit MMIO hole, at a 1 GiB boundary.
+pub fn window_base(mem_bytes: u64) -> u64 {
+    let ram_end = layout::ram_regions(mem_bytes)
+        .iter()
+        .map(|(start, size)| start + size)
+        .max()
+        .unwrap_or(0);
+    ram_end.max(layout::MMIO_GAP_END).next_multiple_of(1 << 30)
+}
+
+impl Backing {
+    /// Opens, locks and maps `path` for a window at `guest_addr`. A writable file is locked
+    /// exclusively unless `shared`; read-only and shared ones take a shared lock.
+    pub fn open(
+        path: &Path,
+        read_only: bool,
+        shared: bool,
+        guest_addr: u64,
+    ) -> Result<Backing, PmemError> {
+        let (file, size) = open_file(path, read_only)?;
+        let op = if read_only || shared {
+            libc::LOCK_SH
+        } else {
+            libc::LOCK_EX
+        };
+        // SAFETY: flock on a file descriptor we own; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } != 0 {
+            return Err(PmemError::Locked(path.to_owned()));
+        }
+        let meta = file.metadata().map_err(|source| PmemError::Open {
+            path: path.to_owned(),
+            mode: "",
+            source,
+        })?;
+        let (prot, flags) = if read_only {
+            (libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+        } else {
+            (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED)
+        };
+        let map_err = |source| PmemError::Map {
+            path: path.to_owned(),
+            size,
+            source,
+        };
+        let len = usize::try_from(size).map_err(|_| map_err(std::io::Error::other("too large")))?;
+        // SAFETY: a new mapping chosen by the kernel (no MAP_FIXED) of a file we hold open;
+        // the result is checked before use and unmapped in Drop.
+        let host =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, file.as_raw_fd(), 0) };
+        if host == libc::MAP_FAILED {
+            return Err(map_err(std::io::Error::last_os_error()));
+        }
+        Ok(Backing {
+            file,
+            path: path.to_owned(),
+            host,
+            size,
+            read_only,
+            guest_addr,
+            dev: meta.dev(),
+            ino: meta.ino(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn guest_addr(&self) -> u64 {
+        self.guest_addr
+    }
+
+    /// Hands the mapping to KVM as memory slot `slot` (read-only slots fault writes out to
+    /// userspace as MMIO, where nothing claims them).
+    pub fn register(&self, vm: &VmFd, slot: u32) -> Result<(), PmemError> {
+        let region = kvm_userspace_memory_region {
+            slot,
+            flags: if self.read_only { KVM_MEM_READONLY } else { 0 },
+            guest_phys_addr: self.guest_addr,
+            memory_size: self.size,
+            userspace_addr: self.host as u64,
+        };
+        // SAFETY: the mapping lives as long as this Backing, which the device (and so the VM)
+        // holds until the VMM exits; KVM drops its pages through its MMU notifier on unmap.
+        unsafe { vm.set_user_memory_region(region) }.map_err(|source| PmemError::Register {
+            path: self.path.clone(),
+            addr: self.guest_addr,
+            hint: if self.read_only && source.errno() == libc::EINVAL {
+                " (this KVM may not support read-only memory slots; try a writable mapping)"
+            } else {
+                ""
+            },
+            source,
+        })
+    }
+
+    /// Makes guest writes durable: fdatasync writes back the page-cache pages the guest
+    /// dirtied through the shared mapping. Nothing to do for a read-only mapping.
+    pub fn flush(&self) -> std::io::Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.file.sync_data()
+    }
+
+    pub fn save(&self) -> PmemState {
+        PmemState {
+            path: self.path.clone(),
+            guest_addr: self.guest_addr,
+            size: self.size,
+            read_only: self.read_only,
+            dev: self.dev,
+            ino: self.ino,
+            mtime_ns: self.read_only.then_some(self.mtime_ns),
+        }
+    }
+
+    /// Checks that this is the file a snapshot mapped, unchanged.
+    pub fn matches(&self, saved: &PmemState) -> Result<(), PmemError> {
+        let changed = |detail: String| PmemError::Changed {
+            path: self.path.clone(),
+            detail,
+        };
+        if self.size != saved.size {
+            return Err(changed(format!(
+                "it is {} bytes, the snapshot mapped {}",
+                self.size, saved.size
+            )));
+        }
+        if (self.dev, self.ino) != (saved.dev, saved.ino) {
+            return Err(changed(format!(
+                "it is another file (device {} inode {}, the snapshot mapped device {} inode {})",
+                self.dev, self.ino, saved.dev, saved.ino
+            )));
+        }
+        if self.read_only != saved.read_only {
+            return Err(changed(format!(
+                "it is mapped {}, the snapshot mapped it {}",
+                rw(self.read_only),
+                rw(saved.read_only)
+            )));
+        }
+        if let Some(mtime) = saved.mtime_ns {
+            if mtime != self.mtime_ns {
+                return Err(changed("it was modified".into()));
+            }
+        }
+        if self.guest_addr != saved.guest_addr {
+            return Err(changed(format!(
+                "its window moved from {:#x} to {:#x} (did an earlier pmem file change size?)",
+                saved.guest_addr, self.guest_addr
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn rw(read_only: bool) -> &'static str {
+    if read_only {
+        "read-only"
+    } else {
+        "writable"
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        // SAFETY: `host`/`size` are exactly the mapping made in `open`, unmapped only here.
+        unsafe { libc::munmap(self.host, self.size as usize) };
+    }
+}
+
+/// The queue side of the device, also driven directly by tests and the fuzz target.
+pub struct PmemQueue {
+    backing: Arc<Backing>,
+}
+
+impl PmemQueue {
+    pub fn new(backing: Arc<Backing>) -> Self {
+        PmemQueue { backing }
+    }
+
+    /// Serves one request: a 4-byte type the device reads, then a 4-byte status it writes.
+    /// Returns the bytes written (0 when there is no room for the status).
+    pub fn handle(&mut self, mem: &GuestMemory, chain: DescriptorChain<&GuestMemory>) -> u32 {
+        let (mut reader, mut writer) =
+            match (Reader::new(mem, chain.clone()), Writer::new(mem, chain)) {
+                (Ok(r), Ok(w)) => (r, w),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::debug!("virtio-pmem: unusable request from the guest: {e}");
+                    return 0;
+                }
+            };
+        if writer.available_bytes() < 4 {
+            tracing::debug!("virtio-pmem: request has no room for the status");
+            return 0;
+        }
+        let status = match reader.read_obj::<u32>() {
+            Ok(t) if u32::from_le(t) == REQ_FLUSH => match self.backing.flush() {
+                Ok(()) => RESP_OK,
+                Err(e) => {
+                    tracing::warn!(
+                        "virtio-pmem: flush of {} failed: {e}",
+                        self.backing.path.display()
+                    );
+                    RESP_EIO
+                }
+            },
+            Ok(t) => {
+                tracing::debug!("virtio-pmem: unknown request type {t}");
+                RESP_EIO
+            }
+            Err(e) => {
+                tracing::debug!("virtio-pmem: request without a type: {e}");
+                RESP_EIO
+            }
+        };
+        match writer.write_obj(status.to_le()) {
+            Ok(()) => 4,
+            Err(_) => 0,
+        }
+    }
+
+    pub fn process(&mut self, queue: &mut Queue, mem: &GuestMemory) -> bool {
+        drain_queue(queue, mem, |chain| self.handle(mem, chain))
+    }
+}
+
+impl QueueHandler for PmemQueue {
+    fn queue_event(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> bool {
+        match queues.get_mut(index) {
+            Some(q) => self.process(q, mem),
+            None => false,
+        }
+    }
+}
+
+pub struct Pmem {
+    backing: Arc<Backing>,
+    config: [u8; 16],
+    acked_features: u64,
+    worker: Option<Worker>,
+}
+
+impl Pmem {
+    pub fn new(backing: Backing) -> Self {
+        let mut config = [0u8; 16];
+        config[..8].copy_from_slice(&backing.guest_addr.to_le_bytes());
+        config[8..].copy_from_slice(&backing.size.to_le_bytes());
+        Pmem {
+            backing: Arc::new(backing),
+            config,
+            acked_features: 0,
+            worker: None,
+        }
+    }
+
+    pub fn backing(&self) -> &Arc<Backing> {
+        &self.backing
+    }
+}
+
+impl VirtioDevice for Pmem {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_PMEM
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn ack_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+
+    /// `struct virtio_pmem_config { le64 start; le64 size; }`
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        queue_events: Vec<EventFd>,
+        interrupt: Arc<Interrupt>,
+    ) -> Result<(), ActivateError> {
+        if queues.len() != 1 || queue_events.len() != 1 {
+            return Err(ActivateError::BadQueues);
+        }
+        self.worker = Some(Worker::spawn(
+            "virtio-pmem",
+            PmemQueue::new(self.backing.clone()),
+            mem,
+            queues,
+            queue_events,
+            interrupt,
+        )?);
+        Ok(())
+    }
+
+    fn reset(&mut self) -> bool {
+        self.worker = None;
+        true
+    }
+
+    fn device_state(&self) -> Option<serde_json::Value> {
+        serde_json::to_value(self.backing.save()).ok()
+    }
+
+    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
+        self.worker.queue_states()
+    }
+
+    fn pause(&mut self) -> Result<(), String> {
+        self.worker.pause()
+    }
+
+    fn resume(&mut self) {
+        self.worker.resume();
+    }
+}
+
+#[cfg(test)]
+mod tests;

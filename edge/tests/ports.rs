@@ -345,17 +345,26 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     let (code, body) = daemon.curl(&host_a, "/big.bin", &[]);
     assert_eq!(code, 200);
     assert!(body == big, "1 MiB body through the entry point differs");
-    // A request body (1 MiB upload) crosses too: httpd answers 404 for POST to a file only
-    // after reading the request, so the point is that the answer arrives, not its code.
+    // A 1 MiB upload through the entry point neither hangs nor wedges it. busybox httpd may
+    // answer a POST to a static file or close before reading all of it (curl then reports an
+    // empty reply), so only a timeout counts as failure; the byte-exact upload path is the
+    // echo test below.
     let upload = daemon.state.with_extension("upload");
     std::fs::write(&upload, &big).unwrap();
-    let (code, _) = daemon.curl(
-        &host_a,
-        "/index.html",
-        &["--data-binary", &format!("@{}", upload.display())],
-    );
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20", "-o", "/dev/null"])
+        .args(["-H", &format!("Host: {host_a}")])
+        .args(["--data-binary", &format!("@{}", upload.display())])
+        .arg(format!("http://{}/index.html", daemon.http))
+        .output()
+        .unwrap();
     std::fs::remove_file(&upload).unwrap();
-    assert!(code >= 200, "no answer to a 1 MiB upload");
+    assert_ne!(out.status.code(), Some(28), "1 MiB upload timed out");
+    assert_eq!(
+        daemon.curl(&host_a, "/index.html", &[]),
+        (200, b"page of A\n".to_vec()),
+        "the entry point stopped serving after an upload"
+    );
 
     // The URL the node hands out works as-is (`*.localhost` resolves to 127.0.0.1).
     let url = client.port_url(&a, 8080).await.unwrap();

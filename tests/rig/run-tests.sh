@@ -11,6 +11,9 @@
 #                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk
 #   7. pmem:        the guest's virtio_pmem driver on our virtio-pmem: ext4 -o dax,ro from a
 #                   host-built image, two VMs sharing its host pages, flush of a writable one
+#   8. node-microvm: `dsec up` in L1 with microVM sandboxes, driven through the CLI's gRPC
+#                   client: create, exec, cp both ways, a session, pause/resume, the HTTP entry
+#                   point, fork, delete with nothing left
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
@@ -91,6 +94,13 @@ if ((${#missing[@]} == 0)); then
         failed=$((failed + 1))
     fi
     rm -rf "$pm"
+fi
+echo "==> rig node-microvm (the node daemon's API on microVMs through the dsec CLI, in L1)"
+if ((${#missing[@]} == 0)); then
+    "$HERE/rig.sh" run "$HERE/tests/node-microvm.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
+        || failed=$((failed + 1))
 fi
 echo "rig suites failed: $failed"
 exit "$failed"

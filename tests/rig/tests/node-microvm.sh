@@ -1,0 +1,68 @@
+#!/bin/sh
+# Runs inside the rig's L1: the node daemon's API on the microVM backend, driven through the
+# `dsec` CLI (a gRPC client of the daemon): create, exec, files both ways, a shell session,
+# pause/resume, fork, an HTTP server reached through the daemon's HTTP entry point, delete,
+# and nothing left behind.
+# Expects in L1: /bin/dsec, /bin/dsec-vmm and DSEC_HOME=/dsec holding kernel/vmlinux and
+# images/busybox/initramfs.cpio.
+# Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
+pass=0; fail=0
+ok()  { echo "PASS $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
+export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
+export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
+T=300
+for f in /bin/dsec /bin/dsec-vmm $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/busybox/initramfs.cpio; do
+    [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
+done
+dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http 127.0.0.1:7080 \
+    --cgroup-name dsec-rig >/tmp/node.log 2>&1 &
+daemon=$!
+i=0
+until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
+dsec ls >/dev/null 2>&1 && ok daemon-up || { bad daemon-up "$(tail -5 /tmp/node.log)"; echo "$pass passed, $fail failed"; exit 1; }
+
+id=$(timeout $T dsec create --backend microvm --mem 128 2>/tmp/create.err)
+[ -n "$id" ] && ok create || bad create "$(cat /tmp/create.err)"
+timeout $T dsec inspect $id | grep -q '"microvm"' && ok backend-is-microvm || bad backend-is-microvm "$(dsec inspect $id)"
+out=$(timeout $T dsec exec $id -- sh -c 'cat /proc/1/comm; exit 3'); rc=$?
+# In a microVM the agent is the initramfs's /init (a container's PID 1 is named dsec-agent).
+[ "$rc" = 3 ] && [ "$out" = init ] && ok exec || bad exec "rc $rc, out '$out'"
+
+# Files both ways.
+head -c 300000 /dev/urandom >/tmp/up.bin
+timeout $T dsec cp /tmp/up.bin $id:/root/up.bin && timeout $T dsec cp $id:/root/up.bin /tmp/down.bin \
+    && cmp -s /tmp/up.bin /tmp/down.bin && ok files-round-trip || bad files-round-trip "copies differ or failed"
+
+# A persistent shell session (stdin is not a terminal: fed line by line).
+out=$(printf 'cd /tmp\nexport V=kept\necho "$(pwd) $V"\n' | timeout $T dsec shell $id 2>/dev/null | tail -1)
+[ "$out" = "/tmp kept" ] && ok session || bad session "got '$out'"
+
+# Pause stops the guest; resume brings it back.
+timeout $T dsec pause $id >/dev/null && ok pause || bad pause "refused"
+timeout 10 dsec exec $id -- true >/dev/null 2>&1 && bad exec-while-paused "an exec ran in a paused sandbox" || ok exec-while-paused-refused
+timeout $T dsec resume $id >/dev/null && timeout $T dsec exec $id -- true && ok resume || bad resume "exec after resume failed"
+
+# A server inside, reached through the daemon's HTTP entry point.
+timeout $T dsec exec $id -- sh -c 'mkdir -p /www && echo served-from-the-vm >/www/index.html && httpd -p 127.0.0.1:8080 -h /www' >/dev/null
+got=$(timeout 60 wget -q -O - --header "Host: 8080-$id.localhost" http://127.0.0.1:7080/index.html 2>&1)
+[ "$got" = served-from-the-vm ] && ok http-entry-point || bad http-entry-point "got '$got'"
+
+# Fork: two children answer and write privately.
+timeout $T dsec exec $id -- sh -c 'echo parent >/root/who'
+children=$(timeout $T dsec fork $id -n 2 2>/tmp/fork.err)
+n=0
+for c in $children; do
+    timeout $T dsec exec $c -- sh -c "echo $c >/root/who" && [ "$(timeout $T dsec exec $c -- cat /root/who)" = "$c" ] && n=$((n + 1))
+done
+[ "$n" = 2 ] && [ "$(timeout $T dsec exec $id -- cat /root/who)" = parent ] && ok fork || bad fork "children '$children' ($n ok): $(cat /tmp/fork.err)"
+
+# Delete everything: no VMM, socket or state left.
+for s in $id $children; do timeout $T dsec rm $s >/dev/null 2>&1; done
+sleep 1
+left=$(dsec ls 2>/dev/null | grep -c sb-)
+vmms=$(ps | grep -c "[d]sec-vmm")
+[ "$left" = 0 ] && [ "$vmms" = 0 ] && ok nothing-left || bad nothing-left "$left sandboxes, $vmms VMMs"
+kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
+echo "$pass passed, $fail failed"
+exit $fail

@@ -26,7 +26,7 @@ use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use serde_json::json;
+use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
 #[command(name = "dsec-perf", version, about = "DSec benchmark harness")]
@@ -492,24 +492,17 @@ fn boot(a: BootArgs) -> Result<(), String> {
     print!("{}", rig.table());
 
     if let Some(path) = &a.json {
-        let doc = json!({
-            "tool": "dsec-perf",
-            "scenario": "boot",
-            "version": env!("CARGO_PKG_VERSION"),
-            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
-            "machine": machine,
-            "direct": direct.to_json(),
-            "rig": rig.to_json(),
-        });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
-        eprintln!("dsec-perf: wrote {}", path.display());
+        write_json(
+            path,
+            "boot",
+            &machine,
+            json!({
+                "direct": direct.to_json(),
+                "rig": rig.to_json(),
+            }),
+        )?;
     }
-    if a.keep_workdir {
-        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&workdir);
-    }
+    finish_workdir(a.keep_workdir, &workdir);
     Ok(())
 }
 
@@ -579,33 +572,26 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     println!();
     print!("{}", rig_restore.table());
     if let Some(path) = &a.json {
-        let doc = json!({
-            "tool": "dsec-perf",
-            "scenario": "snapshot",
-            "version": env!("CARGO_PKG_VERSION"),
-            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
-            "machine": machine,
-            "options": {
-                "samples": a.samples, "warmup": a.warmup, "fleet_samples": a.fleet_samples,
-                "children": a.children, "memory_vms": a.memory_vms, "mem_mib": a.mem_mib,
-                "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
-                "rig_samples": a.rig_samples, "rig_mem_mib": a.rig_mem_mib,
-            },
-            "restore": r.restore.to_json(),
-            "kvm": r.kvm.to_json(),
-            "fork": r.fork.to_json(),
-            "memory": r.memory.to_json(),
-            "rig_restore": rig_restore.to_json(),
-        });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
-        eprintln!("dsec-perf: wrote {}", path.display());
+        write_json(
+            path,
+            "snapshot",
+            &machine,
+            json!({
+                "options": {
+                    "samples": a.samples, "warmup": a.warmup, "fleet_samples": a.fleet_samples,
+                    "children": a.children, "memory_vms": a.memory_vms, "mem_mib": a.mem_mib,
+                    "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
+                    "rig_samples": a.rig_samples, "rig_mem_mib": a.rig_mem_mib,
+                },
+                "restore": r.restore.to_json(),
+                "kvm": r.kvm.to_json(),
+                "fork": r.fork.to_json(),
+                "memory": r.memory.to_json(),
+                "rig_restore": rig_restore.to_json(),
+            }),
+        )?;
     }
-    if a.keep_workdir {
-        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&workdir);
-    }
+    finish_workdir(a.keep_workdir, &workdir);
     Ok(())
 }
 
@@ -641,27 +627,20 @@ fn devices_cmd(a: DevicesArgs) -> Result<(), String> {
     let sc = rig_devices::bench(&opts);
     print!("{}", sc.table());
     if let Some(path) = &a.json {
-        let doc = json!({
-            "tool": "dsec-perf",
-            "scenario": "devices",
-            "version": env!("CARGO_PKG_VERSION"),
-            "finished_unix_s": run::realtime_ns() / 1_000_000_000,
-            "machine": machine,
-            "options": {
-                "samples": a.samples, "mem_mib": a.mem_mib, "disk_mib": a.disk_mib,
-                "rand_reads": a.rand_reads, "tcp_mib": a.tcp_mib,
-            },
-            "rig_devices": sc.to_json(),
-        });
-        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
-        eprintln!("dsec-perf: wrote {}", path.display());
+        write_json(
+            path,
+            "devices",
+            &machine,
+            json!({
+                "options": {
+                    "samples": a.samples, "mem_mib": a.mem_mib, "disk_mib": a.disk_mib,
+                    "rand_reads": a.rand_reads, "tcp_mib": a.tcp_mib,
+                },
+                "rig_devices": sc.to_json(),
+            }),
+        )?;
     }
-    if a.keep_workdir {
-        eprintln!("dsec-perf: scratch kept in {}", workdir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&workdir);
-    }
+    finish_workdir(a.keep_workdir, &workdir);
     match &sc.skipped {
         Some(why) => Err(format!("device scenario skipped: {why}")),
         None => Ok(()),
@@ -702,26 +681,22 @@ fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
             println!();
         }
         if let Some(path) = &a.json {
-            let doc = json!({
-                "tool": "dsec-perf",
-                "scenario": "layerfs",
-                "version": env!("CARGO_PKG_VERSION"),
-                "finished_unix_s": run::realtime_ns() / 1_000_000_000,
-                "machine": machine,
-                "options": {
-                    "image": format!("{:?}", opts.image).to_lowercase(),
-                    "samples": opts.samples, "image_mib": opts.image_bytes >> 20,
-                    "random_reads": opts.random_reads, "quick": a.quick,
-                },
-                "image": r.image,
-                "import": r.import.to_json(),
-                "cold": r.cold.to_json(),
-                "warm": r.warm.to_json(),
-            });
-            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-            std::fs::write(path, text + "\n")
-                .map_err(|e| format!("write {}: {e}", path.display()))?;
-            eprintln!("dsec-perf: wrote {}", path.display());
+            write_json(
+                path,
+                "layerfs",
+                &machine,
+                json!({
+                    "options": {
+                        "image": format!("{:?}", opts.image).to_lowercase(),
+                        "samples": opts.samples, "image_mib": opts.image_bytes >> 20,
+                        "random_reads": opts.random_reads, "quick": a.quick,
+                    },
+                    "image": r.image,
+                    "import": r.import.to_json(),
+                    "cold": r.cold.to_json(),
+                    "warm": r.warm.to_json(),
+                }),
+            )?;
         }
         Ok(())
     };
@@ -729,11 +704,7 @@ fn layerfs_cmd(a: LayerfsArgs) -> Result<(), String> {
         Ok(r) => finish(r),
         Err(e) => Err(e.to_string()),
     };
-    if a.keep_workdir {
-        eprintln!("dsec-perf: scratch kept in {}", opts.workdir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&opts.workdir);
-    }
+    finish_workdir(a.keep_workdir, &opts.workdir);
     out
 }
 
@@ -808,77 +779,77 @@ fn node_cmd(a: NodeArgs) -> Result<(), String> {
             println!();
         }
         if let Some(path) = &a.json {
-            let doc = json!({
-                "tool": "dsec-perf",
-                "scenario": "node",
-                "version": env!("CARGO_PKG_VERSION"),
-                "finished_unix_s": run::realtime_ns() / 1_000_000_000,
-                "machine": machine,
-                "options": {
-                    "samples": a.samples, "warmup": a.warmup, "burst": a.burst,
-                    "burst_rounds": a.burst_rounds, "exec_samples": a.exec_samples,
-                    "memory_mib": a.memory_mib, "disk_mib": a.disk_mib,
-                    "rootfs": opts.rootfs, "edge": opts.edge, "workdir": workdir,
-                },
-                "edge_command": r.edge_command,
-                "backends": r.backends,
-                "create": r.create.to_json(),
-                "burst": r.burst.to_json(),
-                "exec": r.exec.to_json(),
-            });
-            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-            std::fs::write(path, text + "\n")
-                .map_err(|e| format!("write {}: {e}", path.display()))?;
-            eprintln!("dsec-perf: wrote {}", path.display());
+            write_json(
+                path,
+                "node",
+                &machine,
+                json!({
+                    "options": {
+                        "samples": a.samples, "warmup": a.warmup, "burst": a.burst,
+                        "burst_rounds": a.burst_rounds, "exec_samples": a.exec_samples,
+                        "memory_mib": a.memory_mib, "disk_mib": a.disk_mib,
+                        "rootfs": opts.rootfs, "edge": opts.edge, "workdir": workdir,
+                    },
+                    "edge_command": r.edge_command,
+                    "backends": r.backends,
+                    "create": r.create.to_json(),
+                    "burst": r.burst.to_json(),
+                    "exec": r.exec.to_json(),
+                }),
+            )?;
         }
         Ok(())
     });
-    if a.keep_workdir {
+    finish_workdir(a.keep_workdir, &workdir);
+    out
+}
+
+/// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
+/// machine) plus `fields`.
+fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
+    let mut doc = json!({
+        "tool": "dsec-perf",
+        "scenario": scenario,
+        "version": env!("CARGO_PKG_VERSION"),
+        "finished_unix_s": run::realtime_ns() / 1_000_000_000,
+        "machine": machine,
+    });
+    if let (Some(doc), Value::Object(fields)) = (doc.as_object_mut(), fields) {
+        doc.extend(fields);
+    }
+    let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    std::fs::write(path, text + "\n").map_err(|e| format!("write {}: {e}", path.display()))?;
+    eprintln!("dsec-perf: wrote {}", path.display());
+    Ok(())
+}
+
+/// Keeps the scratch directory for inspection (`--keep-workdir`) or removes it.
+fn finish_workdir(keep: bool, workdir: &Path) {
+    if keep {
         eprintln!("dsec-perf: scratch kept in {}", workdir.display());
     } else {
-        let _ = std::fs::remove_dir_all(&workdir);
+        let _ = std::fs::remove_dir_all(workdir);
     }
-    out
+}
+
+fn exit_code(result: Result<(), String>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dsec-perf: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Boot(a) => match boot(a) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dsec-perf: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Cmd::Snapshot(a) => match snapshot_cmd(a) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dsec-perf: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Cmd::Devices(a) => match devices_cmd(a) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dsec-perf: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Cmd::Layerfs(a) => match layerfs_cmd(a) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dsec-perf: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Cmd::Node(a) => match node_cmd(a) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("dsec-perf: {e}");
-                ExitCode::from(1)
-            }
-        },
+        Cmd::Boot(a) => exit_code(boot(a)),
+        Cmd::Snapshot(a) => exit_code(snapshot_cmd(a)),
+        Cmd::Devices(a) => exit_code(devices_cmd(a)),
+        Cmd::Layerfs(a) => exit_code(layerfs_cmd(a)),
+        Cmd::Node(a) => exit_code(node_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {
                 order: a.order,

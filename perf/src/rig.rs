@@ -227,6 +227,48 @@ pub fn parse_line(line: &str) -> Option<BTreeMap<String, String>> {
     parse_tagged(line, "PERF-RIG ")
 }
 
+/// The guest kernel and agent initramfs of a rig scenario, once they and every `other`
+/// input exist; else why the scenario cannot run.
+pub fn scenario_inputs(
+    kernel: &Result<PathBuf, String>,
+    initramfs: &Option<PathBuf>,
+    others: &[(&str, &Path)],
+) -> Result<(PathBuf, PathBuf), String> {
+    let kernel = kernel.clone()?;
+    let initramfs = initramfs
+        .clone()
+        .ok_or("agent initramfs not found (guest-agent/mkinitramfs.sh --install, or setup.sh)")?;
+    let fixed = [
+        ("guest kernel", kernel.as_path()),
+        ("agent initramfs", initramfs.as_path()),
+    ];
+    for (what, path) in fixed.iter().chain(others) {
+        if !path.is_file() {
+            return Err(format!("{what} {} not found", path.display()));
+        }
+    }
+    Ok((kernel, initramfs))
+}
+
+/// Writes `WORKDIR/NAME`: the `settings` as `KEY=value` lines above `template`'s body (the
+/// template's defaults use `: "${KEY:=...}"`, so these win).
+pub fn write_script(
+    workdir: &Path,
+    name: &str,
+    settings: &[(&str, String)],
+    template: &str,
+) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(workdir).map_err(|e| format!("create {}: {e}", workdir.display()))?;
+    let mut text = String::from("#!/bin/sh\n");
+    for (key, value) in settings {
+        text.push_str(&format!("{key}={value}\n"));
+    }
+    text.push_str(template.strip_prefix("#!/bin/sh\n").unwrap_or(template));
+    let script = workdir.join(name);
+    std::fs::write(&script, text).map_err(|e| format!("write {}: {e}", script.display()))?;
+    Ok(script)
+}
+
 /// One `rig.sh run SCRIPT FILES...` of a scenario script in a fresh L1 (`--qemu` adds QEMU
 /// to it): its console lines go to `on_line` as they arrive and are kept in
 /// `WORKDIR/NAME.console`, rig.sh's own log in `WORKDIR/NAME.log`. Errors when nothing
@@ -627,5 +669,35 @@ mod tests {
             assert!(a.contains(&"256".to_string()));
         }
         assert!(inner_command("xen", &o, 0).is_err());
+    }
+
+    #[test]
+    fn scenario_scripts_put_settings_above_the_template() {
+        let dir = std::env::temp_dir().join(format!("dsec-perf-script-{}", std::process::id()));
+        let script = write_script(
+            &dir,
+            "s.sh",
+            &[("PERF_SAMPLES", "3".into()), ("PERF_MEM_MIB", "128".into())],
+            "#!/bin/sh\n: \"${PERF_SAMPLES:=1}\"\necho $PERF_SAMPLES\n",
+        )
+        .unwrap();
+        let text = std::fs::read_to_string(&script).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            text,
+            "#!/bin/sh\nPERF_SAMPLES=3\nPERF_MEM_MIB=128\n: \"${PERF_SAMPLES:=1}\"\necho $PERF_SAMPLES\n"
+        );
+        let missing = scenario_inputs(
+            &Ok(PathBuf::from("/nonexistent/vmlinux")),
+            &Some(PathBuf::from("/etc/hostname")),
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            missing.contains("guest kernel /nonexistent/vmlinux not found"),
+            "{missing}"
+        );
+        let no_initramfs = scenario_inputs(&Ok(PathBuf::from("/etc/hostname")), &None, &[]);
+        assert!(no_initramfs.unwrap_err().contains("mkinitramfs.sh"));
     }
 }

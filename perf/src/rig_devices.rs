@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::report::{detail, metric, Contender, Sample, Scenario};
-use crate::rig::{parse_tagged, ScriptRun};
+use crate::rig::{parse_tagged, scenario_inputs, write_script, ScriptRun};
 
 const SCRIPT_TEMPLATE: &str = include_str!("../rig/devices-in-l1.sh");
 const BENCH_INIT: &str = include_str!("../rig/bench-init");
@@ -185,36 +185,32 @@ fn run(o: &RigDevOpts, sc: &mut Scenario) -> Result<(), String> {
     if o.samples == 0 {
         return Err("--rig-samples 0".into());
     }
-    let kernel = o.kernel.clone()?;
-    let initramfs = o
-        .initramfs
-        .clone()
-        .ok_or("agent initramfs not found (guest-agent/mkinitramfs.sh --install, or setup.sh)")?;
-    for (what, path) in [
-        ("rig driver", &o.rig),
-        ("guest kernel", &kernel),
-        ("agent initramfs", &initramfs),
-        ("dsec-vmm", &o.vmm),
-        (
-            "static dsec-guest-bench (setup.sh builds it; or --guest-bench)",
-            &o.guest_bench,
-        ),
-    ] {
-        if !path.is_file() {
-            return Err(format!("{what} {} not found", path.display()));
-        }
-    }
+    let (kernel, initramfs) = scenario_inputs(
+        &o.kernel,
+        &o.initramfs,
+        &[
+            ("rig driver", &o.rig),
+            ("dsec-vmm", &o.vmm),
+            (
+                "static dsec-guest-bench (setup.sh builds it; or --guest-bench)",
+                &o.guest_bench,
+            ),
+        ],
+    )?;
     std::fs::create_dir_all(&o.workdir).map_err(|e| e.to_string())?;
     let bench_cpio = bench_initramfs(o, &initramfs)?;
-    let script = o.workdir.join("devices-in-l1.sh");
-    let header = format!(
-        "#!/bin/sh\nPERF_SAMPLES={}\nPERF_MEM_MIB={}\nPERF_DISK_MIB={}\nPERF_RAND_READS={}\nPERF_TCP_MIB={}\n",
-        o.samples, o.mem_mib, o.disk_mib, o.rand_reads, o.tcp_mib
-    );
-    let body = SCRIPT_TEMPLATE
-        .strip_prefix("#!/bin/sh\n")
-        .unwrap_or(SCRIPT_TEMPLATE);
-    std::fs::write(&script, format!("{header}{body}")).map_err(|e| format!("write script: {e}"))?;
+    let script = write_script(
+        &o.workdir,
+        "devices-in-l1.sh",
+        &[
+            ("PERF_SAMPLES", o.samples.to_string()),
+            ("PERF_MEM_MIB", o.mem_mib.to_string()),
+            ("PERF_DISK_MIB", o.disk_mib.to_string()),
+            ("PERF_RAND_READS", o.rand_reads.to_string()),
+            ("PERF_TCP_MIB", o.tcp_mib.to_string()),
+        ],
+        SCRIPT_TEMPLATE,
+    )?;
     eprintln!(
         "dsec-perf: rig device scenario: one L1, {} rounds x 2 VMMs x (idle + io)",
         o.samples

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use crate::report::{Contender, Metric, Sample, Scenario};
-use crate::rig::{parse_tagged, ScriptRun};
+use crate::rig::{parse_tagged, scenario_inputs, write_script, ScriptRun};
 
 const SCRIPT_TEMPLATE: &str = include_str!("../rig/snapshot-in-l1.sh");
 const TAG: &str = "PERF-SNAP ";
@@ -121,32 +121,25 @@ fn run(o: &RigSnapOpts, sc: &mut Scenario) -> Result<(), String> {
     if o.samples == 0 {
         return Err("--rig-samples 0".into());
     }
-    let kernel = o.kernel.clone()?;
-    let initramfs = o
-        .initramfs
-        .clone()
-        .ok_or("agent initramfs not found (guest-agent/mkinitramfs.sh --install, or setup.sh)")?;
-    for (what, path) in [
-        ("rig driver", &o.rig),
-        ("guest kernel", &kernel),
-        ("agent initramfs", &initramfs),
-        ("dsec", &o.dsec),
-        ("dsec-vmm", &o.vmm),
-    ] {
-        if !path.is_file() {
-            return Err(format!("{what} {} not found", path.display()));
-        }
-    }
-    std::fs::create_dir_all(&o.workdir).map_err(|e| e.to_string())?;
-    let script = o.workdir.join("snapshot-in-l1.sh");
-    let header = format!(
-        "#!/bin/sh\nPERF_SAMPLES={}\nPERF_MEM_MIB={}\nPERF_RECORD_MS={}\n",
-        o.samples, o.mem_mib, o.record_ms
-    );
-    let body = SCRIPT_TEMPLATE
-        .strip_prefix("#!/bin/sh\n")
-        .unwrap_or(SCRIPT_TEMPLATE);
-    std::fs::write(&script, format!("{header}{body}")).map_err(|e| format!("write script: {e}"))?;
+    let (kernel, initramfs) = scenario_inputs(
+        &o.kernel,
+        &o.initramfs,
+        &[
+            ("rig driver", &o.rig),
+            ("dsec", &o.dsec),
+            ("dsec-vmm", &o.vmm),
+        ],
+    )?;
+    let script = write_script(
+        &o.workdir,
+        "snapshot-in-l1.sh",
+        &[
+            ("PERF_SAMPLES", o.samples.to_string()),
+            ("PERF_MEM_MIB", o.mem_mib.to_string()),
+            ("PERF_RECORD_MS", o.record_ms.to_string()),
+        ],
+        SCRIPT_TEMPLATE,
+    )?;
     eprintln!(
         "dsec-perf: rig restore scenario: one L1, {} samples x {} contenders",
         o.samples,

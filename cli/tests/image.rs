@@ -2,6 +2,7 @@
 //! of an overlayfs-style upper (a new file and a whiteout), rm, gc, and every bad input
 //! failing with a message that names what to fix and leaving nothing behind.
 
+use dsec_layerfs::testing::LocalRegistry;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -608,78 +609,9 @@ fn progress_is_drawn_only_on_a_terminal() {
     assert!(screen.contains("tty: 1 layer(s) from dir"), "{screen:?}");
 }
 
-const REGISTRY: &str = "/usr/bin/docker-registry";
-
-/// A local plain-HTTP registry with its own config and storage; killed on drop.
-struct Registry {
-    child: std::process::Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start() -> Option<Registry> {
-        if !Path::new(REGISTRY).exists() {
-            eprintln!("SKIPPED: {REGISTRY} not installed (apt-get install docker-registry)");
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let cfg = dir.path().join("config.yml");
-        fs::write(
-            &cfg,
-            format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    \
-                 rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-                dir.path().join("data").display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(REGISTRY)
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let registry = Registry {
-            child,
-            addr,
-            _dir: dir,
-        };
-        let url = format!("http://{}/v2/", registry.addr);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while !dsec_layerfs::oci::agent()
-            .get(&url)
-            .call()
-            .is_ok_and(|r| r.status().as_u16() == 200)
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "registry did not come up on {}",
-                registry.addr
-            );
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        Some(registry)
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn import_from_a_registry() {
-    let Some(registry) = Registry::start() else {
+    let Some(registry) = LocalRegistry::start() else {
         return;
     };
     // Publish an image made from a directory (pushed through the library).

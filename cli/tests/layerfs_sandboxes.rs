@@ -4,6 +4,7 @@
 //! daemon SIGKILLed and restarted, and by `dsec run --image`. Needs root, /dev/fuse and
 //! overlayfs; says SKIPPED otherwise.
 
+use dsec_layerfs::testing::{LocalRegistry, REGISTRY};
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -13,8 +14,6 @@ use std::time::{Duration, Instant};
 use dsec_api::v1::CreateSandboxRequest;
 use dsec_layerfs::store::{Store, StoreConfig};
 use serde_json::Value;
-
-const REGISTRY: &str = "/usr/bin/docker-registry";
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -50,65 +49,6 @@ fn build_agent() {
         .status()
         .expect("run cargo build -p dsec-agent");
     assert!(status.success(), "cargo build -p dsec-agent failed");
-}
-
-/// A local plain-HTTP registry with its own config and storage; killed on drop.
-struct Registry {
-    child: Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start() -> Registry {
-        let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let cfg = dir.path().join("config.yml");
-        fs::write(
-            &cfg,
-            format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    \
-                 rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-                dir.path().join("data").display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(REGISTRY)
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let registry = Registry {
-            child,
-            addr,
-            _dir: dir,
-        };
-        let url = format!("http://{}/v2/", registry.addr);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !dsec_layerfs::oci::agent()
-            .get(&url)
-            .call()
-            .is_ok_and(|r| r.status().as_u16() == 200)
-        {
-            assert!(Instant::now() < deadline, "registry did not come up");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        registry
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A busybox-static tree: the host's static busybox and a few applet links.
@@ -319,7 +259,7 @@ async fn sh(c: &dsec_sdk::Client, id: &str, script: &str) -> String {
 
 /// Publishes a busybox image to the registry and imports it into the node's store under
 /// its reference; returns the reference.
-fn publish_and_import(node: &Node, registry: &Registry) -> String {
+fn publish_and_import(node: &Node, registry: &LocalRegistry) -> String {
     let publisher = tempfile::tempdir().unwrap();
     let tree = publisher.path().join("tree");
     busybox_tree(&tree, "from the registry\n");
@@ -355,7 +295,7 @@ fn shared_mount_isolation_restart_and_cleanup() {
         return;
     }
     build_agent();
-    let registry = Registry::start();
+    let registry = LocalRegistry::start().expect("docker-registry is installed (checked above)");
     let mut node = Node::new();
     let image = publish_and_import(&node, &registry);
     node.start_daemon();
@@ -475,7 +415,7 @@ fn lookup_order_errors_and_one_shot_run() {
         return;
     }
     build_agent();
-    let registry = Registry::start();
+    let registry = LocalRegistry::start().expect("docker-registry is installed (checked above)");
     let mut node = Node::new();
     let image = publish_and_import(&node, &registry);
     // "clash" exists as a directory image and in the layer store: the directory wins.
@@ -613,7 +553,7 @@ fn a_dead_image_server_takes_its_sandboxes_with_it() {
         return;
     }
     build_agent();
-    let registry = Registry::start();
+    let registry = LocalRegistry::start().expect("docker-registry is installed (checked above)");
     let mut node = Node::new();
     let image = publish_and_import(&node, &registry);
     node.start_daemon();

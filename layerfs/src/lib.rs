@@ -23,3 +23,4 @@ pub mod registry;
 pub mod sandbox;
 pub mod serve;
 pub mod tarfmt;
+pub mod testing;

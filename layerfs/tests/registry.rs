@@ -6,171 +6,15 @@ mod common;
 
 use std::fs;
 use std::io::Write;
-use std::net::TcpListener;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use common::{can_mount, Env, MountGuard, Tar};
 use dsec_layerfs::oci::{self, Reference};
 use dsec_layerfs::registry::{self, ClientOptions, Credentials};
+use dsec_layerfs::testing::LocalRegistry;
 use dsec_layerfs::{fuse, Digest};
 use serde_json::json;
-
-const REGISTRY: &str = "/usr/bin/docker-registry";
-
-/// A registry process with its own config and storage; killed and removed on drop.
-struct Registry {
-    child: Child,
-    addr: String,
-    /// The self-signed certificate of a TLS registry.
-    ca: Option<std::path::PathBuf>,
-    _dir: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start() -> Option<Registry> {
-        if !Path::new(REGISTRY).exists() {
-            eprintln!("SKIPPED: {REGISTRY} not installed (apt-get install docker-registry)");
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let cfg = dir.path().join("config.yml");
-        fs::write(
-            &cfg,
-            format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
-                dir.path().join("data").display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(REGISTRY)
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let reg = Registry {
-            child,
-            addr,
-            ca: None,
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let url = format!("http://{}/v2/", reg.addr);
-        loop {
-            if let Ok(r) = oci::agent().get(&url).call() {
-                if r.status().as_u16() == 200 {
-                    return Some(reg);
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "registry did not come up on {}",
-                reg.addr
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    /// A registry that speaks only TLS (a self-signed certificate for 127.0.0.1) and wants
-    /// HTTP Basic credentials `user:password` (htpasswd, bcrypt).
-    fn start_secure(user: &str, password: &str) -> Option<Registry> {
-        for tool in [REGISTRY, "/usr/bin/openssl", "/usr/bin/htpasswd"] {
-            if !Path::new(tool).exists() {
-                eprintln!("SKIPPED: {tool} not installed (setup.sh installs docker-registry, openssl, apache2-utils)");
-                return None;
-            }
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let (cert, key, htpasswd) = (
-            dir.path().join("cert.pem"),
-            dir.path().join("key.pem"),
-            dir.path().join("htpasswd"),
-        );
-        let out = Command::new("openssl")
-            .args([
-                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            ])
-            .args([
-                "-subj",
-                "/CN=127.0.0.1",
-                "-addext",
-                "subjectAltName=IP:127.0.0.1",
-            ])
-            .arg("-keyout")
-            .arg(&key)
-            .arg("-out")
-            .arg(&cert)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "openssl: {out:?}");
-        let out = Command::new("htpasswd")
-            .args(["-Bbn", user, password])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "htpasswd: {out:?}");
-        fs::write(&htpasswd, &out.stdout).unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let cfg = dir.path().join("config.yml");
-        fs::write(
-            &cfg,
-            format!(
-                "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nauth:\n  htpasswd:\n    realm: test\n    path: {}\nhttp:\n  addr: {addr}\n  tls:\n    certificate: {}\n    key: {}\n",
-                dir.path().join("data").display(),
-                htpasswd.display(),
-                cert.display(),
-                key.display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(REGISTRY)
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let reg = Registry {
-            child,
-            addr: addr.clone(),
-            ca: Some(cert),
-            _dir: dir,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "registry did not come up on {addr}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Some(reg)
-    }
-
-    fn reference(&self, repo_tag: &str) -> Reference {
-        Reference::parse(&format!("{}/{repo_tag}", self.addr)).unwrap()
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn gzip(b: &[u8]) -> Vec<u8> {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -180,7 +24,7 @@ fn gzip(b: &[u8]) -> Vec<u8> {
 
 /// Publishes a busybox image by hand: a manifest list whose linux/amd64 entry has a gzip
 /// base layer and a zstd layer on top.
-fn publish_busybox(reg: &Registry) -> Reference {
+fn publish_busybox(reg: &LocalRegistry) -> Reference {
     let r = reg.reference("test/busybox:1");
     let client = oci::connect(&r, "pull,push").unwrap();
     publish_busybox_with(&client, &r);
@@ -286,7 +130,9 @@ fn publish_busybox_with(client: &registry::Client, r: &Reference) {
 
 #[test]
 fn pull_run_push_pull_round_trip() {
-    let Some(reg) = Registry::start() else { return };
+    let Some(reg) = LocalRegistry::start() else {
+        return;
+    };
     let env = Env::new();
     let src = publish_busybox(&reg);
     let a = oci::pull(&env.store, &src, "busybox").unwrap();
@@ -353,7 +199,7 @@ fn pull_run_push_pull_round_trip() {
 
 #[test]
 fn tls_registry_with_basic_auth() {
-    let Some(reg) = Registry::start_secure("alice", "s3cret") else {
+    let Some(reg) = LocalRegistry::start_secure("alice", "s3cret") else {
         return;
     };
     let env = Env::new();

@@ -526,6 +526,7 @@ impl Node {
         cgroups: &[PathBuf],
         rootfs: Option<PathBuf>,
     ) -> SandboxSpec {
+        let root_disk = self.image_root_disk(plan);
         SandboxSpec {
             vcpus: plan.demand.vcpus as u32,
             mem_mib: plan.demand.memory_mib as u32,
@@ -533,9 +534,9 @@ impl Node {
             initrd: Some(self.image_initrd(&plan.image)),
             ready_timeout: self.config.ready_timeout,
             id: Some(id.to_string()),
-            root_disk: self.image_root_disk(plan),
-            disk_mib: (plan.kind == BackendKind::Container || self.image_root_disk(plan).is_some())
+            disk_mib: (plan.kind == BackendKind::Container || root_disk.is_some())
                 .then_some(plan.demand.disk_mib as u32),
+            root_disk,
             cgroup_procs: cgroup::procs_files(cgroups),
             ..SandboxSpec::default()
         }

@@ -123,6 +123,14 @@ struct BootArgs {
     /// "i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd").
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     rig_cmdline_extra: String,
+    /// Samples per contender of the rig scenario on the Debian root disk (read-only erofs
+    /// root + fresh ext4 upper; the agent is ready once it has entered the overlay);
+    /// 0 skips it. Fresh L1 per boot unless --rig-shared-l1.
+    #[arg(long, default_value_t = 3)]
+    rig_disk_samples: usize,
+    /// Root disk image of that scenario [default: $DSEC_HOME/images/debian/rootfs.img].
+    #[arg(long, value_name = "PATH")]
+    root_disk: Option<PathBuf>,
     /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
     #[arg(long)]
     keep_workdir: bool,
@@ -342,6 +350,12 @@ struct RigInnerArgs {
     workdir: PathBuf,
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     cmdline_extra: String,
+    /// Read-only root disk (vda); each boot also gets a fresh upper disk (vdb).
+    #[arg(long, value_name = "PATH")]
+    root_disk: Option<PathBuf>,
+    /// mkfs.ext4 for the upper disks.
+    #[arg(long, default_value = "/bin/mkfs.ext4")]
+    mkfs: PathBuf,
 }
 
 /// The repository root: upward from the current directory, else where this was built.
@@ -416,10 +430,15 @@ fn default_kernel(root: &Path) -> Result<PathBuf, String> {
     }
 }
 
-fn default_initramfs(root: &Path) -> Option<PathBuf> {
-    let home = std::env::var_os("DSEC_HOME")
+/// `$DSEC_HOME`, else the default node home.
+fn dsec_home() -> PathBuf {
+    std::env::var_os("DSEC_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"));
+        .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"))
+}
+
+fn default_initramfs(root: &Path) -> Option<PathBuf> {
+    let home = dsec_home();
     [
         home.join("images/busybox/initramfs.cpio"),
         root.join("target/images/busybox/initramfs.cpio"),
@@ -486,10 +505,31 @@ fn boot(a: BootArgs) -> Result<(), String> {
         boot_timeout: Duration::from_secs(a.rig_boot_timeout_s),
         workdir: workdir.join("rig"),
         cmdline_extra: a.rig_cmdline_extra.clone(),
+        root_disk: None,
     };
     let rig = rig::bench(&rig_opts);
     println!();
     print!("{}", rig.table());
+
+    let disk_opts = rig::OuterOpts {
+        samples: a.rig_disk_samples,
+        workdir: workdir.join("rig-disk"),
+        root_disk: Some(
+            a.root_disk
+                .clone()
+                .unwrap_or_else(|| dsec_home().join("images/debian/rootfs.img")),
+        ),
+        ..rig_opts
+    };
+    let rig_disk = if disk_opts.samples == 0 {
+        let mut sc = rig::skeleton(&disk_opts);
+        sc.skipped = Some("--rig-disk-samples 0".into());
+        sc
+    } else {
+        rig::bench(&disk_opts)
+    };
+    println!();
+    print!("{}", rig_disk.table());
 
     if let Some(path) = &a.json {
         write_json(
@@ -499,6 +539,7 @@ fn boot(a: BootArgs) -> Result<(), String> {
             json!({
                 "direct": direct.to_json(),
                 "rig": rig.to_json(),
+                "rig_disk": rig_disk.to_json(),
             }),
         )?;
     }
@@ -724,9 +765,7 @@ fn default_beside_or_release(root: &Path, name: &str) -> PathBuf {
 
 fn node_cmd(a: NodeArgs) -> Result<(), String> {
     let root = repo_root();
-    let home = std::env::var_os("DSEC_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/lib/dsec"));
+    let home = dsec_home();
     // Beside a default node's state dir (/run/dsec): the daemon's per-create fsync of
     // meta.json then costs what it costs a default node on this host.
     let parent = a.workdir.clone().unwrap_or_else(|| {
@@ -861,6 +900,11 @@ fn main() -> ExitCode {
                 timeout: Duration::from_secs(a.timeout_s),
                 workdir: a.workdir,
                 cmdline_extra: a.cmdline_extra,
+                root_disk: a.root_disk.map(|image| rig::RootDisk {
+                    image,
+                    mkfs: a.mkfs,
+                    upper_mib: rig::UPPER_MIB,
+                }),
             });
             ExitCode::from(failed.min(255) as u8)
         }

@@ -59,6 +59,61 @@ pub struct InnerOpts {
     pub workdir: PathBuf,
     /// Appended to the guest cmdline of every contender.
     pub cmdline_extra: String,
+    /// Boot from this read-only root disk (vda) with a fresh writable upper disk (vdb) per
+    /// boot, as the edge starts a sandbox on a disk image: the agent mounts the overlay
+    /// before it reports ready.
+    pub root_disk: Option<RootDisk>,
+}
+
+/// A disk-image root: the read-only image and how to make each boot's empty upper disk.
+#[derive(Debug, Clone)]
+pub struct RootDisk {
+    pub image: PathBuf,
+    pub mkfs: PathBuf,
+    pub upper_mib: u64,
+}
+
+/// What the agent reads to find its root and upper disks (see the edge's microVM spec).
+pub const DISK_ROOT_CMDLINE: &str = "dsec.root=/dev/vda dsec.upper=/dev/vdb";
+
+/// The upper disk of boot `index` (made before the boot, outside the timed span).
+pub fn upper_path(workdir: &Path, index: usize) -> PathBuf {
+    workdir.join(format!("upper-{index}.ext4"))
+}
+
+/// Makes an empty sparse ext4 upper disk the way the edge does for every sandbox.
+fn make_upper(root: &RootDisk, path: &Path) -> Result<(), String> {
+    let _ = std::fs::remove_file(path);
+    let f = std::fs::File::create(path).map_err(|e| format!("create {}: {e}", path.display()))?;
+    f.set_len(root.upper_mib << 20)
+        .map_err(|e| format!("size {}: {e}", path.display()))?;
+    drop(f);
+    let out = Command::new(&root.mkfs)
+        .args([
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-L",
+            "dsec-upper",
+            "-O",
+            "^has_journal",
+        ])
+        .args(["-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(path)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", root.mkfs.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{} {} failed ({}): {}",
+            root.mkfs.display(),
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
 }
 
 /// The guest kernel command line both VMMs get.
@@ -78,7 +133,11 @@ pub fn inner_command(
     index: usize,
 ) -> Result<(PathBuf, Vec<OsString>), String> {
     let mem = o.mem_mib.to_string();
-    let cmdline = guest_cmdline(&o.cmdline_extra);
+    let mut cmdline = guest_cmdline(&o.cmdline_extra);
+    if o.root_disk.is_some() {
+        cmdline = format!("{cmdline} {DISK_ROOT_CMDLINE}");
+    }
+    let upper = upper_path(&o.workdir, index);
     let mut a: Vec<OsString> = Vec::new();
     let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
     match contender {
@@ -89,16 +148,14 @@ pub fn inner_command(
             a.push("--initrd".into());
             a.push(o.initrd.clone().into());
             let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
-            push(&[
-                "--mem-mib",
-                &mem,
-                "--vcpus",
-                "1",
-                "--cmdline",
-                GUEST_CMDLINE,
-            ]);
+            push(&["--mem-mib", &mem, "--vcpus", "1", "--cmdline", &cmdline]);
             push(&["--serial-stdout", "--vsock-uds"]);
             a.push(uds.into());
+            if let Some(root) = &o.root_disk {
+                let mut ro = root.image.clone().into_os_string();
+                ro.push(",ro");
+                a.extend(["--drive".into(), ro, "--drive".into(), upper.into()]);
+            }
             Ok((o.vmm.clone(), a))
         }
         "qemu" => {
@@ -126,6 +183,19 @@ pub fn inner_command(
             a.push(o.initrd.clone().into());
             a.push("-append".into());
             a.push(cmdline.into());
+            // The same two disks in the same order (vda read-only root, vdb upper).
+            if let Some(root) = &o.root_disk {
+                let mut r = OsString::from("id=root,format=raw,if=none,readonly=on,file=");
+                r.push(&root.image);
+                let mut u = OsString::from("id=upper,format=raw,if=none,file=");
+                u.push(&upper);
+                for (drive, dev) in [
+                    (r, "virtio-blk-device,drive=root"),
+                    (u, "virtio-blk-device,drive=upper"),
+                ] {
+                    a.extend(["-drive".into(), drive, "-device".into(), dev.into()]);
+                }
+            }
             // Same devices as ours: a vsock device (vhost in L1's kernel) when L1 has it.
             if Path::new("/dev/vhost-vsock").exists() {
                 a.push("-device".into());
@@ -143,7 +213,11 @@ pub fn inner(o: &InnerOpts) -> usize {
     let _ = std::fs::create_dir_all(&o.workdir);
     let mut failed = 0;
     for (i, c) in o.order.iter().enumerate() {
-        let line = match inner_command(c, o, i) {
+        let made = match &o.root_disk {
+            Some(root) => make_upper(root, &upper_path(&o.workdir, i)),
+            None => Ok(()),
+        };
+        let line = match made.and_then(|()| inner_command(c, o, i)) {
             Err(e) => format!("contender={c} index={i} ok=0 error={e}"),
             Ok((program, args)) => {
                 let spec = RunSpec {
@@ -199,6 +273,9 @@ pub fn inner(o: &InnerOpts) -> usize {
             failed += 1;
         }
         println!("PERF-RIG {line}");
+        if o.root_disk.is_some() {
+            let _ = std::fs::remove_file(upper_path(&o.workdir, i));
+        }
     }
     failed
 }
@@ -220,6 +297,25 @@ pub struct OuterOpts {
     pub boot_timeout: Duration,
     pub workdir: PathBuf,
     pub cmdline_extra: String,
+    /// Boot from a read-only root disk image (the Debian rootfs) instead of the initramfs
+    /// alone: the scenario becomes `rig-disk`.
+    pub root_disk: Option<PathBuf>,
+}
+
+/// Where the root disk and mkfs go inside L1.
+const L1_ROOT_DISK: &str = "/guest/rootfs.img";
+const L1_MKFS: &str = "/bin/mkfs.ext4";
+/// The edge's default upper disk size, so the guest mounts what a sandbox mounts.
+pub const UPPER_MIB: u64 = 1024;
+
+/// mke2fs on this host (sbin is often not on PATH).
+fn host_mkfs() -> Option<PathBuf> {
+    crate::direct::which(Path::new("mke2fs")).or_else(|| {
+        ["/usr/sbin/mke2fs", "/sbin/mke2fs"]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.is_file())
+    })
 }
 
 /// A parsed `PERF-RIG key=value ... [error=rest of line]` line.
@@ -379,7 +475,7 @@ fn sample_from_line(m: &BTreeMap<String, String>, index: usize, l1_boot_s: Optio
     }
 }
 
-fn skeleton(o: &OuterOpts) -> Scenario {
+pub fn skeleton(o: &OuterOpts) -> Scenario {
     let io = InnerOpts {
         order: vec![],
         vmm: "/bin/dsec-vmm".into(),
@@ -390,6 +486,17 @@ fn skeleton(o: &OuterOpts) -> Scenario {
         timeout: o.boot_timeout,
         workdir: "/tmp/dsec-perf".into(),
         cmdline_extra: o.cmdline_extra.clone(),
+        root_disk: o.root_disk.as_ref().map(|_| RootDisk {
+            image: L1_ROOT_DISK.into(),
+            mkfs: L1_MKFS.into(),
+            upper_mib: UPPER_MIB,
+        }),
+    };
+    let disk = o.root_disk.is_some();
+    let guest = if disk {
+        "agent initramfs + read-only Debian root disk (vda) + fresh ext4 upper disk (vdb)"
+    } else {
+        "agent initramfs"
     };
     let contenders = CONTENDERS
         .iter()
@@ -408,26 +515,38 @@ fn skeleton(o: &OuterOpts) -> Scenario {
             Contender {
                 name: c.to_string(),
                 description: match *c {
-                    "ours" => "dsec-vmm in L1 (PVH vmlinux + agent initramfs, virtio-mmio vsock)".into(),
-                    _ => "qemu-system-x86_64 -M microvm -accel kvm in L1 (same kernel, initramfs, cmdline; vhost-vsock-device if L1 has /dev/vhost-vsock)".into(),
+                    "ours" => format!("dsec-vmm in L1 (PVH vmlinux + {guest}, virtio-mmio vsock)"),
+                    _ => format!("qemu-system-x86_64 -M microvm -accel kvm in L1 (same kernel, {guest}, cmdline; vhost-vsock-device if L1 has /dev/vhost-vsock)"),
                 },
                 command: cmd,
             }
         })
         .collect();
     Scenario {
-        name: "rig",
+        name: if disk { "rig-disk" } else { "rig" },
         title: format!(
-            "in the rig (nested KVM in a QEMU-TCG L1): Linux guest to agent-ready ({} samples per contender, {})",
+            "in the rig (nested KVM in a QEMU-TCG L1): Linux guest {}to agent-ready ({} samples per contender, {})",
+            if disk { "on the Debian root disk " } else { "" },
             o.samples,
             if o.shared_l1 { "one L1, strictly alternating" } else { "fresh L1 per boot, alternating" }
         ),
         method: format!(
             "L1's CLOCK_MONOTONIC from just before spawning the VMM (by dsec-perf inside L1) to the \
              first console byte and to the line '{READY_LINE}' on the VMM's stdout pipe; the VMM is \
-             then killed. Guest cmdline '{}', {} MiB, 1 vCPU.",
+             then killed. Guest cmdline '{}{}', {} MiB, 1 vCPU.{}",
             guest_cmdline(&o.cmdline_extra),
-            o.mem_mib
+            if disk { format!(" {DISK_ROOT_CMDLINE}") } else { String::new() },
+            o.mem_mib,
+            if disk {
+                format!(
+                    " Before each boot (untimed) a fresh sparse {UPPER_MIB} MiB ext4 upper disk is \
+                     made with the edge's mkfs flags; the agent reports ready only after it has \
+                     mounted the erofs root (vda) and the upper (vdb) as an overlay and \
+                     chrooted into it."
+                )
+            } else {
+                String::new()
+            }
         ),
         metrics: metrics(),
         contenders,
@@ -469,6 +588,17 @@ fn check_inputs(o: &OuterOpts) -> Result<(PathBuf, PathBuf), String> {
             o.qemu.display()
         ));
     }
+    if let Some(disk) = &o.root_disk {
+        if !disk.is_file() {
+            return Err(format!(
+                "root disk {} not found (images/debian/build.sh --install, or setup.sh)",
+                disk.display()
+            ));
+        }
+        if host_mkfs().is_none() {
+            return Err("mke2fs not found (apt-get install e2fsprogs)".into());
+        }
+    }
     for bin in ["cpio", "busybox"] {
         if crate::direct::which(Path::new(bin)).is_none() {
             return Err(format!(
@@ -484,11 +614,12 @@ fn run_l1(o: &OuterOpts, kernel: &Path, initramfs: &Path, order: &[&str], tag: &
     let me = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let script = o.workdir.join(format!("boot-in-l1-{tag}.sh"));
     let header = format!(
-        "#!/bin/sh\nPERF_ORDER={}\nPERF_MEM_MIB={}\nPERF_TIMEOUT_S={}\nPERF_CMDLINE_EXTRA='{}'\n",
+        "#!/bin/sh\nPERF_ORDER={}\nPERF_MEM_MIB={}\nPERF_TIMEOUT_S={}\nPERF_CMDLINE_EXTRA='{}'\nPERF_ROOT_DISK={}\n",
         order.join(","),
         o.mem_mib,
         o.boot_timeout.as_secs(),
-        o.cmdline_extra.replace('\'', "'\\''")
+        o.cmdline_extra.replace('\'', "'\\''"),
+        if o.root_disk.is_some() { L1_ROOT_DISK } else { "" },
     );
     let body = SCRIPT_TEMPLATE
         .strip_prefix("#!/bin/sh\n")
@@ -498,14 +629,27 @@ fn run_l1(o: &OuterOpts, kernel: &Path, initramfs: &Path, order: &[&str], tag: &
     let stderr =
         std::fs::File::create(&log).map_err(|e| format!("create {}: {e}", log.display()))?;
     let per_boot = o.boot_timeout.as_secs() + 30;
-    let mut child = Command::new(&o.rig)
+    let mut command = Command::new(&o.rig);
+    command
         .arg("run")
         .arg(&script)
         .arg("--qemu")
         .arg(format!("{}=/bin/dsec-perf", me.display()))
         .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
         .arg(format!("{}=/guest/vmlinux", kernel.display()))
-        .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()))
+        .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()));
+    if let Some(disk) = &o.root_disk {
+        let mkfs = host_mkfs().ok_or("mke2fs not found (apt-get install e2fsprogs)")?;
+        command
+            .arg(format!("{}={L1_ROOT_DISK}", disk.display()))
+            .arg(format!("{}={L1_MKFS}", mkfs.display()))
+            .arg("/etc/mke2fs.conf=/etc/mke2fs.conf");
+        // The root disk lives in L1's RAM (its initramfs) beside the guest's memory.
+        if std::env::var_os("RIG_MEM").is_none() {
+            command.env("RIG_MEM", "3072");
+        }
+    }
+    let mut child = command
         // L1 runs the same kernel build as the guest; without this rig.sh would ask
         // guest-kernel/build.sh for it (and build it if its cache is cold).
         .env(
@@ -658,17 +802,81 @@ mod tests {
             mem_mib: 256,
             timeout: Duration::from_secs(1),
             workdir: "/tmp".into(),
-            cmdline_extra: String::new(),
+            cmdline_extra: "quiet2".into(),
+            root_disk: None,
+        };
+        let words = |c: &str, o: &InnerOpts| -> Vec<String> {
+            let (_, a) = inner_command(c, o, 0).unwrap();
+            a.iter().map(|x| x.to_string_lossy().into_owned()).collect()
         };
         for c in CONTENDERS {
-            let (_, a) = inner_command(c, &o, 0).unwrap();
-            let a: Vec<String> = a.iter().map(|x| x.to_string_lossy().into_owned()).collect();
+            let a = words(c, &o);
             assert!(a.contains(&"/guest/vmlinux".to_string()));
             assert!(a.contains(&"/guest/initramfs.cpio".to_string()));
-            assert!(a.contains(&GUEST_CMDLINE.to_string()));
+            assert!(a.contains(&format!("{GUEST_CMDLINE} quiet2")), "{c}: {a:?}");
             assert!(a.contains(&"256".to_string()));
+            assert!(!a.iter().any(|w| w.contains("upper")), "{c}: {a:?}");
         }
         assert!(inner_command("xen", &o, 0).is_err());
+
+        // On a root disk both get the disk cmdline, the image read-only first, then the
+        // boot's own upper disk.
+        let o = InnerOpts {
+            root_disk: Some(RootDisk {
+                image: "/guest/rootfs.img".into(),
+                mkfs: "/bin/mkfs.ext4".into(),
+                upper_mib: 8,
+            }),
+            ..o
+        };
+        let cmdline = format!("{GUEST_CMDLINE} quiet2 {DISK_ROOT_CMDLINE}");
+        let ours = words("ours", &o);
+        assert!(ours.contains(&cmdline), "{ours:?}");
+        let i = ours
+            .iter()
+            .position(|w| w == "/guest/rootfs.img,ro")
+            .unwrap();
+        assert_eq!(ours[i + 2], "/tmp/upper-0.ext4");
+        let qemu = words("qemu", &o);
+        assert!(qemu.contains(&cmdline), "{qemu:?}");
+        let root = qemu
+            .iter()
+            .position(|w| w.ends_with("readonly=on,file=/guest/rootfs.img"))
+            .unwrap();
+        let upper = qemu
+            .iter()
+            .position(|w| w.ends_with("file=/tmp/upper-0.ext4"))
+            .unwrap();
+        assert!(root < upper, "{qemu:?}");
+    }
+
+    #[test]
+    fn upper_disks_are_made_like_the_edge_makes_them() {
+        let Some(mkfs) = host_mkfs() else {
+            panic!("mke2fs missing: apt-get install e2fsprogs");
+        };
+        let dir = std::env::temp_dir().join(format!("dsec-perf-upper-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let root = RootDisk {
+            image: "/x".into(),
+            mkfs,
+            upper_mib: 16,
+        };
+        let path = upper_path(&dir, 1);
+        make_upper(&root, &path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), 16 << 20);
+        // ext4 superblock magic at 1024 + 56.
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1080..1082], &[0x53, 0xef]);
+        let bad = RootDisk {
+            mkfs: "/nonexistent/mkfs".into(),
+            ..root
+        };
+        assert!(make_upper(&bad, &path)
+            .unwrap_err()
+            .contains("/nonexistent/mkfs"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -139,10 +139,68 @@ pub struct EdgeConfig {
     pub agent_bin: Option<PathBuf>,
     /// `dsec-vmm`; same lookup.
     pub vmm_bin: Option<PathBuf>,
+    /// Run every VMM in a jail (`dsec-vmm --jail`); None runs them unjailed.
+    pub jail: Option<VmmJail>,
+}
+
+/// How microVM sandboxes' VMMs are jailed: each runs in its own PID, mount, IPC, UTS and
+/// network namespaces, pivot_rooted into `<roots>/<sandbox id>` (which holds only its kernel,
+/// initrd, disks and socket directory), as `uid`:`gid` once its VM is built. The only place
+/// it may write afterwards is its own snapshot directory `<snapshots>/<sandbox id>`.
+#[derive(Clone, Debug)]
+pub struct VmmJail {
+    pub uid: u32,
+    pub gid: u32,
+    /// Parent of the per-sandbox snapshot directories.
+    pub snapshots: PathBuf,
+    /// Parent of the jail roots (outside the sandbox directories, which the jail exposes).
+    pub roots: PathBuf,
+}
+
+/// The unprivileged uid/gid jailed VMMs run as (`nobody`).
+pub const JAIL_UID: u32 = 65534;
+pub const JAIL_GID: u32 = 65534;
+
+impl VmmJail {
+    /// The snapshot directory of sandbox `id`: made, owned by the jail's uid, private.
+    fn snapshot_dir(&self, id: &str) -> Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = self.snapshots.join(id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| EdgeError::io(format!("create {}", dir.display()), e))?;
+        std::os::unix::fs::chown(&dir, Some(self.uid), Some(self.gid))
+            .map_err(|e| EdgeError::io(format!("chown {} to the jail uid", dir.display()), e))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| EdgeError::io(format!("chmod {}", dir.display()), e))?;
+        Ok(dir)
+    }
+
+    /// The jail root of sandbox `id`.
+    pub fn root(&self, id: &str) -> PathBuf {
+        self.roots.join(id)
+    }
+
+    /// `dsec-vmm` arguments that jail it, with the snapshot directory as its one writable
+    /// extra.
+    fn args(&self, id: &str, snapshot_dir: &Path) -> Vec<std::ffi::OsString> {
+        let mut expose = snapshot_dir.as_os_str().to_owned();
+        expose.push(",rw");
+        vec![
+            "--jail".into(),
+            self.root(id).into_os_string(),
+            "--jail-uid".into(),
+            self.uid.to_string().into(),
+            "--jail-gid".into(),
+            self.gid.to_string().into(),
+            "--jail-expose".into(),
+            expose,
+        ]
+    }
 }
 
 impl Default for EdgeConfig {
-    /// State under `${DSEC_RUN_DIR:-/run/dsec}/sandboxes`, artifacts under `$DSEC_HOME`.
+    /// State under `${DSEC_RUN_DIR:-/run/dsec}/sandboxes`, artifacts under `$DSEC_HOME`;
+    /// VMMs jailed when running as root.
     fn default() -> Self {
         let run_dir = std::env::var_os("DSEC_RUN_DIR")
             .filter(|v| !v.is_empty())
@@ -153,6 +211,13 @@ impl Default for EdgeConfig {
             artifacts: Artifacts::from_env(),
             agent_bin: None,
             vmm_bin: None,
+            // Root can jail its VMMs; anyone else runs them as themselves.
+            jail: nix::unistd::geteuid().is_root().then(|| VmmJail {
+                uid: JAIL_UID,
+                gid: JAIL_GID,
+                snapshots: run_dir.join("snapshots"),
+                roots: run_dir.join("jails"),
+            }),
         }
     }
 }
@@ -188,11 +253,16 @@ enum Runtime {
 struct HostResources {
     runtime: Runtime,
     dir: PathBuf,
+    /// Where a jailed VMM may write snapshots, and its jail root; None when not jailed.
+    snapshot_dir: Option<PathBuf>,
+    jail_root: Option<PathBuf>,
 }
 
 impl Drop for HostResources {
     fn drop(&mut self) {
         let runtime = std::mem::replace(&mut self.runtime, Runtime::Gone);
+        remove_if_empty(self.snapshot_dir.as_deref());
+        remove_jail_root(self.jail_root.as_deref());
         if let Err(err) = teardown(runtime, &self.dir) {
             tracing::warn!(dir = %self.dir.display(), %err, "sandbox teardown failed");
         }
@@ -272,6 +342,8 @@ impl Sandbox {
             pid_start: proc_stat(pid).map(|(_, s)| s).unwrap_or(0),
             agent_socket,
             api_socket,
+            snapshot_dir: self.host.snapshot_dir.take(),
+            jail_root: self.host.jail_root.take(),
         }
     }
 
@@ -290,9 +362,26 @@ impl Sandbox {
         }
         let runtime = std::mem::replace(&mut self.host.runtime, Runtime::Gone);
         let dir = self.host.dir.clone();
+        remove_if_empty(self.host.snapshot_dir.take().as_deref());
+        remove_jail_root(self.host.jail_root.take().as_deref());
         tokio::task::spawn_blocking(move || teardown(runtime, &dir))
             .await
             .map_err(|e| EdgeError::Protocol(format!("teardown task failed: {e}")))?
+    }
+}
+
+/// A jailed sandbox's snapshot directory outlives it only when it holds snapshots.
+fn remove_if_empty(dir: Option<&Path>) {
+    if let Some(dir) = dir {
+        let _ = std::fs::remove_dir(dir);
+    }
+}
+
+/// A jail root the VMM could not remove itself (killed): only mount points of the jail's
+/// own mount namespace are left in it, plain directories on the host.
+fn remove_jail_root(root: Option<&Path>) {
+    if let Some(root) = root {
+        let _ = std::fs::remove_dir_all(root);
     }
 }
 
@@ -417,6 +506,8 @@ async fn create_container(config: &EdgeConfig, spec: &SandboxSpec) -> Result<San
     let mut host = HostResources {
         runtime: Runtime::Container { agent_pid },
         dir,
+        snapshot_dir: None,
+        jail_root: None,
     };
     let deadline = Instant::now() + spec.ready_timeout;
     loop {
@@ -664,6 +755,13 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     for drive in &drives {
         command.arg("--drive").arg(drive);
     }
+    let snapshot_dir = match jail_vmm(config, &mut command, &id) {
+        Ok(d) => d,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+    };
     command
         .stdin(std::process::Stdio::null())
         .stdout(log)
@@ -672,6 +770,7 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     let vmm = match spawned {
         Ok(child) => child,
         Err(e) => {
+            remove_if_empty(snapshot_dir.as_deref());
             let _ = std::fs::remove_dir_all(&dir);
             return Err(EdgeError::io(format!("start {}", vmm_bin.display()), e));
         }
@@ -679,6 +778,11 @@ async fn create_microvm(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandb
     let host = HostResources {
         runtime: Runtime::MicroVm { vmm },
         dir,
+        jail_root: snapshot_dir
+            .as_ref()
+            .and(config.jail.as_ref())
+            .map(|j| j.root(&id)),
+        snapshot_dir,
     };
     wait_microvm_ready(id, host, spec.ready_timeout).await
 }
@@ -797,25 +901,55 @@ async fn wait_microvm_ready(
 
 /// Starts a VMM in its own session (it must outlive a daemon that is killed) and moves it
 /// into the given cgroups. Teardown (not drop) kills it.
+/// Adds the jail arguments when the edge jails its VMMs; returns the sandbox's snapshot
+/// directory then.
+fn jail_vmm(
+    config: &EdgeConfig,
+    command: &mut tokio::process::Command,
+    id: &str,
+) -> Result<Option<PathBuf>> {
+    let Some(jail) = &config.jail else {
+        return Ok(None);
+    };
+    let snapshots = jail.snapshot_dir(id)?;
+    command.args(jail.args(id, &snapshots));
+    Ok(Some(snapshots))
+}
+
 fn spawn_vmm(
     mut command: tokio::process::Command,
     cgroup_procs: &[PathBuf],
 ) -> std::io::Result<tokio::process::Child> {
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    use std::os::fd::AsRawFd;
+    // Opened here, written by the child before exec: the VMM is in its cgroups before it
+    // runs, so a jailed VMM's forked child cannot start outside them.
+    let procs = cgroup_procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("open {}: {e}", p.display())))
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+    // SAFETY: setsid and write are async-signal-safe; the closure only reads `fds` (copied
+    // into it) and a static byte string.
     unsafe {
-        command.pre_exec(|| {
+        command.pre_exec(move || {
             nix::unistd::setsid().map_err(std::io::Error::from)?;
+            for fd in &fds {
+                // "0" moves the writing process (this child) into the cgroup.
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
-    let mut child = command.spawn()?;
-    if let Some(pid) = child.id() {
-        if let Err(err) = join_cgroups(Pid::from_raw(pid as i32), cgroup_procs) {
-            let _ = child.start_kill();
-            return Err(std::io::Error::other(err.to_string()));
-        }
-    }
-    Ok(child)
+    let child = command.spawn();
+    drop(procs);
+    child
 }
 
 /// Writes `pid` into each `cgroup.procs` file.
@@ -864,13 +998,22 @@ pub async fn restore_microvm(
         .arg("--serial-log")
         .arg(&serial)
         .arg("--api-sock")
-        .arg(dir.join("api.sock"))
+        .arg(dir.join("api.sock"));
+    let snapshot_dir = match jail_vmm(config, &mut command, id) {
+        Ok(d) => d,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(err);
+        }
+    };
+    command
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log_err);
     let vmm = match spawn_vmm(command, &spec.cgroup_procs) {
         Ok(child) => child,
         Err(e) => {
+            remove_if_empty(snapshot_dir.as_deref());
             let _ = std::fs::remove_dir_all(&dir);
             return Err(EdgeError::io(format!("start {}", vmm_bin.display()), e));
         }
@@ -878,6 +1021,11 @@ pub async fn restore_microvm(
     let host = HostResources {
         runtime: Runtime::MicroVm { vmm },
         dir,
+        jail_root: snapshot_dir
+            .as_ref()
+            .and(config.jail.as_ref())
+            .map(|j| j.root(id)),
+        snapshot_dir,
     };
     wait_microvm_ready(id.to_string(), host, spec.ready_timeout).await
 }
@@ -897,6 +1045,12 @@ pub struct SandboxHandle {
     pub agent_socket: PathBuf,
     /// The VMM's control socket (microVM).
     pub api_socket: Option<PathBuf>,
+    /// A jailed VMM writes snapshots only here; None when it is not jailed.
+    #[serde(default)]
+    pub snapshot_dir: Option<PathBuf>,
+    /// A jailed VMM's root directory.
+    #[serde(default)]
+    pub jail_root: Option<PathBuf>,
 }
 
 impl SandboxHandle {
@@ -946,6 +1100,8 @@ impl SandboxHandle {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        remove_if_empty(self.snapshot_dir.as_deref());
+        remove_jail_root(self.jail_root.as_deref());
         match std::fs::remove_dir_all(&self.dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -986,6 +1142,46 @@ pub fn parse_env(pairs: &[String]) -> Result<HashMap<String, String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn jailed_vmms_get_a_private_snapshot_dir_and_the_jail_flags() {
+        use std::os::unix::fs::MetadataExt;
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test needs root (chown to the jail uid)");
+        }
+        let base = std::env::temp_dir().join(format!("dsec-jail-test-{}", std::process::id()));
+        let jail = VmmJail {
+            uid: JAIL_UID,
+            gid: JAIL_GID,
+            snapshots: base.join("snapshots"),
+            roots: PathBuf::from("/run/dsec/jails"),
+        };
+        let dir = jail.snapshot_dir("vm-1").unwrap();
+        let meta = std::fs::metadata(&dir).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o777),
+            (JAIL_UID, JAIL_GID, 0o700)
+        );
+        let args: Vec<String> = jail
+            .args("vm-1", &dir)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--jail",
+                "/run/dsec/jails/vm-1",
+                "--jail-uid",
+                "65534",
+                "--jail-gid",
+                "65534",
+                "--jail-expose",
+                &format!("{},rw", dir.display()),
+            ]
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[tokio::test]
     async fn upper_disk_is_a_sparse_ext4_of_the_asked_size() {

@@ -64,6 +64,7 @@ impl TestNode {
             artifacts: Artifacts::under(rootfs.parent().unwrap()),
             agent_bin: Some(agent),
             vmm_bin: None,
+            jail: None,
         };
         Self { config, rootfs }
     }

@@ -38,8 +38,10 @@ enum Request {
     },
 }
 
-/// Binds the socket and serves it on a background thread.
-pub fn serve(vm: Arc<Vm>, path: &Path) -> std::io::Result<()> {
+/// Binds and listens on the control socket; [`serve_on`] starts answering it. Bound before a
+/// jailed VMM drops its privileges: the socket's directory need not be writable by the
+/// jail's uid.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     // Bind under a temporary name and rename: clients that wait for the path to appear
     // must never find a socket that is not listening yet.
     let mut tmp = path.as_os_str().to_owned();
@@ -53,7 +55,7 @@ pub fn serve(vm: Arc<Vm>, path: &Path) -> std::io::Result<()> {
         )
     })?;
     std::fs::rename(&tmp, path)?;
-    serve_on(vm, listener)
+    Ok(listener)
 }
 
 /// Serves an already-bound control socket on a background thread.

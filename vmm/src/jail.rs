@@ -264,6 +264,14 @@ fn pivot_into(root: &Path) -> Result<(), JailError> {
     let (new_c, old_c) = (cpath(root), cpath(&old));
     // SAFETY: pivot_root takes two NUL-terminated paths that outlive the call.
     let rc = unsafe { libc::syscall(libc::SYS_pivot_root, new_c.as_ptr(), old_c.as_ptr()) };
+    if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+        // The current root is the initial ramfs, which pivot_root cannot leave (a host
+        // running from its initramfs). Move the jail over / and chroot into it instead: the
+        // old root stays mounted underneath but unreachable, and the jailed process can
+        // neither chroot again nor mount (seccomp) once it has dropped to the jail uid.
+        let _ = std::fs::remove_dir(&old);
+        return move_root(root);
+    }
     check(rc as libc::c_int, "pivot_root")?;
     std::env::set_current_dir("/").map_err(sys("chdir /"))?;
     let old_inside = CString::new("/.old-root").unwrap_or_default();
@@ -272,6 +280,17 @@ fn pivot_into(root: &Path) -> Result<(), JailError> {
     check(rc, "detach the old root")?;
     let _ = std::fs::remove_dir("/.old-root");
     Ok(())
+}
+
+/// The no-pivot way into the jail: `root` mounted over `/`, then chroot into it.
+fn move_root(root: &Path) -> Result<(), JailError> {
+    std::env::set_current_dir(root).map_err(sys(format!("chdir {}", root.display())))?;
+    mount(Some(Path::new(".")), Path::new("/"), None, libc::MS_MOVE)?;
+    let dot = CString::new(".").unwrap_or_default();
+    // SAFETY: chroot on a NUL-terminated path.
+    let rc = unsafe { libc::chroot(dot.as_ptr()) };
+    check(rc, "chroot into the jail")?;
+    std::env::set_current_dir("/").map_err(sys("chdir /"))
 }
 
 /// Switches to the jail's uid/gid for good (no supplementary groups, no capabilities left).

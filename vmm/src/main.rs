@@ -326,15 +326,18 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
         expose.push(parent_rw(&path));
     }
     expose.extend(args.jail_expose.iter().cloned());
-    // Absolute paths: the jail recreates them under its root.
-    expose
-        .into_iter()
-        .map(|e| {
-            std::path::absolute(&e.path)
-                .map(|path| Exposure { path, ..e })
-                .map_err(|err| format!("resolve {}: {err}", e.path.display()))
-        })
-        .collect()
+    // Absolute paths: the jail recreates them under its root. Each path once (the sockets
+    // and logs often share a directory), writable if any use needs it.
+    let mut unique: Vec<Exposure> = Vec::new();
+    for e in expose {
+        let path = std::path::absolute(&e.path)
+            .map_err(|err| format!("resolve {}: {err}", e.path.display()))?;
+        match unique.iter_mut().find(|u| u.path == path) {
+            Some(u) => u.writable |= e.writable,
+            None => unique.push(Exposure { path, ..e }),
+        }
+    }
+    Ok(unique)
 }
 
 fn enter_jail(args: &Args, root: &Path) -> Result<(), String> {
@@ -460,6 +463,15 @@ fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport
         Err(e) => return (Err(e), 0),
     };
     let loaded_ns = dsec_vmm::vm::now_ns();
+    // Bound now, served once the VM runs: connections wait in the backlog until then.
+    let control = match (prewarm_listener, &args.api_sock) {
+        (Some(listener), _) => Some(listener),
+        (None, Some(sock)) => match dsec_vmm::control::bind(sock) {
+            Ok(listener) => Some(listener),
+            Err(e) => return (Err(e.to_string()), loaded_ns),
+        },
+        (None, None) => None,
+    };
     if args.jail.is_some() {
         if let Err(e) = dsec_vmm::jail::drop_privileges(args.jail_uid, args.jail_gid) {
             return (Err(e.to_string()), loaded_ns);
@@ -475,10 +487,9 @@ fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport
     if !args.paused {
         vm.start();
     }
-    let served = match (prewarm_listener, &args.api_sock) {
-        (Some(listener), _) => dsec_vmm::control::serve_on(vm.clone(), listener),
-        (None, Some(sock)) => dsec_vmm::control::serve(vm.clone(), sock),
-        (None, None) => Ok(()),
+    let served = match control {
+        Some(listener) => dsec_vmm::control::serve_on(vm.clone(), listener),
+        None => Ok(()),
     };
     if let Err(e) = served {
         return (Err(e.to_string()), loaded_ns);

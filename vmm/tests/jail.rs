@@ -98,11 +98,13 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
         &api,
     );
     let pid = jailed_pid(vm.child.id());
-    let uids = status_field(pid, "Uid:");
-    assert!(
-        uids.split_whitespace().all(|u| u == JAIL_UID.to_string()),
-        "jailed VMM runs as uid {uids}"
-    );
+    // The control socket is bound before the privilege drop, so it may appear first.
+    let as_jail_uid = || {
+        status_field(pid, "Uid:")
+            .split_whitespace()
+            .all(|u| u == JAIL_UID.to_string())
+    };
+    wait_until("the jailed VMM to switch to the jail uid", as_jail_uid);
     let nspid = status_field(pid, "NSpid:");
     assert!(
         nspid.ends_with(" 1") || nspid.ends_with("\t1"),

@@ -72,6 +72,8 @@ pub struct DaemonConfig {
     /// Arguments that make this executable the daemon (`up` for `dsec`); image servers are
     /// started as this executable with these and `--serve-image DIR`.
     pub invocation: Vec<OsString>,
+    /// Run microVMs' VMMs in a jail (namespaces, pivot_root, unprivileged uid); needs root.
+    pub jail_vmms: bool,
 }
 
 impl Default for DaemonConfig {
@@ -104,6 +106,7 @@ impl Default for DaemonConfig {
             ready_timeout: Duration::from_secs(30),
             cgroup_name: "dsec-edge".into(),
             invocation: Vec::new(),
+            jail_vmms: nix::unistd::geteuid().is_root(),
         }
     }
 }
@@ -296,6 +299,10 @@ pub struct DaemonArgs {
     /// cgroup name under the daemon's own cgroups.
     #[arg(long, default_value = "dsec-edge")]
     pub cgroup_name: String,
+    /// Run VMMs unjailed (debugging). By default a root daemon runs each microVM's VMM in its
+    /// own namespaces, pivot_rooted into the sandbox's `jail` directory, as uid 65534.
+    #[arg(long)]
+    pub no_jail: bool,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
     #[arg(long, value_name = "DIR", hide = true)]
     pub serve_image: Option<PathBuf>,
@@ -312,6 +319,7 @@ impl DaemonArgs {
         }
         config.listen_unix = self.socket;
         config.listen_tcp = self.listen;
+        config.jail_vmms &= !self.no_jail;
         config.metrics = match self.metrics.as_str() {
             "off" | "" => None,
             addr => Some(addr.parse().map_err(|_| {

@@ -299,6 +299,12 @@ impl Node {
             artifacts: config.artifacts.clone(),
             agent_bin: config.agent_bin.clone(),
             vmm_bin: config.vmm_bin.clone(),
+            jail: config.jail_vmms.then(|| crate::sandbox::VmmJail {
+                uid: crate::sandbox::JAIL_UID,
+                gid: crate::sandbox::JAIL_GID,
+                snapshots: config.state_dir.join("snapshots"),
+                roots: config.state_dir.join("jails"),
+            }),
         };
         let kvm = KvmStatus::detect();
         let microvm_unavailable = kvm.why_not_microvm();
@@ -788,14 +794,13 @@ impl Node {
                 "snapshots are implemented for microvm sandboxes only (container state is not captured yet)",
             ));
         }
-        let path = if path.is_empty() {
-            self.config
-                .state_dir
-                .join("snapshots")
-                .join(format!("{id}-{}", now_ms()))
-        } else {
-            PathBuf::from(path)
-        };
+        let default_dir = self.config.state_dir.join("snapshots");
+        let path = snapshot_path(
+            id,
+            path,
+            record.handle.snapshot_dir.as_deref(),
+            &default_dir,
+        )?;
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)
                 .map_err(|e| Status::internal(format!("create {}: {e}", parent.display())))?;
@@ -982,6 +987,42 @@ async fn vmm_control(
     }
 }
 
+/// Where a snapshot of sandbox `id` goes: `requested`, or a new directory under the
+/// sandbox's jail snapshot directory (jailed VMM) or `default_dir`. A jailed VMM sees no other
+/// host path, so a requested path elsewhere is refused before the VMM is asked.
+fn snapshot_path(
+    id: &str,
+    requested: &str,
+    jail_dir: Option<&Path>,
+    default_dir: &Path,
+) -> Result<PathBuf, Status> {
+    let stamp = now_ms();
+    match (requested.is_empty(), jail_dir) {
+        (true, Some(dir)) => Ok(dir.join(stamp.to_string())),
+        (true, None) => Ok(default_dir.join(format!("{id}-{stamp}"))),
+        (false, Some(dir)) => {
+            let p = PathBuf::from(requested);
+            let inside = p.is_absolute()
+                && p.starts_with(dir)
+                && p != dir
+                && !p
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir));
+            if inside {
+                Ok(p)
+            } else {
+                Err(Status::invalid_argument(format!(
+                    "snapshot path {requested:?}: this sandbox's VMM runs in a jail and can write \
+                     snapshots only under {}; leave the path empty or name a directory there \
+                     (or start the node with --no-jail)",
+                    dir.display()
+                )))
+            }
+        }
+        (false, None) => Ok(PathBuf::from(requested)),
+    }
+}
+
 /// Kills processes whose command line references a sandbox directory under `dir` that is not
 /// in `keep`. Returns how many were killed.
 fn kill_strays(dir: &Path, keep: &HashSet<String>) -> usize {
@@ -1048,4 +1089,50 @@ fn free_disk_mib(path: &Path) -> u64 {
     nix::sys::statvfs::statvfs(path)
         .map(|s| s.blocks_available() * s.fragment_size() / (1024 * 1024))
         .unwrap_or(10 * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jailed_snapshots_stay_in_the_jail_snapshot_dir() {
+        let jail = Path::new("/run/dsec/edge/snapshots/vm-1");
+        let default = Path::new("/run/dsec/edge/snapshots");
+        let p = snapshot_path("vm-1", "", Some(jail), default).unwrap();
+        assert_eq!(p.parent(), Some(jail));
+        let p = snapshot_path("vm-1", "", None, default).unwrap();
+        assert_eq!(p.parent(), Some(default));
+        assert!(p
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("vm-1-"));
+        assert_eq!(
+            snapshot_path(
+                "vm-1",
+                "/run/dsec/edge/snapshots/vm-1/a",
+                Some(jail),
+                default
+            )
+            .unwrap(),
+            Path::new("/run/dsec/edge/snapshots/vm-1/a")
+        );
+        assert_eq!(
+            snapshot_path("vm-1", "/srv/snap", None, default).unwrap(),
+            Path::new("/srv/snap")
+        );
+        for outside in [
+            "/srv/snap",
+            "/run/dsec/edge/snapshots/vm-1",
+            "/run/dsec/edge/snapshots/vm-1/../vm-2/x",
+            "/run/dsec/edge/snapshots/vm-10/x",
+            "run/dsec/edge/snapshots/vm-1/x",
+        ] {
+            let err = snapshot_path("vm-1", outside, Some(jail), default).unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{outside}");
+            assert!(err.message().contains("--no-jail"), "{}", err.message());
+        }
+    }
 }

@@ -50,8 +50,9 @@ run debian-writes-to-upper 0 "marker ok root=overlay vda=0 vdb=big" bash -c '
 [ "$(md5sum <$IMG | cut -d' ' -f1)" = "$img_sum" ] && ok image-unchanged || bad image-unchanged "rootfs.img changed on the host"
 # Each sandbox gets a fresh upper disk: the previous one's file is gone.
 run debian-fresh-upper 0 "" sh -c 'test ! -e /usr/local/marker && test ! -e /big'
-left=$(ls $DSEC_RUN_DIR/sandboxes 2>/dev/null | wc -l)
-[ "$left" = 0 ] && ok no-leftovers || bad no-leftovers "$left sandbox directories left in $DSEC_RUN_DIR/sandboxes"
+# Run as root, so each VMM was jailed: its jail root and (empty) snapshot directory go too.
+left=$(ls $DSEC_RUN_DIR/sandboxes $DSEC_RUN_DIR/jails $DSEC_RUN_DIR/snapshots 2>/dev/null | grep -c '^vm-')
+[ "$left" = 0 ] && ok no-leftovers || bad no-leftovers "$left sandbox, jail or snapshot directories left in $DSEC_RUN_DIR: $(ls -R $DSEC_RUN_DIR)"
 
 echo "$pass passed, $fail failed"
 exit $fail

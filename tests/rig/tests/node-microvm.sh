@@ -2,7 +2,7 @@
 # Runs inside the rig's L1: the node daemon's API on the microVM backend, driven through the
 # `dsec` CLI (a gRPC client of the daemon): create, exec, files both ways, a shell session,
 # pause/resume, fork, an HTTP server reached through the daemon's HTTP entry point, delete,
-# and nothing left behind.
+# and nothing left behind. The daemon runs as root, so every VMM is jailed (checked).
 # Expects in L1: /bin/dsec, /bin/dsec-vmm and DSEC_HOME=/dsec holding kernel/vmlinux and
 # images/busybox/initramfs.cpio.
 # Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
@@ -28,6 +28,21 @@ timeout $T dsec inspect $id | grep -q '"microvm"' && ok backend-is-microvm || ba
 out=$(timeout $T dsec exec $id -- sh -c 'cat /proc/1/comm; exit 3'); rc=$?
 # In a microVM the agent is the initramfs's /init (a container's PID 1 is named dsec-agent).
 [ "$rc" = 3 ] && [ "$out" = init ] && ok exec || bad exec "rc $rc, out '$out'"
+
+# The VMM runs jailed: the process running the VM (PID 1 of its own PID namespace) is
+# uid 65534 in its own mount namespace and sees its kernel but no other host file.
+seen=0; jailed=0
+for d in /proc/[0-9]*; do
+    [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
+    seen=$((seen + 1))
+    uid=$(awk '/^Uid:/ {print $2}' $d/status 2>/dev/null)
+    if [ "$uid" = 65534 ] && [ "$(readlink $d/ns/pid)" != "$(readlink /proc/1/ns/pid)" ] \
+        && [ "$(readlink $d/ns/mnt)" != "$(readlink /proc/1/ns/mnt)" ] \
+        && [ -e $d/root$DSEC_HOME/kernel/vmlinux ] && [ ! -e $d/root/bin/dsec ]; then
+        jailed=$((jailed + 1))
+    fi
+done
+[ $seen = 2 ] && [ $jailed = 1 ] && ok vmm-jailed || bad vmm-jailed "$seen dsec-vmm processes, $jailed jailed (uid 65534, own pid+mnt ns, no host files)"
 
 # Files both ways.
 head -c 300000 /dev/urandom >/tmp/up.bin
@@ -62,7 +77,9 @@ for s in $id $children; do timeout $T dsec rm $s >/dev/null 2>&1; done
 sleep 1
 left=$(dsec ls 2>/dev/null | grep -c sb-)
 vmms=$(ps | grep -c "[d]sec-vmm")
-[ "$left" = 0 ] && [ "$vmms" = 0 ] && ok nothing-left || bad nothing-left "$left sandboxes, $vmms VMMs"
+dirs=$(ls -A /tmp/node/sandboxes /tmp/node/jails 2>/dev/null | grep -c '^sb-')
+[ "$left" = 0 ] && [ "$vmms" = 0 ] && [ "$dirs" = 0 ] && ok nothing-left \
+    || bad nothing-left "$left sandboxes, $vmms VMMs, $dirs sandbox or jail directories"
 kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
 echo "$pass passed, $fail failed"
 exit $fail

@@ -962,13 +962,16 @@ fn join_cgroups(pid: Pid, procs_files: &[PathBuf]) -> Result<()> {
 }
 
 /// Restores a microVM from a snapshot directory written by the VMM (`{"op":"snapshot"}`),
-/// with its own vsock socket and context id, and waits until its agent answers.
+/// with its own vsock socket and context id, and waits until its agent answers. A sandbox on
+/// a disk image gets `upper`, its own copy of the parent's upper disk (moved into its
+/// directory), in place of the disk the snapshot names.
 pub async fn restore_microvm(
     config: &EdgeConfig,
     snapshot: &Path,
     id: &str,
     vsock_cid: u64,
     spec: &SandboxSpec,
+    upper: Option<&Path>,
 ) -> Result<Sandbox> {
     let vmm_bin = match &config.vmm_bin {
         Some(path) => path.clone(),
@@ -999,6 +1002,19 @@ pub async fn restore_microvm(
         .arg(&serial)
         .arg("--api-sock")
         .arg(dir.join("api.sock"));
+    if let (Some(root), Some(upper)) = (&spec.root_disk, upper) {
+        let own = dir.join("upper.ext4");
+        if let Err(e) = std::fs::rename(upper, &own) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(EdgeError::io(
+                format!("move {} to {}", upper.display(), own.display()),
+                e,
+            ));
+        }
+        let mut ro = root.clone().into_os_string();
+        ro.push(",ro");
+        command.arg("--drive").arg(ro).arg("--drive").arg(own);
+    }
     let snapshot_dir = match jail_vmm(config, &mut command, id) {
         Ok(d) => d,
         Err(err) => {

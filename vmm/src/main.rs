@@ -26,7 +26,7 @@ struct Args {
     config: Option<PathBuf>,
     /// Restore from a snapshot directory instead of booting (vsock, net and serial flags
     /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "drives", "balloon", "pmem"])]
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "balloon", "pmem"])]
     restore: Option<PathBuf>,
     /// Serve the control socket (pause, resume, snapshot, stop) here.
     #[arg(long)]
@@ -74,7 +74,9 @@ struct Args {
     #[arg(long)]
     rng: bool,
     /// Add a virtio-blk disk: raw image PATH, `,ro` for read-only. Repeat for more disks;
-    /// the guest sees them in this order. Replaces the config file's drives.
+    /// the guest sees them in this order. Replaces the config file's drives. With --restore:
+    /// replaces the snapshot's disks, one per disk in order, same ,ro flags and sizes (a
+    /// fork's own copy of a writable disk).
     #[arg(long = "drive", value_name = "PATH[,ro]")]
     drives: Vec<DriveConfig>,
     /// Add a virtio-pmem device: host file PATH (size a multiple of 2 MiB) mapped into guest
@@ -244,6 +246,7 @@ fn overrides(args: &Args) -> RestoreOverrides {
             (None, false) => None,
         },
         net: args.net.clone(),
+        drives: args.drives.clone(),
         lazy: args.lazy.then(|| dsec_vmm::LazyRestore {
             prefetch: args.prefetch,
             record: args

@@ -177,6 +177,47 @@ pub struct RestoreOverrides {
     pub net: Option<NetConfig>,
     /// Fill memory lazily through userfaultfd instead of mapping the file MAP_PRIVATE.
     pub lazy: Option<LazyRestore>,
+    /// Replacements for the snapshot's disks, one per disk in order (empty: keep them): a
+    /// fork's own copy of a writable disk.
+    pub drives: Vec<crate::config::DriveConfig>,
+}
+
+/// Swaps a snapshot's disks for `new` ones the guest cannot tell apart from them: as many,
+/// in the same order, with the same read-only flags and (where the old file still exists)
+/// the same size.
+fn replace_drives(
+    own: &mut Vec<crate::config::DriveConfig>,
+    new: &[crate::config::DriveConfig],
+) -> Result<(), VmError> {
+    if own.len() != new.len() {
+        return Err(VmError::State(format!(
+            "the snapshot has {} disk(s) but {} replacement(s) were given; give one per disk, in order",
+            own.len(),
+            new.len()
+        )));
+    }
+    for (i, (old, new)) in own.iter().zip(new).enumerate() {
+        if old.read_only != new.read_only {
+            return Err(VmError::State(format!(
+                "disk {i} ({}) is {} in the snapshot but its replacement {} is not; keep the same ,ro flags",
+                old.path.display(),
+                if old.read_only { "read-only" } else { "writable" },
+                new.path.display()
+            )));
+        }
+        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).ok();
+        if let (Some(a), Some(b)) = (size(&old.path), size(&new.path)) {
+            if a != b {
+                return Err(VmError::State(format!(
+                    "disk {i}: replacement {} has {b} bytes but the snapshot's {} has {a}; the guest would see another disk",
+                    new.path.display(),
+                    old.path.display()
+                )));
+            }
+        }
+    }
+    *own = new.to_vec();
+    Ok(())
 }
 
 /// Lazy (userfaultfd) restore settings.
@@ -374,6 +415,9 @@ impl Vm {
         }
         if let Some(serial) = &overrides.serial {
             config.serial = serial.clone();
+        }
+        if !overrides.drives.is_empty() {
+            replace_drives(&mut config.drives, &overrides.drives)?;
         }
         if let Some(net) = &overrides.net {
             net.validate()?;
@@ -882,4 +926,39 @@ pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
     let vm = Vm::new(config.clone())?;
     vm.start();
     Ok(vm.wait())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DriveConfig;
+
+    #[test]
+    fn drive_replacements_must_match_the_snapshot() {
+        let dir = std::env::temp_dir().join(format!("dsec-drives-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = |name: &str, len: u64| {
+            let p = dir.join(name);
+            std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+            p
+        };
+        let drive = |path: PathBuf, read_only: bool| DriveConfig { path, read_only };
+        let own = vec![
+            drive(file("root", 4096), true),
+            drive(file("upper", 8192), false),
+        ];
+        let mut snap = own.clone();
+        let copy = file("copy", 8192);
+        replace_drives(&mut snap, &[own[0].clone(), drive(copy.clone(), false)]).unwrap();
+        assert_eq!(snap[1].path, copy);
+        let err = |new: &[DriveConfig]| {
+            let mut snap = own.clone();
+            replace_drives(&mut snap, new).unwrap_err().to_string()
+        };
+        assert!(err(&[own[0].clone()]).contains("2 disk(s) but 1"));
+        assert!(err(&[own[0].clone(), drive(copy.clone(), true)]).contains("writable"));
+        let small = file("small", 4096);
+        assert!(err(&[own[0].clone(), drive(small, false)]).contains("4096 bytes"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -299,6 +299,9 @@ pub struct DaemonArgs {
     /// cgroup name under the daemon's own cgroups.
     #[arg(long, default_value = "dsec-edge")]
     pub cgroup_name: String,
+    /// Seconds a new sandbox's agent has to answer before the create fails.
+    #[arg(long, value_name = "S", default_value_t = 30)]
+    pub ready_timeout: u64,
     /// Run VMMs unjailed (debugging). By default a root daemon runs each microVM's VMM in its
     /// own namespaces, pivot_rooted into the sandbox's `jail` directory, as uid 65534.
     #[arg(long)]
@@ -320,6 +323,12 @@ impl DaemonArgs {
         config.listen_unix = self.socket;
         config.listen_tcp = self.listen;
         config.jail_vmms &= !self.no_jail;
+        if self.ready_timeout == 0 {
+            return Err(EdgeError::InvalidSpec(
+                "--ready-timeout must be at least 1 second".into(),
+            ));
+        }
+        config.ready_timeout = Duration::from_secs(self.ready_timeout);
         config.metrics = match self.metrics.as_str() {
             "off" | "" => None,
             addr => Some(addr.parse().map_err(|_| {

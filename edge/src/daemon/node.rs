@@ -827,22 +827,57 @@ impl Node {
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
             ));
         }
-        if self
+        let on_disk = self
             .config
             .artifacts
             .image(&parent.image)
             .root_disk()
-            .is_some()
-        {
-            // A restore reopens the parent's disks, and its writable upper disk is locked.
-            return Err(Status::unimplemented(format!(
-                "fork of microvm sandboxes on a disk image ({:?}) is not implemented: each child would need its own copy of the writable disk; fork sandboxes of the busybox image",
-                parent.image
-            )));
+            .is_some();
+        // On a disk image every child needs its own copy of the writable upper disk, taken
+        // while the parent is paused so that it matches the snapshot's memory exactly.
+        let was_paused = parent.paused;
+        if on_disk && !was_paused {
+            vmm_control(&parent, serde_json::json!({ "op": "pause" })).await?;
         }
-        let snapshot = self.snapshot(id, "", false).await?;
+        let frozen = async {
+            let snapshot = self.snapshot(id, "", false).await?;
+            let mut uppers = Vec::new();
+            if on_disk {
+                let src = parent.handle.dir.join("upper.ext4");
+                for i in 0..count {
+                    let dst = parent
+                        .handle
+                        .dir
+                        .join(format!("fork-{}-{i}.ext4", now_ms()));
+                    let copied = {
+                        let (src, dst) = (src.clone(), dst.clone());
+                        tokio::task::spawn_blocking(move || copy_sparse(&src, &dst))
+                            .await
+                            .map_err(|e| Status::internal(format!("copy task failed: {e}")))?
+                    };
+                    if let Err(e) = copied {
+                        let _ = std::fs::remove_file(&dst);
+                        uppers.iter().for_each(|u| drop(std::fs::remove_file(u)));
+                        let _ = std::fs::remove_dir_all(&snapshot);
+                        return Err(Status::internal(format!(
+                            "copy the upper disk {} for a fork child: {e}",
+                            src.display()
+                        )));
+                    }
+                    uppers.push(dst);
+                }
+            }
+            Ok::<_, Status>((snapshot, uppers))
+        }
+        .await;
+        if on_disk && !was_paused {
+            vmm_control(&parent, serde_json::json!({ "op": "resume" })).await?;
+        }
+        let (snapshot, uppers) = frozen?;
+        let mut uppers = uppers.into_iter();
         let mut children = Vec::new();
         for _ in 0..count {
+            let upper = uppers.next();
             let mut all_labels = parent.labels.clone();
             all_labels.extend(labels.clone());
             let plan = Plan {
@@ -867,12 +902,22 @@ impl Node {
             };
             let spec = self.spec_for(&plan, &child_id, &cgroups, None);
             let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
-            let sandbox = match restore_microvm(&self.edge, &snapshot, &child_id, cid, &spec).await
-            {
+            let restored = restore_microvm(
+                &self.edge,
+                &snapshot,
+                &child_id,
+                cid,
+                &spec,
+                upper.as_deref(),
+            )
+            .await;
+            let sandbox = match restored {
                 Ok(s) => s,
                 Err(err) => {
                     cgroup::remove(&cgroups);
                     self.release(plan.demand);
+                    uppers.for_each(|u| drop(std::fs::remove_file(u)));
+                    let _ = std::fs::remove_dir_all(&snapshot);
                     return Err(edge_status(err));
                 }
             };
@@ -987,6 +1032,40 @@ async fn vmm_control(
     }
 }
 
+/// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
+/// 1 GiB upper disk holds a few MiB of ext4 metadata).
+fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::unix::fs::FileExt;
+    let from = std::fs::File::open(src)?;
+    let len = from.metadata()?.len() as i64;
+    let to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)?;
+    to.set_len(len as u64)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0i64;
+    while pos < len {
+        let data = match lseek(&from, pos, Whence::SeekData) {
+            Ok(d) => d,
+            // No data after pos: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = lseek(&from, data, Whence::SeekHole)?.min(len);
+        let mut at = data;
+        while at < hole {
+            let n = ((hole - at) as usize).min(buf.len());
+            from.read_exact_at(&mut buf[..n], at as u64)?;
+            to.write_all_at(&buf[..n], at as u64)?;
+            at += n as i64;
+        }
+        pos = hole;
+    }
+    to.sync_all()
+}
+
 /// Where a snapshot of sandbox `id` goes: `requested`, or a new directory under the
 /// sandbox's jail snapshot directory (jailed VMM) or `default_dir`. A jailed VMM sees no other
 /// host path, so a requested path elsewhere is refused before the VMM is asked.
@@ -1094,6 +1173,30 @@ fn free_disk_mib(path: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sparse_copies_keep_data_and_holes() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let dir = std::env::temp_dir().join(format!("dsec-sparse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, dst) = (dir.join("a.img"), dir.join("b.img"));
+        let f = std::fs::File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"head", 0).unwrap();
+        f.write_all_at(&vec![7u8; 3 << 20], 20 << 20).unwrap();
+        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        let blocks = std::fs::metadata(&dst).unwrap().blocks() * 512;
+        assert!(
+            blocks < 8 << 20,
+            "copy allocates {blocks} bytes of a 64 MiB file"
+        );
+        // Never overwrites.
+        assert!(copy_sparse(&src, &dst).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn jailed_snapshots_stay_in_the_jail_snapshot_dir() {

@@ -54,5 +54,36 @@ run debian-fresh-upper 0 "" sh -c 'test ! -e /usr/local/marker && test ! -e /big
 left=$(ls $DSEC_RUN_DIR/sandboxes $DSEC_RUN_DIR/jails $DSEC_RUN_DIR/snapshots 2>/dev/null | grep -c '^vm-')
 [ "$left" = 0 ] && ok no-leftovers || bad no-leftovers "$left sandbox, jail or snapshot directories left in $DSEC_RUN_DIR: $(ls -R $DSEC_RUN_DIR)"
 
+# Fork on the disk image through the node daemon: the parent pauses while its upper disk is
+# copied once per child, so each child starts from the parent's files and writes privately.
+export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
+dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http off \
+    --cgroup-name dsec-rig --ready-timeout 240 >/tmp/node.log 2>&1 &
+daemon=$!
+i=0
+until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
+id=$(timeout $T dsec create --backend microvm --image debian 2>/tmp/create.err)
+if [ -n "$id" ] && timeout $T dsec exec $id -- sh -c 'echo parent >/root/who'; then
+    children=$(timeout $T dsec fork $id -n 2 2>/tmp/fork.err)
+    n=0
+    for c in $children; do
+        [ "$(timeout $T dsec exec $c -- cat /root/who)" = parent ] \
+            && timeout $T dsec exec $c -- sh -c "echo $c >/root/who" \
+            && [ "$(timeout $T dsec exec $c -- cat /root/who)" = "$c" ] && n=$((n + 1))
+    done
+    [ "$n" = 2 ] && [ "$(timeout $T dsec exec $id -- cat /root/who)" = parent ] && ok debian-fork \
+        || bad debian-fork "children '$children' ($n ok): $(cat /tmp/fork.err)"
+    for s in $id $children; do timeout $T dsec rm $s >/dev/null 2>&1; done
+else
+    bad debian-fork "create/exec failed: $(cat /tmp/create.err; tail -5 /tmp/node.log)"
+fi
+# A killed jail supervisor's VMM dies with it (PDEATHSIG), a moment later.
+i=0
+while [ "$(ps | grep -c "[d]sec-vmm")" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
+left=$(ls /tmp/node/sandboxes /tmp/node/jails 2>/dev/null | grep -c '^sb-')
+vmms=$(ps | grep -c "[d]sec-vmm")
+[ "$left" = 0 ] && [ "$vmms" = 0 ] && ok debian-fork-nothing-left || bad debian-fork-nothing-left "$left directories, $vmms VMMs"
+kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
+
 echo "$pass passed, $fail failed"
 exit $fail

@@ -260,3 +260,66 @@ fn tls_registry_with_basic_auth() {
     assert_eq!(b.manifest_digest, pushed.manifest_digest);
     assert_eq!(a.image.layers, b.image.layers);
 }
+
+/// The Bearer flow against a live token-auth registry: the 401 names the token realm, the
+/// client fetches a token for the repository and the actions it needs (with the stored
+/// credentials), and the registry honours exactly the actions the token grants.
+#[test]
+fn token_registry_with_bearer_auth() {
+    let Some(reg) = LocalRegistry::start_token_auth(&[
+        ("alice", "s3cret", "pull,push"),
+        ("reader", "r3ad", "pull"),
+    ]) else {
+        return;
+    };
+    let tokens = reg.tokens.as_ref().expect("token server");
+    let env = Env::new();
+    let r = reg.reference("test/busybox:1");
+    let connect = |user: Option<(&str, &str)>, actions: &str| {
+        registry::Client::connect_with(
+            &reg.addr,
+            &r.repo,
+            actions,
+            ClientOptions {
+                ca_file: None,
+                credentials: user.map(|(u, p)| Credentials {
+                    username: u.into(),
+                    password: p.into(),
+                }),
+            },
+        )
+    };
+
+    // No credentials or wrong ones: the token server says no, the client says how to log in.
+    for user in [None, Some(("alice", "wrong"))] {
+        let err = connect(user, "pull,push").unwrap_err().to_string();
+        assert!(err.contains("docker login"), "{err}");
+    }
+    assert_eq!(tokens.issued.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+    // Logged in with push rights: publish, then pull it back through a token.
+    let client = connect(Some(("alice", "s3cret")), "pull,push").unwrap();
+    assert!(client.is_authenticated());
+    publish_busybox_with(&client, &r);
+    let pulled = oci::pull_with_client(
+        &env.store,
+        &r,
+        "busybox",
+        &dsec_layerfs::progress::NoProgress,
+        &connect(Some(("reader", "r3ad")), "pull").unwrap(),
+    )
+    .unwrap();
+    assert_eq!(pulled.image.layers.len(), 2);
+    assert!(tokens.issued.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+
+    // A pull-only token: reads work, the registry refuses a push and the error says so.
+    let reader = connect(Some(("reader", "r3ad")), "pull,push").unwrap();
+    let copy = reg.reference("test/busybox:2");
+    let err = oci::push_with_client(&env.store, "busybox", &copy, &reader)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("401") || err.contains("403") || err.to_lowercase().contains("denied"),
+        "{err}"
+    );
+}

@@ -340,8 +340,30 @@ mod tests {
 
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-    fn spec(script: &str, marker: Option<&str>, kill: bool, timeout_ms: u64) -> RunSpec {
-        RunSpec {
+    /// A spec whose stderr file is removed when the test is done with it.
+    struct Spec(RunSpec);
+
+    impl std::ops::Deref for Spec {
+        type Target = RunSpec;
+        fn deref(&self) -> &RunSpec {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for Spec {
+        fn deref_mut(&mut self) -> &mut RunSpec {
+            &mut self.0
+        }
+    }
+
+    impl Drop for Spec {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0.stderr_path);
+        }
+    }
+
+    fn spec(script: &str, marker: Option<&str>, kill: bool, timeout_ms: u64) -> Spec {
+        Spec(RunSpec {
             program: "/bin/sh".into(),
             args: vec!["-c".into(), script.into()],
             stderr_path: std::env::temp_dir().join(format!(
@@ -356,7 +378,7 @@ mod tests {
             stop_signal: libc::SIGKILL,
             stop_delay: Duration::ZERO,
             die_with_parent: false,
-        }
+        })
     }
 
     #[test]

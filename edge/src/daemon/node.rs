@@ -418,6 +418,28 @@ impl Node {
             }
             let _ = std::fs::remove_dir_all(path);
         }
+        // Jail roots of sandboxes that are gone (their VMMs were killed above); empty
+        // snapshot directories too (ones holding snapshots stay).
+        if let Some(jail) = &self.edge.jail {
+            for entry in std::fs::read_dir(&jail.roots)
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if !kept.contains(entry.file_name().to_string_lossy().as_ref()) {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+            for entry in std::fs::read_dir(&jail.snapshots)
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if !kept.contains(entry.file_name().to_string_lossy().as_ref()) {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+            }
+        }
         let cgroups = self.cgroups.sweep(&kept);
         self.images.adopted(servers, &image_users).await;
         tracing::info!(

@@ -72,9 +72,22 @@ for c in $children; do
 done
 [ "$n" = 2 ] && [ "$(timeout $T dsec exec $id -- cat /root/who)" = parent ] && ok fork || bad fork "children '$children' ($n ok): $(cat /tmp/fork.err)"
 
+# The daemon dies hard; its jailed VMMs keep running and a new daemon adopts them.
+kill -9 $daemon; wait $daemon 2>/dev/null
+dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http 127.0.0.1:7080 \
+    --cgroup-name dsec-rig >/tmp/node2.log 2>&1 &
+daemon=$!
+i=0
+until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
+out=$(timeout $T dsec exec $id -- cat /root/who 2>&1)
+[ "$out" = parent ] && [ "$(dsec ls 2>/dev/null | grep -c sb-)" = 3 ] && ok adopted-after-daemon-kill \
+    || bad adopted-after-daemon-kill "exec got '$out'; $(dsec ls 2>&1 | head -5); $(tail -3 /tmp/node2.log)"
+
 # Delete everything: no VMM, socket or state left.
 for s in $id $children; do timeout $T dsec rm $s >/dev/null 2>&1; done
-sleep 1
+# A killed jail supervisor's VMM dies with it (PDEATHSIG), a moment later.
+i=0
+while [ "$(ps | grep -c "[d]sec-vmm")" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 left=$(dsec ls 2>/dev/null | grep -c sb-)
 vmms=$(ps | grep -c "[d]sec-vmm")
 dirs=$(ls -A /tmp/node/sandboxes /tmp/node/jails 2>/dev/null | grep -c '^sb-')

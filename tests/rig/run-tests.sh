@@ -8,12 +8,14 @@
 #   5. balloon:     the guest's virtio_balloon driver: statistics, inflate/deflate on a host
 #                   target, free page reporting (the VMM's RSS falls), a restored copy
 #   6. debian-image: `dsec run --image debian` in a microVM: read-only erofs root disk plus a
-#                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk
+#                   per-sandbox upper disk, python3/bash/git, writes land on the upper disk;
+#                   fork through the daemon (each child gets a copy of the upper disk)
 #   7. pmem:        the guest's virtio_pmem driver on our virtio-pmem: ext4 -o dax,ro from a
 #                   host-built image, two VMs sharing its host pages, flush of a writable one
 #   8. node-microvm: `dsec up` in L1 with microVM sandboxes, driven through the CLI's gRPC
 #                   client: create, exec, cp both ways, a session, pause/resume, the HTTP entry
-#                   point, fork, delete with nothing left
+#                   point, fork, adoption by a restarted daemon, delete with nothing left;
+#                   every VMM jailed (checked)
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).

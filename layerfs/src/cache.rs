@@ -2,7 +2,9 @@
 //! local disk for every sandbox of the node. One fetch per chunk however many readers wait
 //! (single-flight); a size cap enforced by LRU eviction that never evicts a chunk being
 //! read; the LRU order persisted so a restart keeps the cache warm. Layer indexes are
-//! copied here too: the index is local, the data remote.
+//! copied here too: the index is local, the data remote. A file of several chunks that is
+//! fully cached also gets a "flat" copy (its chunks concatenated), so the kernel can read
+//! it from one local file (FUSE passthrough); flat copies share the cap and the LRU order.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -28,6 +30,12 @@ pub struct CacheStats {
     pub fetched_bytes: AtomicU64,
     pub fetch_errors: AtomicU64,
     pub evictions: AtomicU64,
+    /// Opens the kernel serves from a cache file itself (FUSE passthrough).
+    pub passthrough_opens: AtomicU64,
+    /// Read requests the FUSE daemon answered (passthrough reads never reach it).
+    pub daemon_reads: AtomicU64,
+    /// Flat copies assembled from cached chunks.
+    pub flat_builds: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
@@ -37,8 +45,21 @@ pub struct CacheStatsSnapshot {
     pub fetched_bytes: u64,
     pub fetch_errors: u64,
     pub evictions: u64,
+    pub passthrough_opens: u64,
+    pub daemon_reads: u64,
+    pub flat_builds: u64,
+    /// Chunk and flat bytes on disk, counted against the cap.
     pub used_bytes: u64,
     pub chunks: u64,
+    pub flat_files: u64,
+}
+
+/// A cache file: one chunk, or a multi-chunk file's flat copy named by the digest of its
+/// chunk list. Two kinds, not one digest space: a chunk's bytes may hash to a list's digest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Key {
+    Chunk(Digest),
+    Flat(Digest),
 }
 
 #[derive(Debug)]
@@ -50,11 +71,13 @@ struct Slot {
 
 #[derive(Debug, Default)]
 struct State {
-    map: HashMap<Digest, Slot>,
-    lru: BTreeMap<u64, Digest>,
+    map: HashMap<Key, Slot>,
+    lru: BTreeMap<u64, Key>,
     tick: u64,
     used: u64,
     inflight: HashSet<Digest>,
+    /// Flat copies being assembled (at most `MAX_FLAT_BUILDS`).
+    flat_inflight: HashSet<Digest>,
 }
 
 #[derive(Debug)]
@@ -72,6 +95,11 @@ pub struct NodeCache {
 }
 
 const FD_CACHE: usize = 256;
+/// Flat copies assembled at once: each is a disk-bound copy in the background.
+const MAX_FLAT_BUILDS: usize = 1;
+/// No flat copy larger than this share of the cap: it duplicates its chunks and would push
+/// a large part of the cache out.
+const FLAT_CAP_SHARE: u64 = 4;
 /// Cached chunk files a sequential reader asks the kernel to read ahead (WILLNEED).
 const WILLNEED_AHEAD: usize = 4;
 
@@ -162,10 +190,25 @@ impl FdCache {
     }
 }
 
-/// A cached chunk held open and pinned (not evictable) while this lives.
-pub struct Pinned<'a> {
+/// A cached chunk kept from eviction while this lives.
+struct Pin<'a> {
     cache: &'a NodeCache,
     digest: Digest,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        let mut st = self.cache.lock();
+        if let Some(s) = st.map.get_mut(&Key::Chunk(self.digest)) {
+            s.pins = s.pins.saturating_sub(1);
+        }
+        self.cache.evict(&mut st);
+    }
+}
+
+/// A cached chunk held open and pinned (not evictable) while this lives.
+pub struct Pinned<'a> {
+    _pin: Pin<'a>,
     file: Arc<ChunkFile>,
 }
 
@@ -223,17 +266,9 @@ impl Pinned<'_> {
     }
 }
 
-impl Drop for Pinned<'_> {
-    fn drop(&mut self) {
-        let mut st = self.cache.lock();
-        if let Some(s) = st.map.get_mut(&self.digest) {
-            s.pins = s.pins.saturating_sub(1);
-        }
-        self.cache.evict(&mut st);
-    }
-}
-
 const RECORD: &str = "lru.record";
+/// A flat copy's line in the record (a chunk's line is its bare hex digest).
+const FLAT_RECORD_PREFIX: &str = "flat/";
 /// Temp files younger than this may be another process's fill in flight.
 const TMP_GRACE: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -241,7 +276,7 @@ impl NodeCache {
     /// Opens the cache at `dir` (created if needed), capped at `cap_bytes` of chunks.
     pub fn open(dir: impl Into<PathBuf>, store: Arc<Store>, cap_bytes: u64) -> Result<NodeCache> {
         let dir = dir.into();
-        for sub in ["chunks", "layers", "tmp"] {
+        for sub in ["chunks", "flat", "layers", "tmp"] {
             let p = dir.join(sub);
             fs::create_dir_all(&p).map_err(|e| Error::io("creating cache directory", &p, e))?;
         }
@@ -263,31 +298,43 @@ impl NodeCache {
                 let _ = fs::remove_file(f.path());
             }
         }
-        let mut found: HashMap<Digest, (u64, std::time::SystemTime)> = HashMap::new();
-        let cdir = dir.join("chunks");
-        for f in fs::read_dir(&cdir)
-            .map_err(|e| Error::io("listing cache", &cdir, e))?
-            .flatten()
-        {
-            let name = f.file_name();
-            let Some(d) = name.to_str().and_then(|n| Digest::parse(n).ok()) else {
-                continue;
-            };
-            if let Ok(md) = f.metadata() {
-                found.insert(
-                    d,
-                    (md.len(), md.modified().unwrap_or(std::time::UNIX_EPOCH)),
-                );
+        let mut found: HashMap<Key, (u64, std::time::SystemTime)> = HashMap::new();
+        for sub in ["chunks", "flat"] {
+            let sdir = dir.join(sub);
+            for f in fs::read_dir(&sdir)
+                .map_err(|e| Error::io("listing cache", &sdir, e))?
+                .flatten()
+            {
+                let name = f.file_name();
+                let Some(d) = name.to_str().and_then(|n| Digest::parse(n).ok()) else {
+                    continue;
+                };
+                let key = if sub == "flat" {
+                    Key::Flat(d)
+                } else {
+                    Key::Chunk(d)
+                };
+                if let Ok(md) = f.metadata() {
+                    found.insert(
+                        key,
+                        (md.len(), md.modified().unwrap_or(std::time::UNIX_EPOCH)),
+                    );
+                }
             }
         }
         // Order: the persisted record first (oldest first), then unrecorded files by mtime.
-        let mut order: Vec<Digest> = Vec::new();
+        let mut order: Vec<Key> = Vec::new();
         let mut seen = HashSet::new();
         if let Ok(rec) = fs::read_to_string(dir.join(RECORD)) {
             for line in rec.lines() {
-                if let Ok(d) = Digest::parse(line.trim()) {
-                    if found.contains_key(&d) && seen.insert(d) {
-                        order.push(d);
+                let line = line.trim();
+                let key = match line.strip_prefix(FLAT_RECORD_PREFIX) {
+                    Some(hex) => Digest::parse(hex).map(Key::Flat),
+                    None => Digest::parse(line).map(Key::Chunk),
+                };
+                if let Ok(k) = key {
+                    if found.contains_key(&k) && seen.insert(k) {
+                        order.push(k);
                     }
                 }
             }
@@ -296,12 +343,12 @@ impl NodeCache {
         rest.sort_by_key(|(d, (_, t))| (*t, **d));
         order.extend(rest.into_iter().map(|(d, _)| *d));
         let mut st = State::default();
-        for d in order {
-            let size = found[&d].0;
+        for k in order {
+            let size = found[&k].0;
             st.tick += 1;
-            st.lru.insert(st.tick, d);
+            st.lru.insert(st.tick, k);
             st.map.insert(
-                d,
+                k,
                 Slot {
                     size,
                     tick: st.tick,
@@ -351,13 +398,45 @@ impl NodeCache {
         dir.join("chunks").join(d.hex())
     }
 
-    fn touch(st: &mut State, d: &Digest) {
+    fn flat_path(&self, id: &Digest) -> PathBuf {
+        self.dir.join("flat").join(id.hex())
+    }
+
+    fn key_path(&self, k: &Key) -> PathBuf {
+        match k {
+            Key::Chunk(d) => self.chunk_path(d),
+            Key::Flat(id) => self.flat_path(id),
+        }
+    }
+
+    fn touch(st: &mut State, k: &Key) {
         st.tick += 1;
         let tick = st.tick;
-        if let Some(s) = st.map.get_mut(d) {
+        if let Some(s) = st.map.get_mut(k) {
             st.lru.remove(&s.tick);
             s.tick = tick;
-            st.lru.insert(tick, *d);
+            st.lru.insert(tick, *k);
+        }
+    }
+
+    /// Accounts a new cache file as the most recently used, then enforces the cap.
+    fn insert(&self, st: &mut State, k: Key, size: u64, pins: u32) {
+        st.tick += 1;
+        let tick = st.tick;
+        st.lru.insert(tick, k);
+        if let Some(old) = st.map.insert(k, Slot { size, tick, pins }) {
+            st.lru.remove(&old.tick);
+            st.used -= old.size;
+        }
+        st.used += size;
+        self.evict(st);
+    }
+
+    /// Drops a cache file from the accounting (the caller removes or lost the file).
+    fn forget(st: &mut State, k: &Key) {
+        if let Some(s) = st.map.remove(k) {
+            st.lru.remove(&s.tick);
+            st.used -= s.size;
         }
     }
 
@@ -365,21 +444,25 @@ impl NodeCache {
         if st.used <= self.cap {
             return;
         }
-        let victims: Vec<(u64, Digest)> = st
+        let victims: Vec<(u64, Key)> = st
             .lru
             .iter()
-            .filter(|(_, d)| st.map.get(d).is_some_and(|s| s.pins == 0))
-            .map(|(t, d)| (*t, *d))
+            .filter(|(_, k)| st.map.get(k).is_some_and(|s| s.pins == 0))
+            .map(|(t, k)| (*t, *k))
             .collect();
-        for (tick, d) in victims {
+        for (tick, k) in victims {
             if st.used <= self.cap {
                 break;
             }
-            let size = st.map.remove(&d).map(|s| s.size).unwrap_or(0);
+            let size = st.map.remove(&k).map(|s| s.size).unwrap_or(0);
             st.lru.remove(&tick);
             st.used -= size;
-            self.fd_cache().remove(&d);
-            let _ = fs::remove_file(self.chunk_path(&d));
+            if let Key::Chunk(d) = &k {
+                self.fd_cache().remove(d);
+            }
+            // A flat copy or chunk that is a passthrough backing stays readable through the
+            // kernel's open file; unlinking only frees the space once that closes.
+            let _ = fs::remove_file(self.key_path(&k));
             self.stats.evictions.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -387,40 +470,35 @@ impl NodeCache {
     /// Returns the chunk pinned, fetching and verifying it from the store if needed.
     pub fn get(&self, c: &ChunkRef) -> Result<Pinned<'_>> {
         let d = c.digest;
+        let key = Key::Chunk(d);
         let mut st = self.lock();
         loop {
-            if st.map.contains_key(&d) {
-                st.map.get_mut(&d).expect("present").pins += 1;
-                Self::touch(&mut st, &d);
+            if let Some(slot) = st.map.get_mut(&key) {
+                slot.pins += 1;
+                Self::touch(&mut st, &key);
                 drop(st);
+                let pin = Pin {
+                    cache: self,
+                    digest: d,
+                };
                 let cached = self.fd_cache().get(&d);
                 if let Some(file) = cached {
                     self.stats.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(Pinned {
-                        cache: self,
-                        digest: d,
-                        file,
-                    });
+                    return Ok(Pinned { _pin: pin, file });
                 }
                 match ChunkFile::open(&self.chunk_path(&d)) {
                     Ok(file) => {
                         let file = Arc::new(file);
                         self.fd_cache().insert(d, file.clone());
                         self.stats.hits.fetch_add(1, Ordering::Relaxed);
-                        return Ok(Pinned {
-                            cache: self,
-                            digest: d,
-                            file,
-                        });
+                        return Ok(Pinned { _pin: pin, file });
                     }
                     Err(e) => {
                         // Deleted behind our back (another process sharing the dir): refetch.
                         warn!(chunk = %d.short(), "cached chunk unreadable, refetching: {e}");
+                        drop(pin);
                         st = self.lock();
-                        if let Some(s) = st.map.remove(&d) {
-                            st.lru.remove(&s.tick);
-                            st.used -= s.size;
-                        }
+                        Self::forget(&mut st, &key);
                         continue;
                     }
                 }
@@ -442,22 +520,12 @@ impl NodeCache {
             Ok(file) => {
                 let file = Arc::new(file);
                 self.fd_cache().insert(d, file.clone());
-                st.tick += 1;
-                let tick = st.tick;
-                st.lru.insert(tick, d);
-                st.map.insert(
-                    d,
-                    Slot {
-                        size: c.len as u64,
-                        tick,
-                        pins: 1,
-                    },
-                );
-                st.used += c.len as u64;
-                self.evict(&mut st);
+                self.insert(&mut st, key, c.len as u64, 1);
                 Ok(Pinned {
-                    cache: self,
-                    digest: d,
+                    _pin: Pin {
+                        cache: self,
+                        digest: d,
+                    },
                     file,
                 })
             }
@@ -633,7 +701,7 @@ impl NodeCache {
     }
 
     fn advise_willneed(&self, d: &Digest) {
-        if !self.lock().map.contains_key(d) {
+        if !self.contains(d) {
             return;
         }
         if let Some(f) = self.fd_cache().get(d) {
@@ -665,20 +733,182 @@ impl NodeCache {
         done
     }
 
+    /// Whether chunk `d` is cached.
     pub fn contains(&self, d: &Digest) -> bool {
-        self.lock().map.contains_key(d)
+        self.lock().map.contains_key(&Key::Chunk(*d))
+    }
+
+    /// The name of the flat copy of a file made of `chunks`: the digest of its chunk list.
+    pub fn flat_id(chunks: &[ChunkRef]) -> Digest {
+        let mut list = Vec::with_capacity(chunks.len() * 32);
+        for c in chunks {
+            list.extend_from_slice(&c.digest.0);
+        }
+        Digest::of(&list)
+    }
+
+    /// Whether the flat copy of a file made of `chunks` is cached.
+    pub fn has_flat(&self, chunks: &[ChunkRef]) -> bool {
+        self.lock()
+            .map
+            .contains_key(&Key::Flat(Self::flat_id(chunks)))
+    }
+
+    /// A local file holding exactly the bytes of a file made of `chunks`, opened read-only,
+    /// if the cache has one: the chunk file of a one-chunk file, else the file's flat copy.
+    /// For the kernel to read from itself (FUSE passthrough); counts as a use for the LRU.
+    /// Never fetches: `None` means serve the file through [`NodeCache::with_data`].
+    pub fn backing_file(&self, chunks: &[ChunkRef]) -> Option<File> {
+        let key = match chunks {
+            [] => return None,
+            [c] => Key::Chunk(c.digest),
+            _ => Key::Flat(Self::flat_id(chunks)),
+        };
+        {
+            let mut st = self.lock();
+            if !st.map.contains_key(&key) {
+                return None;
+            }
+            Self::touch(&mut st, &key);
+        }
+        let want: u64 = chunks.iter().map(|c| c.len as u64).sum();
+        let path = self.key_path(&key);
+        let problem = match File::open(&path).and_then(|f| Ok((f.metadata()?.len(), f))) {
+            Ok((len, f)) if len == want => return Some(f),
+            Ok((len, _)) => format!("holds {len} bytes, the file has {want}"),
+            Err(e) => e.to_string(),
+        };
+        // Removed by another process sharing the dir, or a flat copy cut short by a crash
+        // before its data reached the disk: never serve it. Chunk files are left to `get`,
+        // which refetches a missing one.
+        warn!(path = %path.display(), "cache file not used for passthrough: {problem}");
+        if let Key::Flat(_) = key {
+            Self::forget(&mut self.lock(), &key);
+            let _ = fs::remove_file(&path);
+        }
+        None
+    }
+
+    /// Starts assembling the flat copy of a file made of `chunks` in the background if it
+    /// has several chunks, all cached, no flat copy yet, fits the cap's share, and fewer
+    /// than `MAX_FLAT_BUILDS` are under way. Returns whether it started one.
+    pub fn build_flat_in_background(self: &Arc<Self>, chunks: &[ChunkRef]) -> bool {
+        let size: u64 = chunks.iter().map(|c| c.len as u64).sum();
+        if chunks.len() < 2 || size > self.cap / FLAT_CAP_SHARE {
+            return false;
+        }
+        let id = Self::flat_id(chunks);
+        {
+            let mut st = self.lock();
+            if st.flat_inflight.len() >= MAX_FLAT_BUILDS
+                || st.flat_inflight.contains(&id)
+                || st.map.contains_key(&Key::Flat(id))
+                || !chunks
+                    .iter()
+                    .all(|c| st.map.contains_key(&Key::Chunk(c.digest)))
+            {
+                return false;
+            }
+            st.flat_inflight.insert(id);
+        }
+        let (cache, chunks) = (self.clone(), chunks.to_vec());
+        let spawned = std::thread::Builder::new()
+            .name("layerfs-flat".into())
+            .spawn(move || {
+                if let Err(e) = cache.build_flat(id, &chunks) {
+                    warn!("{e}");
+                }
+                cache.lock().flat_inflight.remove(&id);
+            });
+        if spawned.is_err() {
+            self.lock().flat_inflight.remove(&id);
+            return false;
+        }
+        true
+    }
+
+    /// Flat copies being assembled right now (for callers that time disk work).
+    pub fn flat_builds_in_flight(&self) -> usize {
+        self.lock().flat_inflight.len()
+    }
+
+    /// Concatenates the cached `chunks` into `flat/<id>` (under tmp/, then renamed). Gives
+    /// up quietly if a chunk was evicted meanwhile: flat copies are only built from the
+    /// cache, never from the store.
+    fn build_flat(&self, id: Digest, chunks: &[ChunkRef]) -> Result<()> {
+        let dest = self.flat_path(&id);
+        let tmp = self.tmp_path(&format!("flat-{}", id.hex()));
+        let want: u64 = chunks.iter().map(|c| c.len as u64).sum();
+        let res = (|| -> std::io::Result<bool> {
+            let mut out = File::create(&tmp)?;
+            for c in chunks {
+                let Some(_pin) = self.pin_cached(&c.digest) else {
+                    return Ok(false);
+                };
+                // A file of its own (not the shared, mapped one): io::copy moves its offset,
+                // and copies in the kernel (copy_file_range) where it can.
+                let mut src = File::open(self.chunk_path(&c.digest))?;
+                let n = std::io::copy(&mut src, &mut out)?;
+                if n != c.len as u64 {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("chunk {} has {n} bytes, expected {}", c.digest, c.len),
+                    ));
+                }
+            }
+            drop(out);
+            fs::rename(&tmp, &dest)?;
+            Ok(true)
+        })();
+        match res {
+            Ok(true) => {
+                let mut st = self.lock();
+                self.insert(&mut st, Key::Flat(id), want, 0);
+                self.stats.flat_builds.fetch_add(1, Ordering::Relaxed);
+                debug!(flat = %id.short(), bytes = want, "flat copy assembled");
+                Ok(())
+            }
+            Ok(false) => {
+                let _ = fs::remove_file(&tmp);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(Error::io(
+                    "assembling a flat copy in the node cache",
+                    dest,
+                    e,
+                ))
+            }
+        }
+    }
+
+    /// Pins chunk `d` if it is cached (never fetches), without opening it.
+    fn pin_cached(&self, d: &Digest) -> Option<Pin<'_>> {
+        let mut st = self.lock();
+        st.map.get_mut(&Key::Chunk(*d))?.pins += 1;
+        Some(Pin {
+            cache: self,
+            digest: *d,
+        })
     }
 
     pub fn snapshot(&self) -> CacheStatsSnapshot {
         let st = self.lock();
+        let flat_files = st.map.keys().filter(|k| matches!(k, Key::Flat(_))).count() as u64;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         CacheStatsSnapshot {
-            hits: self.stats.hits.load(Ordering::Relaxed),
-            misses: self.stats.misses.load(Ordering::Relaxed),
-            fetched_bytes: self.stats.fetched_bytes.load(Ordering::Relaxed),
-            fetch_errors: self.stats.fetch_errors.load(Ordering::Relaxed),
-            evictions: self.stats.evictions.load(Ordering::Relaxed),
+            hits: load(&self.stats.hits),
+            misses: load(&self.stats.misses),
+            fetched_bytes: load(&self.stats.fetched_bytes),
+            fetch_errors: load(&self.stats.fetch_errors),
+            evictions: load(&self.stats.evictions),
+            passthrough_opens: load(&self.stats.passthrough_opens),
+            daemon_reads: load(&self.stats.daemon_reads),
+            flat_builds: load(&self.stats.flat_builds),
             used_bytes: st.used,
-            chunks: st.map.len() as u64,
+            chunks: st.map.len() as u64 - flat_files,
+            flat_files,
         }
     }
 
@@ -686,8 +916,14 @@ impl NodeCache {
     pub fn persist(&self) -> Result<()> {
         let st = self.lock();
         let mut s = String::with_capacity(st.lru.len() * 65);
-        for d in st.lru.values() {
-            s.push_str(&d.hex());
+        for k in st.lru.values() {
+            match k {
+                Key::Chunk(d) => s.push_str(&d.hex()),
+                Key::Flat(id) => {
+                    s.push_str(FLAT_RECORD_PREFIX);
+                    s.push_str(&id.hex());
+                }
+            }
             s.push('\n');
         }
         drop(st);

@@ -1,8 +1,10 @@
 //! Read-only FUSE view of an `ImageTree`. The tree is immutable, so attributes and entries
 //! get long TTLs and file pages stay in the kernel page cache across opens (KEEP_CACHE).
-//! Reads run on a small worker pool so a slow chunk fetch does not stall lookups.
+//! Reads run on a small worker pool so a slow chunk fetch does not stall lookups. A file
+//! whose bytes are all in one local cache file (a one-chunk file, or a flat copy) is opened
+//! with FUSE passthrough: the kernel reads that file itself and the daemon sees no reads.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::path::Path;
 use std::sync::mpsc;
@@ -10,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 use fuser::{
-    FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
+    BackingId, FileAttr, FileType, Filesystem, KernelConfig, MountOption, ReplyAttr, ReplyData,
     ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
 };
 use tracing::{debug, warn};
@@ -52,6 +54,25 @@ impl HotRecorder {
     pub fn order(&self) -> &[(u64, u32)] {
         &self.order
     }
+    /// Whether reading any of chunks `0..n` of `ino` would add nothing to the list.
+    fn covers(&self, ino: u64, n: usize) -> bool {
+        self.order.len() >= HOT_LIST_MAX || (0..n as u32).all(|c| self.seen.contains(&(ino, c)))
+    }
+}
+
+/// How the kernel reads an inode's open files. Every open of an inode must agree: the kernel
+/// fails (EIO) a cached open while a passthrough one is active and the reverse, and all
+/// passthrough opens of an inode must name the same backing file.
+enum OpenMode {
+    /// Page cache filled by daemon reads (FOPEN_KEEP_CACHE).
+    Cached,
+    /// Reads go straight to a local cache file; the id lives until the last open closes.
+    Passthrough(Arc<BackingId>),
+}
+
+struct OpenInode {
+    mode: OpenMode,
+    count: u32,
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -64,6 +85,12 @@ pub struct LayerFs {
     hot: Option<Arc<Mutex<HotRecorder>>>,
     /// Background chunk fetches in flight (bounded).
     readahead: Arc<std::sync::atomic::AtomicUsize>,
+    /// Inodes with open files; open and release run on the session thread only.
+    opens: HashMap<u64, OpenInode>,
+    next_fh: u64,
+    /// Whether to try passthrough: set when the kernel accepts it at INIT, cleared for good
+    /// when it refuses a backing file for a reason that holds for every file.
+    passthrough: bool,
 }
 
 const MAX_FETCH_AHEAD: usize = 2;
@@ -143,6 +170,46 @@ impl LayerFs {
             workers,
             hot,
             readahead: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            opens: HashMap::new(),
+            next_fh: 0,
+            passthrough: false,
+        }
+    }
+
+    /// A passthrough backing for a first open of `ino`, if its bytes are in one local cache
+    /// file and reading it this way loses nothing: with a hot list being recorded, only
+    /// files whose chunks are all recorded already (else first touches would go unseen).
+    fn backing(&mut self, ino: u64, reply: &ReplyOpen) -> Option<BackingId> {
+        if !self.passthrough {
+            return None;
+        }
+        let (_, chunks) = self.tree.file_chunks(ino)?;
+        if let Some(hot) = &self.hot {
+            if !hot
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .covers(ino, chunks.len())
+            {
+                return None;
+            }
+        }
+        let file = self.cache.backing_file(chunks)?;
+        match reply.open_backing(&file) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                // No passthrough in this kernel or for this process (EPERM: needs
+                // CAP_SYS_ADMIN), or the cache dir is on a stacked filesystem (ELOOP).
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EPERM | libc::EOPNOTSUPP | libc::ENOTTY | libc::ELOOP)
+                ) {
+                    warn!("FUSE passthrough refused ({e}): every read goes through the daemon");
+                    self.passthrough = false;
+                } else {
+                    debug!(ino, "FUSE passthrough backing failed: {e}");
+                }
+                None
+            }
         }
     }
 }
@@ -230,6 +297,15 @@ impl Filesystem for LayerFs {
         if let Err(max) = config.set_max_readahead(READAHEAD_KB << 10) {
             let _ = config.set_max_readahead(max);
         }
+        // Stack depth 1: backing files on a plain filesystem, and the mount itself can still
+        // be an overlayfs lowerdir (overlayfs adds a level; the kernel allows two).
+        self.passthrough = config
+            .add_capabilities(fuser::consts::FUSE_PASSTHROUGH)
+            .is_ok()
+            && config.set_max_stack_depth(1).is_ok();
+        if !self.passthrough {
+            debug!("the kernel offers no FUSE passthrough: every read goes through the daemon");
+        }
         Ok(())
     }
 
@@ -265,9 +341,62 @@ impl Filesystem for LayerFs {
             return reply.error(libc::EROFS);
         }
         match self.tree.attr(ino) {
-            Some(a) if a.kind == FileKind::File => reply.opened(0, fuser::consts::FOPEN_KEEP_CACHE),
-            Some(_) => reply.error(libc::EINVAL),
-            None => reply.error(libc::ENOENT),
+            Some(a) if a.kind == FileKind::File => {}
+            Some(_) => return reply.error(libc::EINVAL),
+            None => return reply.error(libc::ENOENT),
+        }
+        self.next_fh += 1;
+        let fh = self.next_fh;
+        if !self.opens.contains_key(&ino) {
+            // A new open decides the mode; later ones follow it until the last closes.
+            let mode = match self.backing(ino, &reply) {
+                Some(id) => OpenMode::Passthrough(Arc::new(id)),
+                None => OpenMode::Cached,
+            };
+            self.opens.insert(ino, OpenInode { mode, count: 0 });
+        }
+        let open = self.opens.get_mut(&ino).expect("inserted above");
+        open.count += 1;
+        match &open.mode {
+            OpenMode::Cached => reply.opened(fh, fuser::consts::FOPEN_KEEP_CACHE),
+            OpenMode::Passthrough(id) => {
+                self.cache
+                    .stats
+                    .passthrough_opens
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // No KEEP_CACHE: the kernel refuses it with passthrough (no FUSE page cache).
+                reply.opened_passthrough(fh, 0, id)
+            }
+        }
+    }
+
+    fn release(
+        &mut self,
+        _req: &Request<'_>,
+        ino: u64,
+        _fh: u64,
+        _flags: i32,
+        _lock_owner: Option<u64>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        // The kernel has already left this open's io mode when it sends RELEASE, so a later
+        // open may pick a new mode once the count is 0.
+        reply.ok();
+        let Some(open) = self.opens.get_mut(&ino) else {
+            return;
+        };
+        open.count = open.count.saturating_sub(1);
+        let cached = matches!(open.mode, OpenMode::Cached);
+        if open.count == 0 {
+            // Drops the backing id, if any: the kernel keeps its own reference while needed.
+            self.opens.remove(&ino);
+        }
+        if cached && self.passthrough {
+            // Read through the daemon this time: a flat copy lets the next open pass through.
+            if let Some((_, chunks)) = self.tree.file_chunks(ino) {
+                self.cache.build_flat_in_background(chunks);
+            }
         }
     }
 
@@ -285,6 +414,10 @@ impl Filesystem for LayerFs {
         if offset < 0 {
             return reply.error(libc::EINVAL);
         }
+        self.cache
+            .stats
+            .daemon_reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let (Some(hot), Some((cs, chunks))) = (&self.hot, self.tree.file_chunks(ino)) {
             if !chunks.is_empty() && size > 0 {
                 let first = (offset as u64 / cs as u64) as u32;

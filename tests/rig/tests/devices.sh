@@ -56,6 +56,9 @@ case "$cur" in virtio_rng*) [ "$n" = 4096 ] && ok rng || bad rng "read $n bytes"
 
 # Net: the guest has its MAC; host and guest exchange a TCP stream over the tap.
 [ "$(x cat /sys/class/net/eth0/address)" = 06:00:0a:00:02:02 ] && ok net-mac || bad net-mac "$(x cat /sys/class/net/eth0/address)"
+# The driver took mergeable rx buffers (feature bit 15; sysfs lists bits as 0/1 from bit 0).
+bits=$(x cat /sys/class/net/eth0/device/features)
+[ "$(echo "$bits" | cut -c16)" = 1 ] && ok net-mrg-rxbuf || bad net-mrg-rxbuf "features $bits"
 ip addr add 10.0.2.1/24 dev dsdev0 && ip link set dsdev0 up
 x sh -c 'ip addr add 10.0.2.2/24 dev eth0 && ip link set eth0 up'
 if x ping -c 1 -W 5 10.0.2.1 >/dev/null; then ok net-ping; else bad net-ping "no reply"; fi

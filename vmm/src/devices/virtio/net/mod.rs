@@ -28,6 +28,9 @@ pub const F_GUEST_TSO4: u64 = 1 << 7;
 pub const F_GUEST_TSO6: u64 = 1 << 8;
 pub const F_HOST_TSO4: u64 = 1 << 11;
 pub const F_HOST_TSO6: u64 = 1 << 12;
+/// Mergeable receive buffers: a frame may span several small guest buffers, so the guest
+/// can post many page-sized buffers instead of a few 64 KiB chains.
+pub const F_MRG_RXBUF: u64 = 1 << 15;
 
 /// virtio-net header with VIRTIO_F_VERSION_1 (num_buffers included).
 pub const HDR_LEN: usize = 12;
@@ -246,6 +249,21 @@ impl NetQueues {
                     }
                 },
             };
+            if self.acked & F_MRG_RXBUF != 0 {
+                match self.rx_merged(queue, mem, len) {
+                    Some(delivered) => {
+                        used = true;
+                        if !delivered {
+                            continue;
+                        }
+                    }
+                    None => {
+                        self.pending = Some(len);
+                        break;
+                    }
+                }
+                continue;
+            }
             let Some(chain) = queue.pop_descriptor_chain(mem) else {
                 self.pending = Some(len);
                 break;
@@ -280,6 +298,65 @@ impl NetQueues {
             used = true;
         }
         used
+    }
+}
+
+impl NetQueues {
+    /// Delivers the `len`-byte frame in `rx_frame` across as many guest buffers as it takes
+    /// (MRG_RXBUF), telling the guest how many in the header's num_buffers. None: the guest
+    /// has not posted room for the whole frame yet, and nothing was taken from the queue.
+    /// Some(false): the frame was dropped (a broken chain); its buffers are returned empty.
+    fn rx_merged(&mut self, queue: &mut Queue, mem: &GuestMemory, len: usize) -> Option<bool> {
+        let start = queue.next_avail();
+        let mut parts = Vec::new();
+        let mut room = 0usize;
+        while room < len {
+            let Some(chain) = queue.pop_descriptor_chain(mem) else {
+                queue.set_next_avail(start);
+                return None;
+            };
+            let head = chain.head_index();
+            match Writer::new(mem, chain) {
+                Ok(w) if w.available_bytes() > 0 => {
+                    room += w.available_bytes();
+                    parts.push((head, Some(w)));
+                }
+                Ok(_) => parts.push((head, None)),
+                Err(e) => {
+                    tracing::debug!(len, "virtio-net: bad rx chain: {e}");
+                    parts.push((head, None));
+                }
+            }
+        }
+        let broken = parts.iter().any(|(_, w)| w.is_none());
+        let buffers = u16::try_from(parts.len()).unwrap_or(u16::MAX);
+        self.rx_frame[10..12].copy_from_slice(&buffers.to_le_bytes());
+        let mut done = 0usize;
+        for (head, w) in parts {
+            let written = match w {
+                Some(mut w) if !broken && done < len => {
+                    let n = w.available_bytes().min(len - done);
+                    match w.write_all(&self.rx_frame[done..done + n]) {
+                        Ok(()) => {
+                            done += n;
+                            n
+                        }
+                        Err(_) => 0,
+                    }
+                }
+                _ => 0,
+            };
+            if queue.add_used(mem, head, written as u32).is_err() {
+                break;
+            }
+        }
+        if !broken && done == len {
+            self.stats.rx_frames += 1;
+            Some(true)
+        } else {
+            self.stats.rx_dropped += 1;
+            Some(false)
+        }
     }
 }
 
@@ -324,6 +401,7 @@ impl VirtioDevice for Net {
             | F_GUEST_TSO6
             | F_HOST_TSO4
             | F_HOST_TSO6
+            | F_MRG_RXBUF
     }
 
     fn ack_features(&mut self, features: u64) {
@@ -446,6 +524,59 @@ mod tests {
         assert!(n.process_rx(&mut q, &mem));
         // The pending 80-byte frame did not fit the 40-byte buffer; the next one fit.
         assert_eq!((n.stats.rx_frames, n.stats.rx_dropped), (1, 1));
+    }
+
+    #[test]
+    fn merged_rx_spreads_a_frame_over_buffers_or_waits_for_room() {
+        let (tap, peer) = fake_tap();
+        let frame: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        // Two 1 KiB buffers: not room for 3000 bytes, so nothing is taken.
+        let two = [
+            desc(DATA, 1024, F_WRITE, 0),
+            desc(DATA + 0x1000, 1024, F_WRITE, 0),
+        ];
+        let (mem, mut q) = hostile_queue(&input(&two, &[0, 1], &[]));
+        let mut n = NetQueues::new(tap.clone(), VIRTIO_F_VERSION_1 | F_MRG_RXBUF);
+        peer.send(&frame).unwrap();
+        assert!(!n.process_rx(&mut q, &mem));
+        assert_eq!(q.next_avail(), 0, "buffers were given back");
+        assert_eq!(n.pending, Some(frame.len()));
+        // Four: the frame takes three of them, num_buffers says 3, the bytes are in order.
+        let four = [
+            desc(DATA, 1024, F_WRITE, 0),
+            desc(DATA + 0x1000, 1024, F_WRITE, 0),
+            desc(DATA + 0x2000, 1024, F_WRITE, 0),
+            desc(DATA + 0x3000, 1024, F_WRITE, 0),
+        ];
+        let (mem, mut q) = hostile_queue(&input(&four, &[0, 1, 2, 3], &[]));
+        assert!(n.process_rx(&mut q, &mem));
+        assert_eq!((n.stats.rx_frames, n.stats.rx_dropped), (1, 0));
+        assert_eq!(q.next_avail(), 3);
+        let mut got = Vec::new();
+        for (i, len) in [1024usize, 1024, 952].into_iter().enumerate() {
+            let mut part = vec![0u8; len];
+            vm_memory::Bytes::read_slice(
+                &mem,
+                &mut part,
+                vm_memory::GuestAddress(DATA + 0x1000 * i as u64),
+            )
+            .unwrap();
+            got.extend(part);
+        }
+        assert_eq!(&got[10..12], &3u16.to_le_bytes());
+        assert_eq!(&got[..10], &frame[..10]);
+        assert_eq!(&got[12..], &frame[12..]);
+        // A read-only buffer among them: the frame is dropped, every buffer comes back.
+        let bad = [
+            desc(DATA, 1024, F_WRITE, 0),
+            desc(DATA + 0x1000, 4096, 0, 0),
+            desc(DATA + 0x3000, 4096, F_WRITE, 0),
+        ];
+        let (mem, mut q) = hostile_queue(&input(&bad, &[0, 1, 2], &[]));
+        peer.send(&frame).unwrap();
+        assert!(n.process_rx(&mut q, &mem));
+        assert_eq!((n.stats.rx_frames, n.stats.rx_dropped), (1, 1));
+        assert_eq!(q.next_avail(), 3);
     }
 
     #[test]

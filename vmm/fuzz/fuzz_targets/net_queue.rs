@@ -14,7 +14,12 @@ fuzz_target!(|data: &[u8]| {
     b.set_nonblocking(true).expect("nonblocking");
     let fd: std::os::fd::OwnedFd = a.into();
     let tap = Arc::new(File::from(fd));
-    let acked = data.first().map_or(0, |&f| u64::from(f) | (1 << 32));
+    // Feature bits 0-15 from the input (offloads, MRG_RXBUF = 15), VERSION_1 always.
+    let low = u64::from(u16::from_le_bytes([
+        data.first().copied().unwrap_or(0),
+        data.get(1).copied().unwrap_or(0),
+    ]));
+    let acked = low | (1 << 32);
     let mut n = NetQueues::new(tap, acked);
     let (mem, mut q) = hostile_queue(data);
     n.process_tx(&mut q, &mem);

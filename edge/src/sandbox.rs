@@ -395,6 +395,11 @@ fn teardown(runtime: Runtime, dir: &Path) -> Result<()> {
             while let Err(nix::errno::Errno::EINTR) = waitpid(agent_pid, None) {}
         }
         Runtime::MicroVm { mut vmm } => {
+            // The VMM leads its own process group (setsid at spawn): killing the group also
+            // takes a jailed VMM's forked child, not only its supervisor.
+            if let Some(pid) = vmm.id() {
+                let _ = nix::sys::signal::killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+            }
             // Already reaped after destroy(); otherwise tokio reaps it after the kill.
             let _ = vmm.start_kill();
         }
@@ -1094,6 +1099,10 @@ impl SandboxHandle {
     pub fn teardown(&self) -> Result<()> {
         let pid = Pid::from_raw(self.pid);
         if proc_stat(self.pid).is_some_and(|(_, start)| start == self.pid_start) {
+            if self.backend == BackendKind::MicroVm.as_str() {
+                // The VMM's process group (it called setsid): a jailed VMM's child too.
+                let _ = nix::sys::signal::killpg(pid, Signal::SIGKILL);
+            }
             let _ = kill(pid, Signal::SIGKILL);
         }
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -301,6 +301,10 @@ pub fn drop_privileges(uid: u32, gid: u32) -> Result<(), JailError> {
         check(libc::setresgid(gid, gid, gid), format!("setresgid {gid}"))?;
         check(libc::setresuid(uid, uid, uid), format!("setresuid {uid}"))?;
     }
+    // A credential change clears the parent-death signal: arm it again, or a jailed VMM
+    // whose supervisor is SIGKILLed would run on, orphaned.
+    // SAFETY: plain prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) };
     Ok(())
 }
 

@@ -145,3 +145,47 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
     restored.stop();
     assert!(!Path::new(&s.path("root1")).exists() && !s.path("root2").exists());
 }
+
+/// Killing the supervisor (what the edge does to a sandbox it deletes) takes the jailed VMM
+/// with it, also after the VMM has switched to the jail uid (a credential change clears the
+/// parent-death signal, so the jail arms it again).
+#[test]
+fn jailed_vmm_dies_with_its_supervisor_after_the_privilege_drop() {
+    let s = Scratch::new("jail-orphan");
+    let kernel = write_counter_kernel(&s);
+    let vm_dir = jail_writable_dir(&s, "vm");
+    let api = vm_dir.join("api.sock");
+    let mut vm = Vmm::spawn(
+        &[
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--mem-mib",
+            "32",
+            "--jail",
+            s.path("root").to_str().unwrap(),
+        ],
+        &api,
+    );
+    let pid = jailed_pid(vm.child.id());
+    wait_until("the jailed VMM to switch to the jail uid", || {
+        status_field(pid, "Uid:")
+            .split_whitespace()
+            .all(|u| u == JAIL_UID.to_string())
+    });
+    vm.child.kill().unwrap();
+    vm.child.wait().unwrap();
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |st| st.contains(") Z ") || st.contains(") X "))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !gone() {
+        if std::time::Instant::now() > deadline {
+            // Do not leave it running for the rest of the suite.
+            // SAFETY: kill with a pid and a signal number.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("the jailed VMM {pid} outlived its SIGKILLed supervisor");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

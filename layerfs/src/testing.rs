@@ -109,15 +109,7 @@ impl LocalRegistry {
             key.display()
         );
         let reg = Self::spawn_in(dir, &extra, Some((tls, cert)));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&reg.addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "registry did not come up on {}",
-                reg.addr
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        reg.wait_listening();
         Some(reg)
     }
 
@@ -150,16 +142,22 @@ impl LocalRegistry {
         );
         let mut reg = Self::spawn_in(dir, &extra, None);
         reg.tokens = Some(tokens);
+        reg.wait_listening();
+        Some(reg)
+    }
+
+    /// Until the registry accepts connections (a TLS or token registry answers nothing
+    /// useful without credentials, so a connect is the readiness test).
+    fn wait_listening(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&reg.addr).is_err() {
+        while std::net::TcpStream::connect(&self.addr).is_err() {
             assert!(
                 Instant::now() < deadline,
                 "registry did not come up on {}",
-                reg.addr
+                self.addr
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        Some(reg)
     }
 
     fn scratch() -> PathBuf {

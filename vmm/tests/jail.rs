@@ -70,6 +70,18 @@ fn jailed_pid(supervisor: u32) -> u32 {
     pid.unwrap()
 }
 
+/// The jailed VMM's pid once it runs as the jail uid (its control socket is bound before the
+/// privilege drop, so the socket may appear first).
+fn jailed_pid_as_jail_uid(supervisor: u32) -> u32 {
+    let pid = jailed_pid(supervisor);
+    wait_until("the jailed VMM to switch to the jail uid", || {
+        status_field(pid, "Uid:")
+            .split_whitespace()
+            .all(|u| u == JAIL_UID.to_string())
+    });
+    pid
+}
+
 fn status_field(pid: u32, field: &str) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap()
@@ -97,14 +109,7 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
         ],
         &api,
     );
-    let pid = jailed_pid(vm.child.id());
-    // The control socket is bound before the privilege drop, so it may appear first.
-    let as_jail_uid = || {
-        status_field(pid, "Uid:")
-            .split_whitespace()
-            .all(|u| u == JAIL_UID.to_string())
-    };
-    wait_until("the jailed VMM to switch to the jail uid", as_jail_uid);
+    let pid = jailed_pid_as_jail_uid(vm.child.id());
     let nspid = status_field(pid, "NSpid:");
     assert!(
         nspid.ends_with(" 1") || nspid.ends_with("\t1"),
@@ -166,12 +171,7 @@ fn jailed_vmm_dies_with_its_supervisor_after_the_privilege_drop() {
         ],
         &api,
     );
-    let pid = jailed_pid(vm.child.id());
-    wait_until("the jailed VMM to switch to the jail uid", || {
-        status_field(pid, "Uid:")
-            .split_whitespace()
-            .all(|u| u == JAIL_UID.to_string())
-    });
+    let pid = jailed_pid_as_jail_uid(vm.child.id());
     vm.child.kill().unwrap();
     vm.child.wait().unwrap();
     let gone = || {

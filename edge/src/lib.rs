@@ -4,6 +4,7 @@
 pub mod client;
 pub mod daemon;
 pub mod error;
+pub mod idpool;
 pub mod images;
 pub mod kvm;
 pub mod paths;

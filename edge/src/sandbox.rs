@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -408,6 +409,7 @@ fn teardown(runtime: Runtime, dir: &Path) -> Result<()> {
     if dir.as_os_str().is_empty() {
         return Ok(());
     }
+    crate::idpool::release(dir);
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -485,25 +487,27 @@ async fn create_container(config: &EdgeConfig, spec: &SandboxSpec) -> Result<San
     let dir = make_sandbox_dir(config, &id)?;
     let socket = dir.join("agent.sock");
     let log_path = dir.join("agent.log");
-    let started = spawn_container_agent(
-        &agent_bin,
-        &rootfs,
-        &dir,
-        &socket,
-        &log_path,
-        &id,
-        spec.disk_mib,
-    )
-    .and_then(|pid| {
-        join_cgroups(pid, &spec.cgroup_procs).inspect_err(|_| {
-            let _ = kill(pid, Signal::SIGKILL);
-            let _ = waitpid(pid, None);
-        })?;
-        Ok(pid)
-    });
+    let started = crate::idpool::IdPool::from_env()
+        .and_then(|pool| pool.allocate(&dir))
+        .and_then(|ids| {
+            spawn_container_agent(&ContainerStart {
+                agent_bin: &agent_bin,
+                rootfs: &rootfs,
+                dir: &dir,
+                socket: &socket,
+                log_path: &log_path,
+                id: &id,
+                disk_mib: spec.disk_mib,
+                // /dev/shm is memory: a quarter of it, at most 64 MiB (Docker's default).
+                shm_mib: (u64::from(spec.mem_mib) / 4).clamp(1, 64),
+                ids,
+                cgroup_procs: &spec.cgroup_procs,
+            })
+        });
     let agent_pid = match started {
         Ok(pid) => pid,
         Err(err) => {
+            crate::idpool::release(&dir);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(err);
         }
@@ -556,42 +560,82 @@ fn try_reap(pid: Pid) -> nix::Result<Option<WaitStatus>> {
     }
 }
 
-/// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces.
-fn spawn_container_agent(
-    agent_bin: &Path,
-    rootfs: &Path,
-    dir: &Path,
-    socket: &Path,
-    log_path: &Path,
-    id: &str,
+/// What a container's agent is started with.
+struct ContainerStart<'a> {
+    agent_bin: &'a Path,
+    rootfs: &'a Path,
+    dir: &'a Path,
+    socket: &'a Path,
+    log_path: &'a Path,
+    id: &'a str,
     disk_mib: Option<u32>,
-) -> Result<Pid> {
+    shm_mib: u64,
+    ids: crate::idpool::IdRange,
+    cgroup_procs: &'a [PathBuf],
+}
+
+/// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces, already in the
+/// sandbox's cgroups. It gets two descriptors: the listening socket (bound here, in the
+/// host's network namespace) and a pipe holding its `ContainerLaunch`; its command line
+/// names no host path. The agent builds the root and the user namespace itself.
+fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
+    use prost::Message;
+    use std::os::unix::fs::PermissionsExt;
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(log_path)
-        .map_err(|e| EdgeError::io(format!("create {}", log_path.display()), e))?;
+        .open(start.log_path)
+        .map_err(|e| EdgeError::io(format!("create {}", start.log_path.display()), e))?;
     let devnull =
         std::fs::File::open("/dev/null").map_err(|e| EdgeError::io("open /dev/null", e))?;
-    let mut listen = std::ffi::OsString::from("unix:");
-    listen.push(socket);
-    // Everything the child touches is prepared here: after clone only async-signal-safe
-    // calls (dup2, execve) may run, so no allocation happens in the child.
-    let mut argv: Vec<CString> = vec![
-        cstring(agent_bin)?,
-        cstring("--listen")?,
-        cstring(&listen)?,
-        cstring("--container-root")?,
-        cstring(rootfs)?,
-        cstring("--overlay-dir")?,
-        cstring(dir)?,
-        cstring("--hostname")?,
-        cstring(id)?,
-    ];
-    if let Some(mib) = disk_mib {
-        argv.push(cstring("--disk-mib")?);
-        argv.push(cstring(mib.to_string())?);
+    let _ = std::fs::remove_file(start.socket);
+    let listener = std::os::unix::net::UnixListener::bind(start.socket)
+        .map_err(|e| EdgeError::io(format!("bind {}", start.socket.display()), e))?;
+    // Only the host side (root) may talk to the agent.
+    std::fs::set_permissions(start.socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| EdgeError::io(format!("chmod {}", start.socket.display()), e))?;
+    let path_str = |p: &Path| {
+        p.to_str()
+            .map(str::to_owned)
+            .ok_or_else(|| EdgeError::InvalidSpec(format!("{} is not valid UTF-8", p.display())))
+    };
+    let launch = dsec_api::agent::v1::ContainerLaunch {
+        listen_fd: listener.as_raw_fd(),
+        lower_dir: path_str(start.rootfs)?,
+        sandbox_dir: path_str(start.dir)?,
+        disk_mib: start.disk_mib.map(u64::from).unwrap_or(0),
+        hostname: start.id.to_string(),
+        id_base: start.ids.base,
+        id_count: start.ids.count,
+        shm_mib: start.shm_mib,
     }
+    .encode_to_vec();
+    let (launch_r, launch_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| EdgeError::io("pipe for the container launch", e.into()))?;
+    // A few hundred bytes: far below the pipe's buffer, so this never blocks.
+    std::fs::File::from(launch_w)
+        .write_all(&launch)
+        .map_err(|e| EdgeError::io("write the container launch", e))?;
+    let procs = start
+        .cgroup_procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| EdgeError::io(format!("open {}", p.display()), e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cgroup_fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+    let inherited = [listener.as_raw_fd(), launch_r.as_raw_fd()];
+    // Everything the child touches is prepared here: after clone only async-signal-safe
+    // calls (write, fcntl, dup2, execve) may run, so no allocation happens in the child.
+    let argv: Vec<CString> = vec![
+        cstring("dsec-agent")?,
+        cstring("--container-launch-fd")?,
+        cstring(launch_r.as_raw_fd().to_string())?,
+    ];
+    let agent_path = cstring(start.agent_bin)?;
     let envp: Vec<CString> = std::env::vars_os()
         .filter(|(k, _)| k == "DSEC_AGENT_LOG" || k == "RUST_BACKTRACE")
         .map(|(k, v)| {
@@ -620,16 +664,28 @@ fn spawn_container_agent(
     }
     let child_main = Box::new(|| {
         // SAFETY: runs in the cloned child while the parent thread waits (CLONE_VFORK);
-        // setsid, dup2, pthread_sigmask and execve are async-signal-safe, nothing allocates,
-        // and all pointers refer to memory prepared before clone.
+        // setsid, write, fcntl, dup2, pthread_sigmask and execve are async-signal-safe,
+        // nothing allocates, and all pointers refer to memory prepared before clone.
         unsafe {
+            // Into the sandbox's cgroups before anything runs ("0" = the writer): the
+            // agent's cgroup namespace is rooted there.
+            for fd in &cgroup_fds {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    let msg = b"dsec-edge: the agent could not join its cgroups\n";
+                    libc::write(log_fd, msg.as_ptr().cast(), msg.len());
+                    libc::_exit(126);
+                }
+            }
             // Own session: the sandbox must outlive the daemon (no SIGHUP from its terminal).
             libc::setsid();
+            for fd in inherited {
+                libc::fcntl(fd, libc::F_SETFD, 0);
+            }
             libc::dup2(null_fd, 0);
             libc::dup2(log_fd, 1);
             libc::dup2(log_fd, 2);
             libc::pthread_sigmask(libc::SIG_SETMASK, &old_mask, std::ptr::null_mut());
-            libc::execve(argv_ptrs[0], argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
+            libc::execve(agent_path.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
             libc::_exit(127)
         }
     });
@@ -649,6 +705,9 @@ fn spawn_container_agent(
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old_mask, std::ptr::null_mut()) };
     let pid = cloned
         .map_err(|e| EdgeError::io("clone the sandbox's namespaces (are we root?)", e.into()))?;
+    // Our copies close here: the agent holds the only listening descriptor, so a dead
+    // agent refuses connections at once instead of leaving them pending.
+    drop((listener, launch_r, procs));
     Ok(pid)
 }
 
@@ -957,15 +1016,6 @@ fn spawn_vmm(
     child
 }
 
-/// Writes `pid` into each `cgroup.procs` file.
-fn join_cgroups(pid: Pid, procs_files: &[PathBuf]) -> Result<()> {
-    for file in procs_files {
-        std::fs::write(file, pid.as_raw().to_string())
-            .map_err(|e| EdgeError::io(format!("move pid {pid} into {}", file.display()), e))?;
-    }
-    Ok(())
-}
-
 /// Restores a microVM from a snapshot directory written by the VMM (`{"op":"snapshot"}`),
 /// with its own vsock socket and context id, and waits until its agent answers. A sandbox on
 /// a disk image gets `upper`, its own copy of the parent's upper disk (moved into its
@@ -1127,6 +1177,7 @@ impl SandboxHandle {
         }
         remove_if_empty(self.snapshot_dir.as_deref());
         remove_jail_root(self.jail_root.as_deref());
+        crate::idpool::release(&self.dir);
         match std::fs::remove_dir_all(&self.dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

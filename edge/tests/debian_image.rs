@@ -71,11 +71,20 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
     )
     .await;
     assert_eq!(code, 0, "stderr: {err}");
-    let upper = sandbox.dir().join("upper");
+    let upper = sandbox.dir().join("layers/disk/upper");
     assert!(
         upper.join("work/.git/HEAD").is_file(),
         "repo not in {}",
         upper.display()
+    );
+    // Written by sandbox root (an unprivileged host uid) through the idmapped layer: stored
+    // as uid 0, as the image's own files are, so a packed diff keeps the image's owners.
+    use std::os::unix::fs::MetadataExt;
+    let head = std::fs::metadata(upper.join("work/.git/HEAD")).unwrap();
+    assert_eq!(
+        (head.uid(), head.gid()),
+        (0, 0),
+        "upper files stored shifted"
     );
     assert!(upper.join("etc/debian_version").is_file());
     assert!(!rootfs.join("work").exists(), "write reached the image");

@@ -91,6 +91,8 @@ pub struct Confinement {
     dropped_caps: Vec<u32>,
     /// Installed with SECCOMP_SET_MODE_FILTER, in order; empty outside containers.
     filters: Vec<BpfProgram>,
+    /// Container commands also get no_new_privs.
+    container: bool,
 }
 
 impl Confinement {
@@ -111,14 +113,19 @@ impl Confinement {
         Ok(Self {
             dropped_caps,
             filters: container_filters()?,
+            container: true,
         })
     }
 
     /// Applies the restrictions to the calling process. Runs between fork and exec: only
     /// raw system calls, no allocation.
     pub fn apply(&self) -> io::Result<()> {
-        // The filters go first: installing one without no_new_privs needs CAP_SYS_ADMIN,
-        // which the calling (root) process still has until exec.
+        if self.container {
+            // SAFETY: PR_SET_NO_NEW_PRIVS takes integers and touches no memory.
+            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
         for filter in &self.filters {
             let prog = libc::sock_fprog {
                 len: filter.len() as u16,

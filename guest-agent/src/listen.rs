@@ -85,6 +85,37 @@ impl BoundListener {
         }
     }
 
+    /// A listening Unix socket inherited as descriptor `fd` (a container's: the edge binds
+    /// it in the host's network namespace, so the sandbox's /proc/net/unix never lists it).
+    pub fn inherited_unix(fd: i32) -> Result<Self, AgentError> {
+        use nix::sys::socket::{getsockopt, sockopt};
+        if fd < 3 {
+            return Err(AgentError::Listen(format!(
+                "listening descriptor {fd}: expected an inherited descriptor >= 3"
+            )));
+        }
+        // SAFETY: the edge passed this descriptor to us and nothing else in this process
+        // owns it.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        let listening = getsockopt(&owned, sockopt::AcceptConn)
+            .map_err(|e| AgentError::Listen(format!("descriptor {fd} is not a socket: {e}")))?;
+        if !listening {
+            return Err(AgentError::Listen(format!(
+                "descriptor {fd} is not a listening socket"
+            )));
+        }
+        nix::fcntl::fcntl(
+            &owned,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )
+        .map_err(|e| AgentError::Listen(format!("set close-on-exec on fd {fd}: {e}")))?;
+        let listener = std::os::unix::net::UnixListener::from(owned);
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| AgentError::Listen(format!("set nonblocking: {e}")))?;
+        Ok(Self::Unix(listener))
+    }
+
     /// Turns the listener into a stream of accepted connections. Must run inside tokio.
     pub fn incoming(self) -> io::Result<ReceiverStream<io::Result<UnixStream>>> {
         let (tx, rx) = mpsc::channel(16);

@@ -10,11 +10,12 @@ mod exec;
 mod files;
 mod init;
 mod listen;
+mod mountapi;
 mod ports;
 mod reaper;
 mod sessions;
+mod userns;
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -65,16 +66,11 @@ struct Args {
     /// Where to serve the runtime API: vsock:PORT or unix:/path/agent.sock.
     #[arg(long, default_value = "vsock:1024")]
     listen: ListenAddr,
-    /// Become a container's PID 1: pivot into an overlay (or bind) of this root directory.
-    #[arg(long, value_name = "DIR")]
-    container_root: Option<PathBuf>,
-    /// With --container-root: directory holding the overlay's upper/, work/ and root/.
-    #[arg(long, value_name = "DIR", requires = "container_root")]
-    overlay_dir: Option<PathBuf>,
-    /// With --overlay-dir: cap the writable layer at this many MiB (a tmpfs private to the
-    /// container's mount namespace; writes beyond it fail with ENOSPC).
-    #[arg(long, value_name = "MiB", requires = "overlay_dir")]
-    disk_mib: Option<u64>,
+    /// Become a container's PID 1: read the edge's launch description (api
+    /// `ContainerLaunch`, protobuf) from this inherited descriptor; it names the listening
+    /// socket, the image, the sandbox directory and the user-namespace id range.
+    #[arg(long, value_name = "FD", conflicts_with = "listen")]
+    container_launch_fd: Option<i32>,
     /// VM mode: boot into this read-only root disk (erofs or ext4) with an overlay; default:
     /// `dsec.root=` on the kernel command line, else stay in the initramfs.
     #[arg(long, value_name = "DEV")]
@@ -107,7 +103,7 @@ fn main() -> ExitCode {
         Ok(args) => args,
         Err(err) => err.exit(),
     };
-    let mode = match (&args.container_root, is_pid1) {
+    let mode = match (&args.container_launch_fd, is_pid1) {
         (Some(_), _) => Mode::Container,
         (None, true) => Mode::Vm,
         (None, false) => Mode::Process,
@@ -143,7 +139,15 @@ fn run(args: Args, mode: Mode) -> Result<(), AgentError> {
         init::loopback_up();
     }
     // Bind first: in a container the socket path lives on the host and is gone after pivot.
-    let listener = BoundListener::bind(&args.listen)?;
+    let listener = match args.container_launch_fd {
+        Some(fd) => {
+            let launch = container::read_launch(fd)?;
+            let listener = BoundListener::inherited_unix(launch.listen_fd)?;
+            container::enter(&launch)?;
+            listener
+        }
+        None => BoundListener::bind(&args.listen)?,
+    };
     if mode == Mode::Vm {
         let disks = match args.root_disk {
             Some(root) => Some(diskroot::DiskRoot {
@@ -158,14 +162,7 @@ fn run(args: Args, mode: Mode) -> Result<(), AgentError> {
             diskroot::enter(&disks)?;
         }
     }
-    if let Some(root) = &args.container_root {
-        container::enter_root(
-            root,
-            args.overlay_dir.as_deref(),
-            args.disk_mib,
-            &args.hostname,
-        )?;
-    } else if mode == Mode::Process {
+    if mode == Mode::Process {
         // Reap orphans of the commands we start, like PID 1 would.
         let _ = nix::sys::prctl::set_child_subreaper(true);
     }

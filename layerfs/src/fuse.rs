@@ -22,6 +22,8 @@ use crate::compose::{Attr, FileKind, ImageTree};
 use crate::error::{Error, Result};
 
 /// Immutable layers: the kernel may cache names and attributes for as long as it likes.
+/// FUSE_ALLOW_IDMAP (init flags2 bit 8, Linux 6.12): idmapped mounts of this filesystem.
+const FUSE_ALLOW_IDMAP: u64 = 1 << 40;
 const TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 const WORKERS: usize = 4;
 const HOT_LIST_MAX: usize = 200_000;
@@ -305,6 +307,12 @@ impl Filesystem for LayerFs {
             && config.set_max_stack_depth(1).is_ok();
         if !self.passthrough {
             debug!("the kernel offers no FUSE passthrough: every read goes through the daemon");
+        }
+        // Container sandboxes see the image through an idmapped mount of this one (their
+        // root is an unprivileged host uid); permissions are checked by the kernel from the
+        // modes (default_permissions), so ids mapped at the mount are all that is needed.
+        if config.add_capabilities(FUSE_ALLOW_IDMAP).is_err() {
+            debug!("the kernel does not offer FUSE_ALLOW_IDMAP (Linux < 6.12): container sandboxes cannot use this mount");
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use dsec_edge::daemon::cgroup::{self, Cgroups, Limits};
 use dsec_edge::images::{Catalog, ImageSource, LocalMount};
 use dsec_edge::{
     find_binary, parse_env, Artifacts, BackendKind, EdgeConfig, EdgeError, ExecSpec, KvmStatus,
@@ -174,9 +175,13 @@ struct RunArgs {
     /// Virtual CPUs (microVM).
     #[arg(long, default_value_t = 1)]
     vcpus: u32,
-    /// Memory in MiB (microVM).
+    /// Memory in MiB: the microVM's RAM, or the container's memory cgroup (plus its disk,
+    /// whose tmpfs is charged there too).
     #[arg(long = "mem", value_name = "MiB", default_value_t = 256)]
     mem_mib: u32,
+    /// Process limit of the sandbox's cgroup (containers; a microVM's VMM gets 64 + vCPUs).
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    pids: u64,
     /// Environment variable for the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V")]
     env: Vec<String>,
@@ -186,10 +191,10 @@ struct RunArgs {
     /// Kill the command (and everything it started) after this many seconds.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
-    /// Writable disk in MiB: a container's tmpfs cap (default: unlimited, on the host) or a
-    /// microVM's sparse upper disk on a disk image such as debian (default 1024).
-    #[arg(long = "disk", value_name = "MiB")]
-    disk_mib: Option<u32>,
+    /// Writable disk in MiB: a container's tmpfs writable layer (its /tmp too) or a
+    /// microVM's sparse upper disk on a disk image such as debian.
+    #[arg(long = "disk", value_name = "MiB", default_value_t = 1024)]
+    disk_mib: u32,
     /// Guest kernel (microVM). Default: $DSEC_HOME/kernel/vmlinux.
     #[arg(long, value_name = "PATH")]
     kernel: Option<PathBuf>,
@@ -381,7 +386,7 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
         mem_mib: args.mem_mib,
         kernel: args.kernel,
         initrd: args.initrd,
-        disk_mib: args.disk_mib,
+        disk_mib: Some(args.disk_mib),
         ready_timeout,
         ..SandboxSpec::default()
     };
@@ -401,10 +406,19 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    let code = runtime.block_on(run_in_sandbox(kind, spec, exec))?;
+    let code = runtime.block_on(run_in_sandbox(kind, spec, exec, args.pids))?;
     // Don't wait for the blocking stdin reader thread.
     runtime.shutdown_background();
     Ok(code)
+}
+
+/// Removes a `dsec run` sandbox's cgroups (after the sandbox is gone) when dropped.
+struct RemoveCgroups(Vec<PathBuf>);
+
+impl Drop for RemoveCgroups {
+    fn drop(&mut self) {
+        cgroup::remove(&self.0);
+    }
 }
 
 /// Points `spec` at image `name`; a layer-store image is mounted here for the run.
@@ -450,10 +464,32 @@ fn choose_image(
 
 async fn run_in_sandbox(
     kind: BackendKind,
-    spec: SandboxSpec,
+    mut spec: SandboxSpec,
     exec: ExecSpec,
+    pids: u64,
 ) -> Result<i32, CliError> {
     let config = EdgeConfig::default();
+    // The same cgroup limits a node sandbox of this shape gets (memory, pids, CPU), under
+    // `<our cgroup>/dsec-run/<id>`; removed with the sandbox.
+    let id = dsec_edge::sandbox::new_sandbox_id(kind);
+    let charged_disk = match kind {
+        BackendKind::Container => spec.disk_mib.unwrap_or(0),
+        BackendKind::MicroVm if spec.root_disk.is_some() => spec.disk_mib.unwrap_or(1024),
+        BackendKind::MicroVm => 0,
+    };
+    let limits = Limits::for_sandbox(
+        kind,
+        u64::from(spec.mem_mib),
+        u64::from(charged_disk),
+        spec.vcpus,
+        pids,
+    );
+    let cgroups = Cgroups::detect("dsec-run")
+        .create(&id, limits)
+        .map_err(CliError::Edge)?;
+    spec.id = Some(id);
+    spec.cgroup_procs = cgroup::procs_files(&cgroups);
+    let _cgroups = RemoveCgroups(cgroups);
     let sandbox = tokio::select! {
         created = Sandbox::create(kind, &config, &spec) => created?,
         _ = tokio::signal::ctrl_c() => return Ok(130),

@@ -225,7 +225,8 @@ impl Default for EdgeConfig {
 
 static SANDBOX_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-fn new_sandbox_id(kind: BackendKind) -> String {
+/// A fresh sandbox id (`ct-...` or `vm-...`), unique on the node.
+pub fn new_sandbox_id(kind: BackendKind) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())

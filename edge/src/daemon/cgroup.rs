@@ -21,6 +21,32 @@ pub struct Limits {
     pub vcpus: u32,
 }
 
+impl Limits {
+    /// The limits of a sandbox, the same for the daemon's and `dsec run`'s: its memory plus
+    /// what else is charged to its cgroup (a container's tmpfs writable layer of
+    /// `charged_disk_mib`; a microVM's VMM overhead, 64 MiB, and on a disk image its upper
+    /// disk's pages), its process limit (a VMM needs a few threads per vCPU) and vCPUs.
+    pub fn for_sandbox(
+        kind: crate::BackendKind,
+        memory_mib: u64,
+        charged_disk_mib: u64,
+        vcpus: u32,
+        pids: u64,
+    ) -> Self {
+        let (memory_mib, pids) = match kind {
+            crate::BackendKind::Container => (memory_mib + charged_disk_mib, pids),
+            crate::BackendKind::MicroVm => {
+                (memory_mib + 64 + charged_disk_mib, 64 + u64::from(vcpus))
+            }
+        };
+        Self {
+            memory_bytes: memory_mib * 1024 * 1024,
+            pids,
+            vcpus,
+        }
+    }
+}
+
 /// The parent cgroups of this daemon's sandboxes, one per hierarchy used.
 #[derive(Clone, Debug, Default)]
 pub struct Cgroups {

@@ -110,6 +110,50 @@ fn run_passes_exit_code_and_output() {
 }
 
 #[test]
+fn run_containers_get_memory_and_pid_limits() {
+    let run = RunDir::new("limits");
+    // 300 MB held by the shell in a sandbox of 64 MiB memory + a 16 MiB disk: OOM-killed.
+    let out = run
+        .dsec()
+        .args([
+            "run",
+            "--backend",
+            "container",
+            "--mem",
+            "64",
+            "--disk",
+            "16",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            "x=$(head -c 300000000 /dev/zero | tr '\\0' a); echo ${#x}",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(137), "{}", stderr_of(&out));
+    // The pid limit: 40 background sleepers fit under --pids 64 but not under --pids 16.
+    let sleepers = |pids: &str| {
+        run.dsec()
+            .args(["run", "--backend", "container", "--pids", pids, "--"])
+            .args([
+                "sh",
+                "-c",
+                "for i in $(seq 40); do sleep 3 & done; echo started",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = sleepers("64");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let out = sleepers("16");
+    assert_ne!(out.status.code(), Some(0), "40 processes under --pids 16");
+    assert!(stderr_of(&out).contains("fork"), "{}", stderr_of(&out));
+    assert_eq!(run.leftovers(), 0);
+}
+
+#[test]
 fn run_forwards_stdin_env_and_workdir() {
     let run = RunDir::new("stdin");
     let mut child = run

@@ -84,8 +84,9 @@ enum Command {
     Inspect {
         id: String,
     },
-    /// Run a command in a sandbox; exits with its exit code. Without -i, stdin (when not a
-    /// terminal) is read to the end and then sent.
+    /// Run a command in a sandbox; exits with its exit code. Output is streamed (nothing is
+    /// kept; with --json the last 1 MiB of each stream). Without -i, stdin (when not a
+    /// terminal) is streamed to the command as it reads it.
     Exec {
         /// Stream stdin to the command live.
         #[arg(short = 'i', long)]
@@ -271,7 +272,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    runtime
+    let result = runtime
         .block_on(async {
             let c = dsec_sdk::Client::connect(endpoint).await?;
             match command {
@@ -344,7 +345,10 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 | Command::Image(_) => Ok(0),
             }
         })
-        .map_err(CliError::Node)
+        .map_err(CliError::Node);
+    // Don't wait for a blocking stdin reader (`dsec exec` whose command ended first).
+    runtime.shutdown_background();
+    result
 }
 
 fn positive_seconds(what: &str, seconds: f64) -> Result<Duration, CliError> {

@@ -294,14 +294,16 @@ class _Collector:
     def add(self, r: pb.ExecResponse) -> None:
         kind = r.WhichOneof("kind")
         if kind in ("stdout", "stderr"):
-            i = 0 if kind == "stdout" else 1
-            data = getattr(r, kind)
-            if self.limit is not None:
-                data = data[:max(0, self.limit - self.sizes[i])]
-            self.sizes[i] += len(data)
-            (self.out if i == 0 else self.err).append(data)
+            self.data(kind, getattr(r, kind))
         elif kind == "exit":
             self.exit = r.exit
+
+    def data(self, kind: str, data: bytes) -> None:
+        i = 0 if kind == "stdout" else 1
+        if self.limit is not None:
+            data = data[:max(0, self.limit - self.sizes[i])]
+        self.sizes[i] += len(data)
+        (self.out if i == 0 else self.err).append(data)
 
     def result(self) -> ExecResult:
         if self.exit is None:
@@ -312,24 +314,51 @@ class _Collector:
                           e.signal if e.HasField("signal") else None, e.timed_out)
 
 
-def _event(r: pb.ExecResponse) -> Optional[ExecEvent]:
-    kind = r.WhichOneof("kind")
-    if kind in ("stdout", "stderr"):
-        return kind, getattr(r, kind)
-    return None
+class _StreamState:
+    """What an exec stream has seen besides output: the exit status, or the call's error.
+    Output is handed to the iterating caller and not kept."""
+
+    def __init__(self):
+        self.exit: Optional[pb.ExitStatus] = None
+        self.error: Optional[DsecError] = None
+        self.done = False
+
+    def event(self, r: pb.ExecResponse) -> Optional[ExecEvent]:
+        kind = r.WhichOneof("kind")
+        if kind in ("stdout", "stderr"):
+            return kind, getattr(r, kind)
+        if kind == "exit":
+            self.exit = r.exit
+        return None
+
+    def failed(self, e: grpc.RpcError) -> DsecError:
+        self.done = True
+        self.error = _error(e)
+        return self.error
+
+    def result(self, collector: _Collector) -> ExecResult:
+        if self.error is not None:
+            raise self.error
+        collector.exit = self.exit
+        return collector.result()
 
 
 class ExecStream:
     """A running command (:meth:`Sandbox.exec_stream`): write its stdin, send signals and
     terminal resizes, iterate its output as ``(stream, data)`` events, then :meth:`wait`.
-    Call errors (e.g. :class:`InvalidArgument` for a bad resize) are raised while iterating."""
+    Call errors (e.g. :class:`InvalidArgument` for a bad resize) are raised while iterating
+    (and again by later iterations and :meth:`wait`).
+
+    Iterating keeps nothing: each chunk is only handed to the caller, so memory stays
+    bounded however much the command writes. :meth:`wait` returns the exit status and the
+    output not iterated yet; it may follow a full or partial iteration."""
 
     def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
         self._requests: "queue.Queue[Optional[pb.ExecRequest]]" = queue.Queue()
         self._requests.put(pb.ExecRequest(start=start))
         self._closed = False
         self._call = process.Exec(iter(self._requests.get, None))
-        self._collector = _Collector(None)
+        self._state = _StreamState()
 
     def _send(self, request: pb.ExecRequest) -> None:
         if self._closed:
@@ -356,19 +385,22 @@ class ExecStream:
 
     def __iter__(self) -> Iterator[ExecEvent]:
         # Stopping early (break, read_until) leaves the call running: only its end finishes.
-        while True:
+        state = self._state
+        while not state.done:
             try:
                 r = next(self._call)
             except StopIteration:
+                state.done = True
                 self._finish()
-                return
+                break
             except grpc.RpcError as e:
                 self._finish()
-                raise _error(e) from None
-            self._collector.add(r)
-            event = _event(r)
+                raise state.failed(e) from None
+            event = state.event(r)
             if event is not None:
                 yield event
+        if state.error is not None:
+            raise state.error
 
     def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
         """Output (both streams) up to and including the chunk holding the first
@@ -391,12 +423,14 @@ class ExecStream:
         raise DsecError(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
 
-    def wait(self) -> ExecResult:
-        """Reads to the end; the result holds the output not yet iterated."""
-        self._collector = _Collector(None)
-        for _ in self:
-            pass
-        return self._collector.result()
+    def wait(self, output_limit: Optional[int] = None) -> ExecResult:
+        """Reads to the end and returns the exit status with the output not iterated yet
+        (empty after a full iteration; at most ``output_limit`` bytes of each stream are
+        kept, the rest is read and dropped). Raises the call's error, if it failed."""
+        collector = _Collector(output_limit)
+        for kind, data in self:
+            collector.data(kind, data)
+        return self._state.result(collector)
 
     def cancel(self) -> None:
         """Ends the call; the node kills the command."""
@@ -410,7 +444,8 @@ class ExecStream:
 
 
 class AsyncExecStream:
-    """The asyncio twin of :class:`ExecStream` (:meth:`AsyncSandbox.exec_stream`)."""
+    """The asyncio twin of :class:`ExecStream` (:meth:`AsyncSandbox.exec_stream`): iterating
+    keeps nothing, :meth:`wait` works after a full or partial iteration."""
 
     def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
         self._requests: "asyncio.Queue[Optional[pb.ExecRequest]]" = asyncio.Queue()
@@ -422,7 +457,7 @@ class AsyncExecStream:
                 yield r
 
         self._call = process.Exec(requests())
-        self._collector = _Collector(None)
+        self._state = _StreamState()
 
     def _send(self, request: pb.ExecRequest) -> None:
         if self._closed:
@@ -443,19 +478,22 @@ class AsyncExecStream:
         self._send(pb.ExecRequest(resize=pb.WindowSize(rows=rows, cols=cols)))
 
     async def __aiter__(self) -> AsyncIterator[ExecEvent]:
-        while True:
+        state = self._state
+        while not state.done:
             try:
                 r = await self._call.read()
             except grpc.RpcError as e:
                 self._finish()
-                raise _error(e) from None
+                raise state.failed(e) from None
             if r is grpc.aio.EOF:
+                state.done = True
                 self._finish()
-                return
-            self._collector.add(r)
-            event = _event(r)
+                break
+            event = state.event(r)
             if event is not None:
                 yield event
+        if state.error is not None:
+            raise state.error
 
     async def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
         """As :meth:`ExecStream.read_until`."""
@@ -478,11 +516,12 @@ class AsyncExecStream:
                             f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
         return bytes(seen)
 
-    async def wait(self) -> ExecResult:
-        self._collector = _Collector(None)
-        async for _ in self:
-            pass
-        return self._collector.result()
+    async def wait(self, output_limit: Optional[int] = None) -> ExecResult:
+        """As :meth:`ExecStream.wait`: the exit status and the output not iterated yet."""
+        collector = _Collector(output_limit)
+        async for kind, data in self:
+            collector.data(kind, data)
+        return self._state.result(collector)
 
     def cancel(self) -> None:
         self._call.cancel()

@@ -1,6 +1,7 @@
 //! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
 //! daemon (`up`) and drive it (create, ls, exec, cp, ...).
 
+mod cp;
 mod image;
 mod node;
 mod tty;
@@ -105,8 +106,13 @@ enum Command {
     Shell {
         id: String,
     },
-    /// Copy a file: `dsec cp ID:/path local` or `dsec cp local ID:/path`.
+    /// Copy a file, or with -r a directory tree, streamed: `dsec cp [-r] ID:/path local` or
+    /// `dsec cp [-r] local ID:/path` (into DST when it is an existing directory). Symlinks
+    /// inside a tree are copied as symlinks, never followed; modes are kept.
     Cp {
+        /// Copy directories recursively.
+        #[arg(short = 'r', long)]
+        recursive: bool,
         src: String,
         dst: String,
     },
@@ -323,7 +329,11 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     tty::exec(&c, &id, argv.to_vec(), true, true).await
                 }
                 Command::Shell { id } => node::shell(&c, &id).await,
-                Command::Cp { src, dst } => node::cp(&c, &src, &dst, json).await.map(|()| 0),
+                Command::Cp {
+                    src,
+                    dst,
+                    recursive,
+                } => cp::cp(&c, &src, &dst, recursive, json).await.map(|()| 0),
                 Command::Logs { id, follow } => node::logs(&c, &id, follow, json).await.map(|()| 0),
                 Command::Pause { ids } => {
                     node::lifecycle(&c, "pause", &ids, json).await.map(|()| 0)

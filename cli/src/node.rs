@@ -359,41 +359,6 @@ pub async fn shell(c: &Client, id: &str) -> Result<i32, NodeError> {
     Ok(0)
 }
 
-/// `dsec cp SRC DST`, one side `ID:/path`.
-pub async fn cp(c: &Client, src: &str, dst: &str, json_out: bool) -> Result<(), NodeError> {
-    let remote = |s: &str| {
-        s.split_once(':')
-            .filter(|(id, p)| id.starts_with("sb-") && p.starts_with('/'))
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-    };
-    let bytes = match (remote(src), remote(dst)) {
-        (Some((id, path)), None) => {
-            let data = c.read_file(&id, &path).await?;
-            std::fs::write(dst, &data).map_err(|e| NodeError::Io {
-                what: format!("write {dst}"),
-                source: e,
-            })?;
-            data.len() as u64
-        }
-        (None, Some((id, path))) => {
-            let data = std::fs::read(src).map_err(|e| NodeError::Io {
-                what: format!("read {src}"),
-                source: e,
-            })?;
-            c.write_file(&id, &path, 0, data).await?
-        }
-        _ => {
-            return Err(NodeError::Usage(
-                "cp: exactly one side must be SANDBOX_ID:/absolute/path".into(),
-            ))
-        }
-    };
-    emit(json_out, json!({"bytes": bytes}), || {
-        eprintln!("{bytes} bytes copied")
-    });
-    Ok(())
-}
-
 pub async fn logs(c: &Client, id: &str, follow: bool, json_out: bool) -> Result<(), NodeError> {
     c.logs(id, follow, |chunk| {
         if json_out {

@@ -332,3 +332,229 @@ fn exec_streams_output_and_stdin_in_bounded_memory() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// Writes `len` bytes of a position-dependent pattern to `path` (no two MiB alike).
+fn write_pattern(path: &Path, len: usize) {
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut block = vec![0u8; 1 << 20];
+    let mut written = 0;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    while written < len {
+        for b in block.iter_mut() {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            *b = seed as u8;
+        }
+        let n = block.len().min(len - written);
+        file.write_all(&block[..n]).unwrap();
+        written += n;
+    }
+    file.flush().unwrap();
+}
+
+/// Whether two files hold the same bytes (compared in chunks).
+fn same_content(a: &Path, b: &Path) -> bool {
+    let (mut a, mut b) = (
+        std::fs::File::open(a).unwrap(),
+        std::fs::File::open(b).unwrap(),
+    );
+    let (mut x, mut y) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = a.read(&mut x).unwrap();
+        if n == 0 {
+            return b.read(&mut y).unwrap() == 0;
+        }
+        if b.read_exact(&mut y[..n]).is_err() || x[..n] != y[..n] {
+            return false;
+        }
+    }
+}
+
+fn md5(path: &Path) -> String {
+    let out = Command::new("md5sum").arg(path).output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// `mode kind [target]` of every entry under `root`, sorted (host side).
+fn host_tree(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let rel = path.strip_prefix(root).unwrap().display().to_string();
+            let mode = meta.permissions().mode() & 0o7777;
+            let line = if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                format!("{rel} link {}", target.display())
+            } else if meta.is_dir() {
+                stack.push(path.clone());
+                format!("{rel} dir {mode:o}")
+            } else {
+                format!(
+                    "{rel} file {mode:o} {}",
+                    std::fs::read(&path).unwrap().len()
+                )
+            };
+            out.push(line);
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn cp_streams_files_and_copies_trees_without_following_symlinks() {
+    let node = Node::start("cp");
+    let id = node.id.clone();
+
+    // A 200 MB file up and back down: same bytes, the CLI's memory stays put both ways.
+    let big = node.dir.join("big");
+    write_pattern(&big, 200_000_000);
+    let remote = format!("{id}:/tmp/big");
+    for (src, dst, what) in [
+        (big.to_str().unwrap(), remote.as_str(), "upload"),
+        (
+            remote.as_str(),
+            node.dir.join("back").to_str().unwrap(),
+            "download",
+        ),
+    ] {
+        let child = node
+            .dsec()
+            .args(["cp", src, dst])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let ended = wait_rusage(child, Duration::from_secs(60));
+        assert_eq!(ended.code, Some(0), "{what}");
+        println!("dsec cp, 200 MB {what}: peak RSS {} KiB", ended.max_rss_kib);
+        assert!(
+            ended.max_rss_kib < RSS_BOUND_KIB,
+            "{what}: {}",
+            ended.max_rss_kib
+        );
+    }
+    let in_sandbox = node.ok(&["exec", &id, "--", "md5sum", "/tmp/big"]);
+    assert_eq!(in_sandbox.split_whitespace().next().unwrap(), md5(&big));
+    assert!(same_content(&big, &node.dir.join("back")));
+    node.ok(&["exec", &id, "--", "rm", "/tmp/big"]);
+
+    // A tree with modes and symlinks (one out of the tree, one up it) goes up with -r: modes
+    // kept, symlinks copied as symlinks, not followed.
+    let src = node.dir.join("src");
+    std::fs::create_dir_all(src.join("a/b")).unwrap();
+    std::fs::write(src.join("a/b/f"), "hi\n").unwrap();
+    std::fs::write(src.join("exe"), "#!/bin/sh\n").unwrap();
+    std::os::unix::fs::symlink("/etc", src.join("out")).unwrap();
+    std::os::unix::fs::symlink("../..", src.join("a/up")).unwrap();
+    for (path, mode) in [("a/b/f", 0o640), ("exe", 0o777), ("a", 0o711)] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(src.join(path), std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let src_arg = src.to_str().unwrap();
+    let out = node
+        .dsec()
+        .args(["cp", src_arg, &format!("{id}:/tmp/up")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use -r"));
+    node.ok(&["cp", "-r", src_arg, &format!("{id}:/tmp/up")]);
+    let listing = node.ok(&[
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "cd /tmp/up && find . | sort | while read f; do echo \"$f $(stat -c %a \"$f\") $(readlink \"$f\")\"; done",
+    ]);
+    assert_eq!(
+        listing,
+        ". 755 \n./a 711 \n./a/b 755 \n./a/b/f 640 \n./a/up 777 ../..\n./exe 777 \n./out 777 /etc\n"
+    );
+
+    // Down again into an existing directory: the same tree under its own name.
+    let down = node.dir.join("down");
+    std::fs::create_dir(&down).unwrap();
+    node.ok(&["cp", "-r", &format!("{id}:/tmp/up"), down.to_str().unwrap()]);
+    assert_eq!(host_tree(&down.join("up")), host_tree(&src));
+
+    // Symlinks made in the sandbox cannot make `dsec cp` write outside the destination:
+    // one pointing at a host directory is copied as a link, and a directory of the sandbox
+    // meeting a symlink already in the destination is refused.
+    let victim = node.dir.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    let script = format!(
+        "mkdir -p /tmp/evil/trap && echo pwn > /tmp/evil/trap/pwn && ln -s {} /tmp/evil/esc && ln -s {} /tmp/evil/trap2",
+        victim.display(),
+        victim.display(),
+    );
+    node.ok(&["exec", &id, "--", "sh", "-c", &script]);
+    node.ok(&[
+        "cp",
+        "-r",
+        &format!("{id}:/tmp/evil"),
+        node.dir.join("got").to_str().unwrap(),
+    ]);
+    assert_eq!(
+        host_tree(&node.dir.join("got")),
+        [
+            format!("esc link {}", victim.display()),
+            "trap dir 755".to_string(),
+            "trap/pwn file 644 4".to_string(),
+            format!("trap2 link {}", victim.display()),
+        ]
+    );
+    let planted = node.dir.join("planted");
+    std::fs::create_dir(&planted).unwrap();
+    std::os::unix::fs::symlink(&victim, planted.join("trap")).unwrap();
+    let out = node
+        .dsec()
+        .args([
+            "cp",
+            "-r",
+            &format!("{id}:/tmp/evil/."),
+            planted.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("refusing to copy into"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A file over a planted symlink is refused too.
+    std::fs::create_dir(planted.join("x")).unwrap();
+    std::os::unix::fs::symlink(victim.join("pwn"), planted.join("x/pwn")).unwrap();
+    let out = node
+        .dsec()
+        .args([
+            "cp",
+            "-r",
+            &format!("{id}:/tmp/evil/trap/."),
+            planted.join("x").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("it is a symlink"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_dir(&victim).unwrap().count(),
+        0,
+        "wrote outside"
+    );
+}

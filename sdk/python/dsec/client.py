@@ -283,6 +283,34 @@ def _write_requests(sandbox_id: str, path: Path, data: Union[bytes, Iterable[byt
             yield pb.WriteFileRequest(data=chunk[i:i + _CHUNK])
 
 
+def _local_reader(src) -> Tuple[Iterator[bytes], Optional[int], "Optional[object]"]:
+    """Chunks of ``src`` (a local path or a binary file object with ``read``), the local
+    file's permission bits when ``src`` is a path, and the file to close afterwards."""
+    if isinstance(src, (str, bytes, os.PathLike)):
+        f = open(src, "rb")
+        mode: Optional[int] = os.fstat(f.fileno()).st_mode & 0o7777
+    else:
+        f, mode = src, None
+
+    def chunks() -> Iterator[bytes]:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return
+            yield chunk
+
+    return chunks(), mode, (f if f is not src else None)
+
+
+def _local_writer(dst):
+    """A binary file object for ``dst`` (a local path, created or truncated, or a file object
+    with ``write``) and the file to close afterwards."""
+    if isinstance(dst, (str, bytes, os.PathLike)):
+        f = open(dst, "wb")
+        return f, f
+    return dst, None
+
+
 class _Collector:
     def __init__(self, output_limit: Optional[int]):
         self.out: List[bytes] = []
@@ -660,6 +688,39 @@ class Sandbox:
             raise _error(e) from None
         return r.bytes_written
 
+    def read_file_to(self, path: Path, dst) -> int:
+        """Streams a sandbox file into ``dst``: a local path (created or truncated) or a
+        binary file object with ``write``. Chunks are written as they arrive, so memory stays
+        bounded whatever the size; returns the number of bytes."""
+        f, owned = _local_writer(dst)
+        total = 0
+        try:
+            for c in self.client._files.Read(pb.ReadFileRequest(sandbox_id=self.id,
+                                                                path=_path(path))):
+                f.write(c.data)
+                total += len(c.data)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            if owned is not None:
+                owned.close()
+        return total
+
+    def write_file_from(self, path: Path, src, *, mode: Optional[int] = None,
+                        create_parents: bool = False) -> int:
+        """Streams ``src`` (a local path, or a binary file object with ``read``) into the
+        sandbox file ``path`` (created or truncated) in 1 MiB chunks as the node takes them.
+        ``mode`` None: the local file's permission bits for a path, else 0644; applied when
+        the file is created, less the agent's umask. Returns the number of bytes."""
+        chunks, local_mode, owned = _local_reader(src)
+        if mode is None:
+            mode = local_mode or 0
+        try:
+            return self.write_file(path, chunks, mode=mode, create_parents=create_parents)
+        finally:
+            if owned is not None:
+                owned.close()
+
     def list_dir(self, path: Path) -> List[FileInfo]:
         r = self._call(self.client._files.List, pb.ListDirRequest(sandbox_id=self.id, path=_path(path)))
         return [FileInfo._from(f) for f in r.entries]
@@ -957,6 +1018,35 @@ class AsyncSandbox:
         except grpc.RpcError as e:
             raise _error(e) from None
         return r.bytes_written
+
+    async def read_file_to(self, path: Path, dst) -> int:
+        """As :meth:`Sandbox.read_file_to` (``dst``'s writes are plain blocking calls)."""
+        f, owned = _local_writer(dst)
+        total = 0
+        try:
+            async for c in self.client._files.Read(
+                    pb.ReadFileRequest(sandbox_id=self.id, path=_path(path))):
+                f.write(c.data)
+                total += len(c.data)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            if owned is not None:
+                owned.close()
+        return total
+
+    async def write_file_from(self, path: Path, src, *, mode: Optional[int] = None,
+                              create_parents: bool = False) -> int:
+        """As :meth:`Sandbox.write_file_from` (``src``'s reads are plain blocking calls)."""
+        chunks, local_mode, owned = _local_reader(src)
+        if mode is None:
+            mode = local_mode or 0
+        try:
+            return await self.write_file(path, chunks, mode=mode,
+                                         create_parents=create_parents)
+        finally:
+            if owned is not None:
+                owned.close()
 
     async def list_dir(self, path: Path) -> List[FileInfo]:
         r = await self.client._call(self.client._files.List,

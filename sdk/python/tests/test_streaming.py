@@ -8,6 +8,7 @@ covers exactly the SDK's work: importing ``dsec`` and grpc alone takes about 37 
 """
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -140,6 +141,70 @@ class ExecStreamTest(NodeTest):
                     await sb.delete()
 
         asyncio.run(main())
+
+
+class FileStreamTest(NodeTest):
+    def test_file_helpers_stream(self):
+        """200 MB up with write_file_from (a path) and back with read_file_to (a path and a
+        file object), sync and async: same bytes, peak RSS below 64 MiB, the mode kept."""
+        local = self.daemon.state.with_suffix(".big")
+        with open(local, "wb") as f:
+            for i in range(200):
+                f.write(bytes([i]) * 997 + os.urandom(1 << 20)[997:])
+        os.chmod(local, 0o750)
+        try:
+            with self.client.create(memory_mib=64) as sb:
+                for mode in ("sync", "async"):
+                    r = run_child("""
+                        import asyncio, hashlib, sys, dsec
+                        target, sid, mode, local = sys.argv[1:5]
+
+                        class Digest:
+                            def __init__(self):
+                                self.h = hashlib.sha256()
+
+                            def write(self, data):
+                                self.h.update(data)
+
+                        digest = Digest()
+                        if mode == "sync":
+                            sb = dsec.Client(target).get(sid)
+                            up = sb.write_file_from("/tmp/big", local)
+                            down = sb.read_file_to("/tmp/big", local + ".back")
+                            sb.read_file_to("/tmp/big", digest)
+                            info = sb.stat("/tmp/big")
+                            sb.remove("/tmp/big")
+                        else:
+                            async def main():
+                                async with dsec.AsyncClient(target) as c:
+                                    sb = await c.get(sid)
+                                    with open(local, "rb") as f:
+                                        up = await sb.write_file_from("/tmp/big", f, mode=0o750)
+                                    down = await sb.read_file_to("/tmp/big", local + ".back")
+                                    await sb.read_file_to("/tmp/big", digest)
+                                    return up, down
+                            up, down = asyncio.run(main())
+                            sb = dsec.Client(target).get(sid)
+                            info = sb.stat("/tmp/big")
+                            sb.remove("/tmp/big")
+                        RESULT = dict(up=up, down=down, sha=digest.h.hexdigest(),
+                                      mode=info.mode & 0o7777)
+                    """, self.client.target, sb.id, mode, str(local))
+                    print(f"\n{mode} 200 MB up and down: peak RSS {r['max_rss_kib']} KiB")
+                    self.assertEqual((r["up"], r["down"]), (200 << 20, 200 << 20), mode)
+                    self.assertEqual(r["mode"], 0o750, mode)
+                    with open(local, "rb") as f:
+                        self.assertEqual(r["sha"], hashlib.file_digest(f, "sha256").hexdigest())
+                    with open(local, "rb") as a, open(f"{local}.back", "rb") as b:
+                        while True:
+                            x, y = a.read(1 << 20), b.read(1 << 20)
+                            self.assertEqual(x, y, mode)
+                            if not x:
+                                break
+                    self.assertLess(r["max_rss_kib"], RSS_BOUND_KIB, mode)
+        finally:
+            local.unlink(missing_ok=True)
+            Path(f"{local}.back").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

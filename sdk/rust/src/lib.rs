@@ -636,7 +636,20 @@ impl Client {
         })
     }
 
+    /// A whole sandbox file in memory (see [`read_file_to`](Self::read_file_to) to stream).
     pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {
+        let mut data = Vec::new();
+        self.read_file_to(id, path, &mut data).await?;
+        Ok(data)
+    }
+
+    /// Streams a sandbox file into `writer` chunk by chunk as the node sends it (memory stays
+    /// at a few chunks whatever the size); returns the bytes copied. The writer is flushed.
+    pub async fn read_file_to<W>(&self, id: &str, path: &str, writer: &mut W) -> Result<u64>
+    where
+        W: tokio::io::AsyncWrite + Unpin + ?Sized,
+    {
+        use tokio::io::AsyncWriteExt;
         let mut stream = self
             .files()
             .read(ReadFileRequest {
@@ -645,31 +658,165 @@ impl Client {
             })
             .await?
             .into_inner();
-        let mut data = Vec::new();
+        let local = |source| Error::Local {
+            what: format!("write the local copy of {path}"),
+            source,
+        };
+        let mut copied = 0u64;
         while let Some(chunk) = stream.message().await? {
-            data.extend_from_slice(&chunk.data);
+            writer.write_all(&chunk.data).await.map_err(local)?;
+            copied += chunk.data.len() as u64;
         }
-        Ok(data)
+        writer.flush().await.map_err(local)?;
+        Ok(copied)
     }
 
+    /// Copies a sandbox file to the local file `local` (created with mode 0644 less the
+    /// umask, or truncated), streaming; returns the bytes copied.
+    pub async fn read_file_to_path(
+        &self,
+        id: &str,
+        path: &str,
+        local: &std::path::Path,
+    ) -> Result<u64> {
+        let mut file = tokio::fs::File::create(local)
+            .await
+            .map_err(|source| Error::Local {
+                what: format!("create {}", local.display()),
+                source,
+            })?;
+        self.read_file_to(id, path, &mut file).await
+    }
+
+    /// Creates or truncates a sandbox file (and its parents) from bytes in memory; `mode` 0
+    /// means 0644 (applied when the file is created, less the agent's umask).
     pub async fn write_file(&self, id: &str, path: &str, mode: u32, data: Vec<u8>) -> Result<u64> {
-        let mut messages = vec![WriteFileRequest {
-            kind: Some(write_file_request::Kind::Header(WriteFileHeader {
-                sandbox_id: id.into(),
-                path: path.as_bytes().to_vec(),
-                mode,
-                create_parents: true,
-            })),
-        }];
-        messages.extend(data.chunks(1 << 20).map(|c| WriteFileRequest {
-            kind: Some(write_file_request::Kind::Data(c.to_vec())),
-        }));
+        self.write_file_from(id, path, mode, std::io::Cursor::new(data))
+            .await
+    }
+
+    /// As [`write_file`](Self::write_file), streaming from `reader` in [`STREAM_CHUNK`]
+    /// pieces as the node takes them (gRPC flow control holds the reader back). A local read
+    /// error cancels the call and is returned; the sandbox file then holds what came before.
+    pub async fn write_file_from<R>(
+        &self,
+        id: &str,
+        path: &str,
+        mode: u32,
+        reader: R,
+    ) -> Result<u64>
+    where
+        R: tokio::io::AsyncRead + Send + Unpin + 'static,
+    {
+        use tokio::io::AsyncReadExt;
+        let (tx, rx) = mpsc::channel(4);
+        let _ = tx
+            .send(WriteFileRequest {
+                kind: Some(write_file_request::Kind::Header(WriteFileHeader {
+                    sandbox_id: id.into(),
+                    path: path.as_bytes().to_vec(),
+                    mode,
+                    create_parents: true,
+                })),
+            })
+            .await;
+        let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<std::io::Error>();
+        let feeder = tokio::spawn(async move {
+            let mut reader = reader;
+            let mut buf = vec![0u8; STREAM_CHUNK];
+            loop {
+                match reader.read(&mut buf).await {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        let m = WriteFileRequest {
+                            kind: Some(write_file_request::Kind::Data(buf[..n].to_vec())),
+                        };
+                        if tx.send(m).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(err) => {
+                        let _ = failed_tx.send(err);
+                        // Ending the request stream would commit a short file as complete.
+                        tx.closed().await;
+                        return;
+                    }
+                }
+            }
+        });
+        let mut files = self.files();
+        let call = files.write(ReceiverStream::new(rx));
+        let result = tokio::select! {
+            biased;
+            Ok(source) = &mut failed_rx => Err(Error::Local {
+                what: format!("read the local data for {path}"),
+                source,
+            }),
+            result = call => result.map(|r| r.into_inner().bytes_written).map_err(Error::from),
+        };
+        feeder.abort();
+        result
+    }
+
+    /// A sandbox path's type, size, mode and symlink target (symlinks are not followed).
+    pub async fn stat(&self, id: &str, path: &str) -> Result<FileInfo> {
         Ok(self
             .files()
-            .write(tokio_stream::iter(messages))
+            .stat(StatRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// The entries of a sandbox directory, sorted by name (symlinks are not followed).
+    pub async fn list_dir(&self, id: &str, path: &str) -> Result<Vec<FileInfo>> {
+        Ok(self
+            .files()
+            .list(ListDirRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+            })
             .await?
             .into_inner()
-            .bytes_written)
+            .entries)
+    }
+
+    /// Creates a sandbox directory (`mode` 0: 0755, less the agent's umask); ALREADY_EXISTS
+    /// when it exists (unless `parents`).
+    pub async fn mkdir(&self, id: &str, path: &str, parents: bool, mode: u32) -> Result<()> {
+        self.files()
+            .mkdir(MkdirRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+                parents,
+                mode,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Copies the local file `local` to a sandbox file, streaming; `mode` `None` takes the
+    /// local file's permission bits. Returns the bytes copied.
+    pub async fn write_file_from_path(
+        &self,
+        local: &std::path::Path,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+    ) -> Result<u64> {
+        use std::os::unix::fs::PermissionsExt;
+        let err = |source| Error::Local {
+            what: format!("read {}", local.display()),
+            source,
+        };
+        let file = tokio::fs::File::open(local).await.map_err(err)?;
+        let mode = match mode {
+            Some(mode) => mode,
+            None => file.metadata().await.map_err(err)?.permissions().mode() & 0o7777,
+        };
+        self.write_file_from(id, path, mode, file).await
     }
 }
 

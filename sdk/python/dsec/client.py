@@ -19,6 +19,8 @@ from . import dsec_pb2_grpc as rpc
 DEFAULT_TARGET = "unix:/run/dsec/edge/edge.sock"
 _CHUNK = 1 << 20
 _MAX_MESSAGE = 32 << 20
+#: Read size of the streaming file helpers (small chunks keep their memory low).
+_FILE_CHUNK = 256 << 10
 
 Path = Union[str, bytes]
 Command = Union[str, Sequence[str]]
@@ -294,7 +296,7 @@ def _local_reader(src) -> Tuple[Iterator[bytes], Optional[int], "Optional[object
 
     def chunks() -> Iterator[bytes]:
         while True:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(_FILE_CHUNK)
             if not chunk:
                 return
             yield chunk
@@ -709,7 +711,7 @@ class Sandbox:
     def write_file_from(self, path: Path, src, *, mode: Optional[int] = None,
                         create_parents: bool = False) -> int:
         """Streams ``src`` (a local path, or a binary file object with ``read``) into the
-        sandbox file ``path`` (created or truncated) in 1 MiB chunks as the node takes them.
+        sandbox file ``path`` (created or truncated) in 256 KiB chunks as the node takes them.
         ``mode`` None: the local file's permission bits for a path, else 0644; applied when
         the file is created, less the agent's umask. Returns the number of bytes."""
         chunks, local_mode, owned = _local_reader(src)

@@ -3,8 +3,9 @@ as root): iterating an exec keeps nothing, ``wait`` after iterating, file helper
 
     DSEC_EDGE_BIN=target/release/dsec-edge python3 -m unittest -v sdk/python/tests/test_streaming.py
 
-Memory is measured in a child interpreter (``ru_maxrss`` of its own process), so the bound
-covers exactly the SDK's work: importing ``dsec`` and grpc alone takes about 37 MiB here.
+Memory is measured in a child interpreter (the peak RSS of its own address space, VmHWM),
+so the bound covers exactly the SDK's work: importing ``dsec`` and grpc alone takes about
+37 MiB here.
 """
 
 import asyncio
@@ -31,9 +32,12 @@ RSS_BOUND_KIB = 64 << 10
 def run_child(script: str, *args: str) -> dict:
     """Runs ``script`` in a fresh interpreter using this SDK; its last stdout line is JSON,
     to which its peak RSS (KiB) is added as ``max_rss_kib``."""
+    # VmHWM, not ru_maxrss: the latter also counts the parent's peak at fork time.
     code = textwrap.dedent(script) + textwrap.dedent("""
-        import json, resource
-        RESULT["max_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        import json
+        with open("/proc/self/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM:"))
+        RESULT["max_rss_kib"] = int(hwm.split()[1])
         print(json.dumps(RESULT))
     """)
     env = dict(os.environ, PYTHONPATH=str(SDK))

@@ -156,8 +156,8 @@ async fn download(
     // cp(1): an existing destination directory receives the source under its own name.
     let into_dir = dst.is_dir();
     let name = basename(path);
-    if kind == FileType::Dir && into_dir && name.is_empty() {
-        // `ID:/` into an existing directory: its entries go straight in.
+    if kind == FileType::Dir && into_dir && matches!(name, "" | "." | "..") {
+        // `ID:/`, `ID:/dir/.` into an existing directory: the entries go straight in.
         let fd = open_dir(dst)?;
         stats.dirs += 1;
         return fill_host_dir(c, id, path, &fd, dst, stats).await;
@@ -172,10 +172,13 @@ async fn download(
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        (
-            parent.to_path_buf(),
-            String::from_utf8_lossy(leaf.as_bytes()).into_owned(),
-        )
+        let leaf = leaf.to_str().ok_or_else(|| {
+            usage(format!(
+                "cp: destination {} is not valid UTF-8",
+                dst.display()
+            ))
+        })?;
+        (parent.to_path_buf(), leaf.to_string())
     };
     let parent_fd = open_dir(&parent)?;
     let host = parent.join(&leaf);

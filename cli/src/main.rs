@@ -1,6 +1,7 @@
 //! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
 //! daemon (`up`) and drive it (create, ls, exec, cp, ...).
 
+mod cp;
 mod image;
 mod node;
 mod tty;
@@ -85,8 +86,9 @@ enum Command {
     Inspect {
         id: String,
     },
-    /// Run a command in a sandbox; exits with its exit code. Without -i, stdin (when not a
-    /// terminal) is read to the end and then sent.
+    /// Run a command in a sandbox; exits with its exit code. Output is streamed (nothing is
+    /// kept; with --json the last 1 MiB of each stream). Without -i, stdin (when not a
+    /// terminal) is streamed to the command as it reads it.
     Exec {
         /// Stream stdin to the command live.
         #[arg(short = 'i', long)]
@@ -105,8 +107,13 @@ enum Command {
     Shell {
         id: String,
     },
-    /// Copy a file: `dsec cp ID:/path local` or `dsec cp local ID:/path`.
+    /// Copy a file, or with -r a directory tree, streamed: `dsec cp [-r] ID:/path local` or
+    /// `dsec cp [-r] local ID:/path` (into DST when it is an existing directory). Symlinks
+    /// inside a tree are copied as symlinks, never followed; modes are kept.
     Cp {
+        /// Copy directories recursively.
+        #[arg(short = 'r', long)]
+        recursive: bool,
         src: String,
         dst: String,
     },
@@ -276,7 +283,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
         .enable_all()
         .build()
         .map_err(CliError::Runtime)?;
-    runtime
+    let result = runtime
         .block_on(async {
             let c = dsec_sdk::Client::connect(endpoint).await?;
             match command {
@@ -327,7 +334,11 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     tty::exec(&c, &id, argv.to_vec(), true, true).await
                 }
                 Command::Shell { id } => node::shell(&c, &id).await,
-                Command::Cp { src, dst } => node::cp(&c, &src, &dst, json).await.map(|()| 0),
+                Command::Cp {
+                    src,
+                    dst,
+                    recursive,
+                } => cp::cp(&c, &src, &dst, recursive, json).await.map(|()| 0),
                 Command::Logs { id, follow } => node::logs(&c, &id, follow, json).await.map(|()| 0),
                 Command::Pause { ids } => {
                     node::lifecycle(&c, "pause", &ids, json).await.map(|()| 0)
@@ -349,7 +360,10 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 | Command::Image(_) => Ok(0),
             }
         })
-        .map_err(CliError::Node)
+        .map_err(CliError::Node);
+    // Don't wait for a blocking stdin reader (`dsec exec` whose command ended first).
+    runtime.shutdown_background();
+    result
 }
 
 fn positive_seconds(what: &str, seconds: f64) -> Result<Duration, CliError> {

@@ -259,39 +259,40 @@ pub async fn port_forward(
     }
 }
 
+/// How much of each stream `dsec --json exec` puts in its JSON document: the last 1 MiB
+/// (`stdout_bytes` / `stderr_bytes` count everything, `truncated` says when bytes were left
+/// out). Without `--json` all output is streamed and nothing is kept.
+pub const JSON_OUTPUT_BYTES: usize = 1 << 20;
+
 pub async fn exec(
     c: &Client,
     id: &str,
     argv: Vec<String>,
     json_out: bool,
 ) -> Result<i32, NodeError> {
-    let stdin = if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
-        None
-    } else {
-        let mut data = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut data).map_err(|e| {
-            NodeError::Io {
-                what: "read stdin".into(),
-                source: e,
-            }
-        })?;
-        Some(data)
-    };
+    // Streamed as the command reads it (a blocking thread; the runtime is not waited for).
+    let stdin = (!std::io::IsTerminal::is_terminal(&std::io::stdin())).then(tokio::io::stdin);
     let start = ExecStart {
         sandbox_id: id.into(),
         argv,
-        stdin: stdin.is_some(),
         ..Default::default()
     };
+    let keep = if json_out { JSON_OUTPUT_BYTES } else { 0 };
     let out = c
-        .exec_with(start, stdin, |err, data| {
-            if !json_out {
-                let _ = if err {
-                    std::io::stderr().write_all(data)
-                } else {
-                    std::io::stdout().write_all(data)
-                };
-                let _ = std::io::stdout().flush();
+        .exec_streaming(start, stdin, keep, |err, data| {
+            if json_out {
+                return;
+            }
+            let written = if err {
+                std::io::stderr().write_all(data)
+            } else {
+                let mut stdout = std::io::stdout();
+                stdout.write_all(data).and_then(|()| stdout.flush())
+            };
+            // Our reader went away (`dsec exec ID -- yes | head`): end as a shell would; the
+            // node kills the command when the call drops.
+            if matches!(&written, Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe) {
+                std::process::exit(128 + libc::SIGPIPE);
             }
         })
         .await?;
@@ -300,6 +301,7 @@ pub async fn exec(
             "{}",
             json!({
                 "stdout": String::from_utf8_lossy(&out.stdout), "stderr": String::from_utf8_lossy(&out.stderr),
+                "stdout_bytes": out.stdout_bytes, "stderr_bytes": out.stderr_bytes, "truncated": out.truncated(),
                 "exit_code": out.code, "signal": out.signal, "timed_out": out.timed_out,
             })
         );
@@ -355,41 +357,6 @@ pub async fn shell(c: &Client, id: &str) -> Result<i32, NodeError> {
         })
         .await;
     Ok(0)
-}
-
-/// `dsec cp SRC DST`, one side `ID:/path`.
-pub async fn cp(c: &Client, src: &str, dst: &str, json_out: bool) -> Result<(), NodeError> {
-    let remote = |s: &str| {
-        s.split_once(':')
-            .filter(|(id, p)| id.starts_with("sb-") && p.starts_with('/'))
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-    };
-    let bytes = match (remote(src), remote(dst)) {
-        (Some((id, path)), None) => {
-            let data = c.read_file(&id, &path).await?;
-            std::fs::write(dst, &data).map_err(|e| NodeError::Io {
-                what: format!("write {dst}"),
-                source: e,
-            })?;
-            data.len() as u64
-        }
-        (None, Some((id, path))) => {
-            let data = std::fs::read(src).map_err(|e| NodeError::Io {
-                what: format!("read {src}"),
-                source: e,
-            })?;
-            c.write_file(&id, &path, 0, data).await?
-        }
-        _ => {
-            return Err(NodeError::Usage(
-                "cp: exactly one side must be SANDBOX_ID:/absolute/path".into(),
-            ))
-        }
-    };
-    emit(json_out, json!({"bytes": bytes}), || {
-        eprintln!("{bytes} bytes copied")
-    });
-    Ok(())
 }
 
 pub async fn logs(c: &Client, id: &str, follow: bool, json_out: bool) -> Result<(), NodeError> {

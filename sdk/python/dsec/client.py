@@ -19,6 +19,8 @@ from . import dsec_pb2_grpc as rpc
 DEFAULT_TARGET = "unix:/run/dsec/edge/edge.sock"
 _CHUNK = 1 << 20
 _MAX_MESSAGE = 32 << 20
+#: Read size of the streaming file helpers (small chunks keep their memory low).
+_FILE_CHUNK = 256 << 10
 
 Path = Union[str, bytes]
 Command = Union[str, Sequence[str]]
@@ -283,6 +285,34 @@ def _write_requests(sandbox_id: str, path: Path, data: Union[bytes, Iterable[byt
             yield pb.WriteFileRequest(data=chunk[i:i + _CHUNK])
 
 
+def _local_reader(src) -> Tuple[Iterator[bytes], Optional[int], "Optional[object]"]:
+    """Chunks of ``src`` (a local path or a binary file object with ``read``), the local
+    file's permission bits when ``src`` is a path, and the file to close afterwards."""
+    if isinstance(src, (str, bytes, os.PathLike)):
+        f = open(src, "rb")
+        mode: Optional[int] = os.fstat(f.fileno()).st_mode & 0o7777
+    else:
+        f, mode = src, None
+
+    def chunks() -> Iterator[bytes]:
+        while True:
+            chunk = f.read(_FILE_CHUNK)
+            if not chunk:
+                return
+            yield chunk
+
+    return chunks(), mode, (f if f is not src else None)
+
+
+def _local_writer(dst):
+    """A binary file object for ``dst`` (a local path, created or truncated, or a file object
+    with ``write``) and the file to close afterwards."""
+    if isinstance(dst, (str, bytes, os.PathLike)):
+        f = open(dst, "wb")
+        return f, f
+    return dst, None
+
+
 class _Collector:
     def __init__(self, output_limit: Optional[int]):
         self.out: List[bytes] = []
@@ -294,14 +324,16 @@ class _Collector:
     def add(self, r: pb.ExecResponse) -> None:
         kind = r.WhichOneof("kind")
         if kind in ("stdout", "stderr"):
-            i = 0 if kind == "stdout" else 1
-            data = getattr(r, kind)
-            if self.limit is not None:
-                data = data[:max(0, self.limit - self.sizes[i])]
-            self.sizes[i] += len(data)
-            (self.out if i == 0 else self.err).append(data)
+            self.data(kind, getattr(r, kind))
         elif kind == "exit":
             self.exit = r.exit
+
+    def data(self, kind: str, data: bytes) -> None:
+        i = 0 if kind == "stdout" else 1
+        if self.limit is not None:
+            data = data[:max(0, self.limit - self.sizes[i])]
+        self.sizes[i] += len(data)
+        (self.out if i == 0 else self.err).append(data)
 
     def result(self) -> ExecResult:
         if self.exit is None:
@@ -312,24 +344,51 @@ class _Collector:
                           e.signal if e.HasField("signal") else None, e.timed_out)
 
 
-def _event(r: pb.ExecResponse) -> Optional[ExecEvent]:
-    kind = r.WhichOneof("kind")
-    if kind in ("stdout", "stderr"):
-        return kind, getattr(r, kind)
-    return None
+class _StreamState:
+    """What an exec stream has seen besides output: the exit status, or the call's error.
+    Output is handed to the iterating caller and not kept."""
+
+    def __init__(self):
+        self.exit: Optional[pb.ExitStatus] = None
+        self.error: Optional[DsecError] = None
+        self.done = False
+
+    def event(self, r: pb.ExecResponse) -> Optional[ExecEvent]:
+        kind = r.WhichOneof("kind")
+        if kind in ("stdout", "stderr"):
+            return kind, getattr(r, kind)
+        if kind == "exit":
+            self.exit = r.exit
+        return None
+
+    def failed(self, e: grpc.RpcError) -> DsecError:
+        self.done = True
+        self.error = _error(e)
+        return self.error
+
+    def result(self, collector: _Collector) -> ExecResult:
+        if self.error is not None:
+            raise self.error
+        collector.exit = self.exit
+        return collector.result()
 
 
 class ExecStream:
     """A running command (:meth:`Sandbox.exec_stream`): write its stdin, send signals and
     terminal resizes, iterate its output as ``(stream, data)`` events, then :meth:`wait`.
-    Call errors (e.g. :class:`InvalidArgument` for a bad resize) are raised while iterating."""
+    Call errors (e.g. :class:`InvalidArgument` for a bad resize) are raised while iterating
+    (and again by later iterations and :meth:`wait`).
+
+    Iterating keeps nothing: each chunk is only handed to the caller, so memory stays
+    bounded however much the command writes. :meth:`wait` returns the exit status and the
+    output not iterated yet; it may follow a full or partial iteration."""
 
     def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
         self._requests: "queue.Queue[Optional[pb.ExecRequest]]" = queue.Queue()
         self._requests.put(pb.ExecRequest(start=start))
         self._closed = False
         self._call = process.Exec(iter(self._requests.get, None))
-        self._collector = _Collector(None)
+        self._state = _StreamState()
 
     def _send(self, request: pb.ExecRequest) -> None:
         if self._closed:
@@ -356,19 +415,22 @@ class ExecStream:
 
     def __iter__(self) -> Iterator[ExecEvent]:
         # Stopping early (break, read_until) leaves the call running: only its end finishes.
-        while True:
+        state = self._state
+        while not state.done:
             try:
                 r = next(self._call)
             except StopIteration:
+                state.done = True
                 self._finish()
-                return
+                break
             except grpc.RpcError as e:
                 self._finish()
-                raise _error(e) from None
-            self._collector.add(r)
-            event = _event(r)
+                raise state.failed(e) from None
+            event = state.event(r)
             if event is not None:
                 yield event
+        if state.error is not None:
+            raise state.error
 
     def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
         """Output (both streams) up to and including the chunk holding the first
@@ -391,12 +453,14 @@ class ExecStream:
         raise DsecError(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
 
-    def wait(self) -> ExecResult:
-        """Reads to the end; the result holds the output not yet iterated."""
-        self._collector = _Collector(None)
-        for _ in self:
-            pass
-        return self._collector.result()
+    def wait(self, output_limit: Optional[int] = None) -> ExecResult:
+        """Reads to the end and returns the exit status with the output not iterated yet
+        (empty after a full iteration; at most ``output_limit`` bytes of each stream are
+        kept, the rest is read and dropped). Raises the call's error, if it failed."""
+        collector = _Collector(output_limit)
+        for kind, data in self:
+            collector.data(kind, data)
+        return self._state.result(collector)
 
     def cancel(self) -> None:
         """Ends the call; the node kills the command."""
@@ -410,7 +474,8 @@ class ExecStream:
 
 
 class AsyncExecStream:
-    """The asyncio twin of :class:`ExecStream` (:meth:`AsyncSandbox.exec_stream`)."""
+    """The asyncio twin of :class:`ExecStream` (:meth:`AsyncSandbox.exec_stream`): iterating
+    keeps nothing, :meth:`wait` works after a full or partial iteration."""
 
     def __init__(self, process: rpc.ProcessStub, start: pb.ExecStart):
         self._requests: "asyncio.Queue[Optional[pb.ExecRequest]]" = asyncio.Queue()
@@ -422,7 +487,7 @@ class AsyncExecStream:
                 yield r
 
         self._call = process.Exec(requests())
-        self._collector = _Collector(None)
+        self._state = _StreamState()
 
     def _send(self, request: pb.ExecRequest) -> None:
         if self._closed:
@@ -443,19 +508,22 @@ class AsyncExecStream:
         self._send(pb.ExecRequest(resize=pb.WindowSize(rows=rows, cols=cols)))
 
     async def __aiter__(self) -> AsyncIterator[ExecEvent]:
-        while True:
+        state = self._state
+        while not state.done:
             try:
                 r = await self._call.read()
             except grpc.RpcError as e:
                 self._finish()
-                raise _error(e) from None
+                raise state.failed(e) from None
             if r is grpc.aio.EOF:
+                state.done = True
                 self._finish()
-                return
-            self._collector.add(r)
-            event = _event(r)
+                break
+            event = state.event(r)
             if event is not None:
                 yield event
+        if state.error is not None:
+            raise state.error
 
     async def read_until(self, needle: bytes, timeout: float = 30.0) -> bytes:
         """As :meth:`ExecStream.read_until`."""
@@ -478,11 +546,12 @@ class AsyncExecStream:
                             f"{needle!r} did not appear in the output: got {bytes(seen)!r}")
         return bytes(seen)
 
-    async def wait(self) -> ExecResult:
-        self._collector = _Collector(None)
-        async for _ in self:
-            pass
-        return self._collector.result()
+    async def wait(self, output_limit: Optional[int] = None) -> ExecResult:
+        """As :meth:`ExecStream.wait`: the exit status and the output not iterated yet."""
+        collector = _Collector(output_limit)
+        async for kind, data in self:
+            collector.data(kind, data)
+        return self._state.result(collector)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -620,6 +689,39 @@ class Sandbox:
         except grpc.RpcError as e:
             raise _error(e) from None
         return r.bytes_written
+
+    def read_file_to(self, path: Path, dst) -> int:
+        """Streams a sandbox file into ``dst``: a local path (created or truncated) or a
+        binary file object with ``write``. Chunks are written as they arrive, so memory stays
+        bounded whatever the size; returns the number of bytes."""
+        f, owned = _local_writer(dst)
+        total = 0
+        try:
+            for c in self.client._files.Read(pb.ReadFileRequest(sandbox_id=self.id,
+                                                                path=_path(path))):
+                f.write(c.data)
+                total += len(c.data)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            if owned is not None:
+                owned.close()
+        return total
+
+    def write_file_from(self, path: Path, src, *, mode: Optional[int] = None,
+                        create_parents: bool = False) -> int:
+        """Streams ``src`` (a local path, or a binary file object with ``read``) into the
+        sandbox file ``path`` (created or truncated) in 256 KiB chunks as the node takes them.
+        ``mode`` None: the local file's permission bits for a path, else 0644; applied when
+        the file is created, less the agent's umask. Returns the number of bytes."""
+        chunks, local_mode, owned = _local_reader(src)
+        if mode is None:
+            mode = local_mode or 0
+        try:
+            return self.write_file(path, chunks, mode=mode, create_parents=create_parents)
+        finally:
+            if owned is not None:
+                owned.close()
 
     def list_dir(self, path: Path) -> List[FileInfo]:
         r = self._call(self.client._files.List, pb.ListDirRequest(sandbox_id=self.id, path=_path(path)))
@@ -918,6 +1020,35 @@ class AsyncSandbox:
         except grpc.RpcError as e:
             raise _error(e) from None
         return r.bytes_written
+
+    async def read_file_to(self, path: Path, dst) -> int:
+        """As :meth:`Sandbox.read_file_to` (``dst``'s writes are plain blocking calls)."""
+        f, owned = _local_writer(dst)
+        total = 0
+        try:
+            async for c in self.client._files.Read(
+                    pb.ReadFileRequest(sandbox_id=self.id, path=_path(path))):
+                f.write(c.data)
+                total += len(c.data)
+        except grpc.RpcError as e:
+            raise _error(e) from None
+        finally:
+            if owned is not None:
+                owned.close()
+        return total
+
+    async def write_file_from(self, path: Path, src, *, mode: Optional[int] = None,
+                              create_parents: bool = False) -> int:
+        """As :meth:`Sandbox.write_file_from` (``src``'s reads are plain blocking calls)."""
+        chunks, local_mode, owned = _local_reader(src)
+        if mode is None:
+            mode = local_mode or 0
+        try:
+            return await self.write_file(path, chunks, mode=mode,
+                                         create_parents=create_parents)
+        finally:
+            if owned is not None:
+                owned.close()
 
     async def list_dir(self, path: Path) -> List[FileInfo]:
         r = await self.client._call(self.client._files.List,

@@ -47,6 +47,12 @@ pub enum Error {
     NoConnected,
     #[error("local socket error while piping a sandbox port: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{what}: {source}")]
+    Local {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the command's input stream is closed (the command ended or the call failed): read its output for the exit status or error")]
     InputClosed,
 }
@@ -63,20 +69,78 @@ impl Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Output of [`Client::exec`].
+/// Output of [`Client::exec`] (all output) or of a streaming call such as
+/// [`Client::exec_with`] (only the last bytes of each stream: see [`EXEC_TAIL_BYTES`]).
 #[derive(Clone, Debug, Default)]
 pub struct ExecOutput {
+    /// Everything the command wrote ([`Client::exec`]), or its last bytes (streaming calls).
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// How many bytes the command wrote to each stream in all.
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
     pub code: Option<i32>,
     pub signal: Option<i32>,
     pub timed_out: bool,
 }
 
+/// How much of each stream [`Client::exec_with`] keeps in its result besides handing
+/// everything to the callback: the last 64 KiB (an error message at the end survives).
+pub const EXEC_TAIL_BYTES: usize = 64 << 10;
+
+/// Stdin chunk size and file chunk size of the streaming calls (the node takes up to 32 MiB).
+pub const STREAM_CHUNK: usize = 256 << 10;
+
 impl ExecOutput {
     /// Shell convention: the exit code, or 128 + signal.
     pub fn exit_code(&self) -> i32 {
         self.code.or(self.signal.map(|s| 128 + s)).unwrap_or(255)
+    }
+
+    /// Whether `stdout` or `stderr` holds less than the command wrote.
+    pub fn truncated(&self) -> bool {
+        self.stdout.len() as u64 != self.stdout_bytes
+            || self.stderr.len() as u64 != self.stderr_bytes
+    }
+}
+
+/// Appends `data` to `buf`, keeping at most the last `keep` bytes (amortized: trims when
+/// `buf` reaches twice `keep`, so memory stays below 2 x `keep`).
+fn keep_tail(buf: &mut Vec<u8>, data: &[u8], keep: usize) {
+    if keep == usize::MAX {
+        buf.extend_from_slice(data);
+        return;
+    }
+    if data.len() >= keep {
+        buf.clear();
+        buf.extend_from_slice(&data[data.len() - keep..]);
+        return;
+    }
+    if buf.len() + data.len() > keep.saturating_mul(2) {
+        let drop = buf.len() + data.len() - keep;
+        buf.drain(..drop.min(buf.len()));
+    }
+    buf.extend_from_slice(data);
+}
+
+/// Feeds `reader` into an exec call as stdin chunks, then stdin EOF; stops quietly when
+/// the call ends first. A local read error ends the call (the node kills the command).
+async fn pump_stdin<R>(mut reader: R, tx: mpsc::Sender<ExecRequest>) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; STREAM_CHUNK];
+    loop {
+        let n = reader.read(&mut buf).await?;
+        let kind = if n == 0 {
+            exec_request::Kind::StdinEof(StdinEof {})
+        } else {
+            exec_request::Kind::Stdin(buf[..n].to_vec())
+        };
+        if tx.send(ExecRequest { kind: Some(kind) }).await.is_err() || n == 0 {
+            return Ok(());
+        }
     }
 }
 
@@ -192,8 +256,14 @@ impl ExecSession {
         let mut out = ExecOutput::default();
         while let Some(event) = self.next().await? {
             match event {
-                ExecEvent::Stdout(d) => out.stdout.extend_from_slice(&d),
-                ExecEvent::Stderr(d) => out.stderr.extend_from_slice(&d),
+                ExecEvent::Stdout(d) => {
+                    out.stdout_bytes += d.len() as u64;
+                    out.stdout.extend_from_slice(&d);
+                }
+                ExecEvent::Stderr(d) => {
+                    out.stderr_bytes += d.len() as u64;
+                    out.stderr.extend_from_slice(&d);
+                }
                 ExecEvent::Exit(e) => {
                     out.code = e.code;
                     out.signal = e.signal;
@@ -366,7 +436,8 @@ impl Client {
         Ok(())
     }
 
-    /// Runs `argv` with optional stdin and collects its output.
+    /// Runs `argv` with optional stdin and collects all of its output (memory grows with
+    /// what the command writes: stream big outputs with [`exec_with`](Self::exec_with)).
     pub async fn exec(
         &self,
         id: &str,
@@ -379,67 +450,128 @@ impl Client {
             stdin: stdin.is_some(),
             ..Default::default()
         };
-        self.exec_with(start, stdin, |_, _| {}).await
+        self.exec_streaming(
+            start,
+            stdin.map(std::io::Cursor::new),
+            usize::MAX,
+            |_, _| {},
+        )
+        .await
     }
 
-    /// Runs a command; `on_output(is_stderr, data)` sees output as it arrives (it is also
-    /// collected unless the caller only streams: collect is bounded by the caller's use).
+    /// Runs a command; `on_output(is_stderr, data)` sees all output as it arrives. The
+    /// result keeps only the last [`EXEC_TAIL_BYTES`] of each stream (and the byte counts),
+    /// so memory stays bounded however much the command writes.
     pub async fn exec_with(
         &self,
         start: ExecStart,
         stdin: Option<Vec<u8>>,
-        mut on_output: impl FnMut(bool, &[u8]),
+        on_output: impl FnMut(bool, &[u8]),
     ) -> Result<ExecOutput> {
-        let (tx, rx) = mpsc::channel(8);
+        self.exec_streaming(
+            start,
+            stdin.map(std::io::Cursor::new),
+            EXEC_TAIL_BYTES,
+            on_output,
+        )
+        .await
+    }
+
+    /// The general form of [`exec`](Self::exec) and [`exec_with`](Self::exec_with): stdin
+    /// is read from `stdin` in [`STREAM_CHUNK`] pieces as the command takes it (gRPC flow
+    /// control holds the reader back, so a slow command does not make it pile up),
+    /// `on_output` sees all output, and the result keeps the last `keep` bytes of each
+    /// stream (`usize::MAX`: everything; 0: nothing but the counts). `start.stdin` is set
+    /// when `stdin` is given. A local read error of `stdin` ends the call (the node kills the
+    /// command) and is returned.
+    pub async fn exec_streaming<R>(
+        &self,
+        mut start: ExecStart,
+        stdin: Option<R>,
+        keep: usize,
+        mut on_output: impl FnMut(bool, &[u8]),
+    ) -> Result<ExecOutput>
+    where
+        R: tokio::io::AsyncRead + Send + Unpin + 'static,
+    {
+        start.stdin |= stdin.is_some();
+        let (tx, rx) = mpsc::channel(4);
         let _ = tx
             .send(ExecRequest {
                 kind: Some(exec_request::Kind::Start(start)),
             })
             .await;
-        if let Some(data) = stdin {
-            tokio::spawn(async move {
-                for chunk in data.chunks(1 << 20) {
-                    let m = ExecRequest {
-                        kind: Some(exec_request::Kind::Stdin(chunk.to_vec())),
-                    };
-                    if tx.send(m).await.is_err() {
-                        return;
+        let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<std::io::Error>();
+        let mut watch_stdin = stdin.is_some();
+        let feeder = match stdin {
+            Some(reader) => Some(tokio::spawn(async move {
+                if let Err(err) = pump_stdin(reader, tx.clone()).await {
+                    let _ = failed_tx.send(err);
+                    // Hold the request stream open: ending it would look like EOF.
+                    tx.closed().await;
+                }
+            })),
+            None => {
+                drop(tx);
+                None
+            }
+        };
+        let result = async {
+            let mut stream = ProcessClient::new(self.channel.clone())
+                .exec(ReceiverStream::new(rx))
+                .await?
+                .into_inner();
+            let mut out = ExecOutput::default();
+            loop {
+                let message = tokio::select! {
+                    message = stream.message() => message?,
+                    failed = &mut failed_rx, if watch_stdin => match failed {
+                        Ok(source) => {
+                            return Err(Error::Local {
+                                what: "read the command's stdin".into(),
+                                source,
+                            })
+                        }
+                        // Stdin was fed to its end.
+                        Err(_) => {
+                            watch_stdin = false;
+                            continue;
+                        }
+                    },
+                };
+                let Some(message) = message else {
+                    return Err(Error::NoExit);
+                };
+                match message.kind {
+                    Some(exec_response::Kind::Stdout(d)) => {
+                        on_output(false, &d);
+                        out.stdout_bytes += d.len() as u64;
+                        keep_tail(&mut out.stdout, &d, keep);
                     }
+                    Some(exec_response::Kind::Stderr(d)) => {
+                        on_output(true, &d);
+                        out.stderr_bytes += d.len() as u64;
+                        keep_tail(&mut out.stderr, &d, keep);
+                    }
+                    Some(exec_response::Kind::Exit(e)) => {
+                        for buf in [&mut out.stdout, &mut out.stderr] {
+                            let extra = buf.len().saturating_sub(keep);
+                            buf.drain(..extra);
+                        }
+                        out.code = e.code;
+                        out.signal = e.signal;
+                        out.timed_out = e.timed_out;
+                        return Ok(out);
+                    }
+                    _ => {}
                 }
-                let _ = tx
-                    .send(ExecRequest {
-                        kind: Some(exec_request::Kind::StdinEof(StdinEof {})),
-                    })
-                    .await;
-            });
-        } else {
-            drop(tx);
-        }
-        let mut stream = ProcessClient::new(self.channel.clone())
-            .exec(ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        let mut out = ExecOutput::default();
-        while let Some(message) = stream.message().await? {
-            match message.kind {
-                Some(exec_response::Kind::Stdout(d)) => {
-                    on_output(false, &d);
-                    out.stdout.extend_from_slice(&d);
-                }
-                Some(exec_response::Kind::Stderr(d)) => {
-                    on_output(true, &d);
-                    out.stderr.extend_from_slice(&d);
-                }
-                Some(exec_response::Kind::Exit(e)) => {
-                    out.code = e.code;
-                    out.signal = e.signal;
-                    out.timed_out = e.timed_out;
-                    return Ok(out);
-                }
-                _ => {}
             }
         }
-        Err(Error::NoExit)
+        .await;
+        if let Some(feeder) = feeder {
+            feeder.abort();
+        }
+        result
     }
 
     /// A TCP connection to 127.0.0.1:`port` inside the sandbox (a server an agent started
@@ -504,7 +636,20 @@ impl Client {
         })
     }
 
+    /// A whole sandbox file in memory (see [`read_file_to`](Self::read_file_to) to stream).
     pub async fn read_file(&self, id: &str, path: &str) -> Result<Vec<u8>> {
+        let mut data = Vec::new();
+        self.read_file_to(id, path, &mut data).await?;
+        Ok(data)
+    }
+
+    /// Streams a sandbox file into `writer` chunk by chunk as the node sends it (memory stays
+    /// at a few chunks whatever the size); returns the bytes copied. The writer is flushed.
+    pub async fn read_file_to<W>(&self, id: &str, path: &str, writer: &mut W) -> Result<u64>
+    where
+        W: tokio::io::AsyncWrite + Unpin + ?Sized,
+    {
+        use tokio::io::AsyncWriteExt;
         let mut stream = self
             .files()
             .read(ReadFileRequest {
@@ -513,31 +658,165 @@ impl Client {
             })
             .await?
             .into_inner();
-        let mut data = Vec::new();
+        let local = |source| Error::Local {
+            what: format!("write the local copy of {path}"),
+            source,
+        };
+        let mut copied = 0u64;
         while let Some(chunk) = stream.message().await? {
-            data.extend_from_slice(&chunk.data);
+            writer.write_all(&chunk.data).await.map_err(local)?;
+            copied += chunk.data.len() as u64;
         }
-        Ok(data)
+        writer.flush().await.map_err(local)?;
+        Ok(copied)
     }
 
+    /// Copies a sandbox file to the local file `local` (created with mode 0644 less the
+    /// umask, or truncated), streaming; returns the bytes copied.
+    pub async fn read_file_to_path(
+        &self,
+        id: &str,
+        path: &str,
+        local: &std::path::Path,
+    ) -> Result<u64> {
+        let mut file = tokio::fs::File::create(local)
+            .await
+            .map_err(|source| Error::Local {
+                what: format!("create {}", local.display()),
+                source,
+            })?;
+        self.read_file_to(id, path, &mut file).await
+    }
+
+    /// Creates or truncates a sandbox file (and its parents) from bytes in memory; `mode` 0
+    /// means 0644 (applied when the file is created, less the agent's umask).
     pub async fn write_file(&self, id: &str, path: &str, mode: u32, data: Vec<u8>) -> Result<u64> {
-        let mut messages = vec![WriteFileRequest {
-            kind: Some(write_file_request::Kind::Header(WriteFileHeader {
-                sandbox_id: id.into(),
-                path: path.as_bytes().to_vec(),
-                mode,
-                create_parents: true,
-            })),
-        }];
-        messages.extend(data.chunks(1 << 20).map(|c| WriteFileRequest {
-            kind: Some(write_file_request::Kind::Data(c.to_vec())),
-        }));
+        self.write_file_from(id, path, mode, std::io::Cursor::new(data))
+            .await
+    }
+
+    /// As [`write_file`](Self::write_file), streaming from `reader` in [`STREAM_CHUNK`]
+    /// pieces as the node takes them (gRPC flow control holds the reader back). A local read
+    /// error cancels the call and is returned; the sandbox file then holds what came before.
+    pub async fn write_file_from<R>(
+        &self,
+        id: &str,
+        path: &str,
+        mode: u32,
+        reader: R,
+    ) -> Result<u64>
+    where
+        R: tokio::io::AsyncRead + Send + Unpin + 'static,
+    {
+        use tokio::io::AsyncReadExt;
+        let (tx, rx) = mpsc::channel(4);
+        let _ = tx
+            .send(WriteFileRequest {
+                kind: Some(write_file_request::Kind::Header(WriteFileHeader {
+                    sandbox_id: id.into(),
+                    path: path.as_bytes().to_vec(),
+                    mode,
+                    create_parents: true,
+                })),
+            })
+            .await;
+        let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<std::io::Error>();
+        let feeder = tokio::spawn(async move {
+            let mut reader = reader;
+            let mut buf = vec![0u8; STREAM_CHUNK];
+            loop {
+                match reader.read(&mut buf).await {
+                    Ok(0) => return,
+                    Ok(n) => {
+                        let m = WriteFileRequest {
+                            kind: Some(write_file_request::Kind::Data(buf[..n].to_vec())),
+                        };
+                        if tx.send(m).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(err) => {
+                        let _ = failed_tx.send(err);
+                        // Ending the request stream would commit a short file as complete.
+                        tx.closed().await;
+                        return;
+                    }
+                }
+            }
+        });
+        let mut files = self.files();
+        let call = files.write(ReceiverStream::new(rx));
+        let result = tokio::select! {
+            biased;
+            Ok(source) = &mut failed_rx => Err(Error::Local {
+                what: format!("read the local data for {path}"),
+                source,
+            }),
+            result = call => result.map(|r| r.into_inner().bytes_written).map_err(Error::from),
+        };
+        feeder.abort();
+        result
+    }
+
+    /// A sandbox path's type, size, mode and symlink target (symlinks are not followed).
+    pub async fn stat(&self, id: &str, path: &str) -> Result<FileInfo> {
         Ok(self
             .files()
-            .write(tokio_stream::iter(messages))
+            .stat(StatRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+            })
+            .await?
+            .into_inner())
+    }
+
+    /// The entries of a sandbox directory, sorted by name (symlinks are not followed).
+    pub async fn list_dir(&self, id: &str, path: &str) -> Result<Vec<FileInfo>> {
+        Ok(self
+            .files()
+            .list(ListDirRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+            })
             .await?
             .into_inner()
-            .bytes_written)
+            .entries)
+    }
+
+    /// Creates a sandbox directory (`mode` 0: 0755, less the agent's umask); ALREADY_EXISTS
+    /// when it exists (unless `parents`).
+    pub async fn mkdir(&self, id: &str, path: &str, parents: bool, mode: u32) -> Result<()> {
+        self.files()
+            .mkdir(MkdirRequest {
+                sandbox_id: id.into(),
+                path: path.as_bytes().to_vec(),
+                parents,
+                mode,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Copies the local file `local` to a sandbox file, streaming; `mode` `None` takes the
+    /// local file's permission bits. Returns the bytes copied.
+    pub async fn write_file_from_path(
+        &self,
+        local: &std::path::Path,
+        id: &str,
+        path: &str,
+        mode: Option<u32>,
+    ) -> Result<u64> {
+        use std::os::unix::fs::PermissionsExt;
+        let err = |source| Error::Local {
+            what: format!("read {}", local.display()),
+            source,
+        };
+        let file = tokio::fs::File::open(local).await.map_err(err)?;
+        let mode = match mode {
+            Some(mode) => mode,
+            None => file.metadata().await.map_err(err)?.permissions().mode() & 0o7777,
+        };
+        self.write_file_from(id, path, mode, file).await
     }
 }
 

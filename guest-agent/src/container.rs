@@ -128,6 +128,8 @@ pub fn read_launch(fd: i32) -> Result<ContainerLaunch, AgentError> {
 
 /// Builds the sandbox and enters it; see the module docs. Single-threaded callers only.
 pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
+    let started = std::time::Instant::now();
+    let step = |name: &str| tracing::debug!(us = started.elapsed().as_micros() as u64, "{name}");
     let lower = PathBuf::from(&launch.lower_dir);
     let dir = PathBuf::from(&launch.sandbox_dir);
     if !lower.join("bin").is_dir() {
@@ -151,10 +153,13 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
         None::<&str>,
     )
     .map_err(|e| setup_err("make / private", e))?;
+    step("private");
     // The edge moved us into the sandbox's cgroups before exec: that becomes "/" inside.
     nix::sched::unshare(CloneFlags::CLONE_NEWCGROUP)
         .map_err(|e| setup_err("unshare the cgroup namespace", e))?;
+    step("cgroupns");
     let userns = UserNamespace::create(launch.id_base, launch.id_count)?;
+    step("user namespace created");
 
     // The layers and the root live in `layers/`, searchable by the sandbox's root (the
     // sandbox directory itself is private to host root) and our working directory: relative
@@ -194,11 +199,14 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
     )?;
     let root = dir.join("root");
     mkdir(&root)?;
+    step("layers idmapped");
     let overlay = mount_overlay_as_sandbox(&userns)?;
+    step("overlay mounted");
     mountapi::attach(&overlay, &root).map_err(|e| setup_err("attach the overlay", e))?;
     drop(overlay);
 
     mount_system(&root, launch)?;
+    step("/proc, /sys, /dev mounted");
 
     // pivot_root(".", ".") stacks the old root under the new one; detaching it leaves no
     // path back to the host filesystem (and the idmapped layer mounts go with it).
@@ -209,16 +217,20 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
     std::env::set_current_dir("/").map_err(|e| setup_err("chdir /", e))?;
     nix::unistd::sethostname(&launch.hostname).map_err(|e| setup_err("sethostname", e))?;
     crate::init::loopback_up();
+    step("pivoted, lo up");
     // The agent is what must survive an out-of-memory sandbox. Lowering the score needs
     // CAP_SYS_RESOURCE, which some hosts withhold even from root: then the OOM killer still
     // picks the largest process, which the agent (a few MiB) rarely is.
     if let Err(err) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
         tracing::warn!(%err, "cannot protect the agent from the OOM killer (no CAP_SYS_RESOURCE?)");
     }
+    step("oom");
     userns.enter()?;
+    step("userns entered");
     // Not dumpable: sandbox processes (now the same uid) cannot ptrace the agent or read its
     // /proc/1/{mem,environ,fd}, so the control channel stays out of reach.
     nix::sys::prctl::set_dumpable(false).map_err(|e| setup_err("prctl(PR_SET_DUMPABLE)", e))?;
+    step("in the sandbox");
     Ok(())
 }
 

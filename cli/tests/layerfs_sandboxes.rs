@@ -170,21 +170,14 @@ impl Node {
             .collect()
     }
 
-    /// Processes started for this node (agents, image servers): their command line names
-    /// its temp dir.
+    /// Processes started for this node (agents, image servers): their command line or
+    /// environment names its temp dir.
     fn processes(&self) -> Vec<i32> {
         let needle = self.dir.path().to_string_lossy().into_owned();
-        let me = std::process::id() as i32;
         let daemon = self.daemon.as_ref().map(|d| d.id() as i32);
-        fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
-            .filter(|&pid| pid != me && Some(pid) != daemon)
-            .filter(|pid| {
-                fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| text(&c).replace('\0', " ").contains(&needle))
-            })
+        dsec_edge::sandbox::pids_referencing(needle.as_bytes())
+            .into_iter()
+            .filter(|&pid| Some(pid) != daemon)
             .collect()
     }
 }

@@ -561,6 +561,10 @@ fn try_reap(pid: Pid) -> nix::Result<Option<WaitStatus>> {
     }
 }
 
+/// Environment variable naming a container agent's sandbox directory (see
+/// `spawn_container_agent`).
+pub const AGENT_DIR_ENV: &str = "DSEC_SANDBOX_DIR";
+
 /// What a container's agent is started with.
 struct ContainerStart<'a> {
     agent_bin: &'a Path,
@@ -637,7 +641,7 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         cstring(launch_r.as_raw_fd().to_string())?,
     ];
     let agent_path = cstring(start.agent_bin)?;
-    let envp: Vec<CString> = std::env::vars_os()
+    let mut envp: Vec<CString> = std::env::vars_os()
         .filter(|(k, _)| k == "DSEC_AGENT_LOG" || k == "RUST_BACKTRACE")
         .map(|(k, v)| {
             let mut kv = k;
@@ -646,6 +650,12 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
             cstring(kv)
         })
         .collect::<Result<_>>()?;
+    // How a daemon restarted after a crash finds the agent of a sandbox it never recorded:
+    // only host root can read another process's environment (the agent drops it from what
+    // its commands inherit), where anyone could read a command line.
+    let mut marker = std::ffi::OsString::from(format!("{AGENT_DIR_ENV}="));
+    marker.push(start.dir);
+    envp.push(cstring(marker)?);
     let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|s| s.as_ptr()).collect();
     argv_ptrs.push(std::ptr::null());
     let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|s| s.as_ptr()).collect();
@@ -1214,6 +1224,28 @@ pub fn parse_env_pair(pair: &str) -> Result<(String, String)> {
 /// Collects `K=V` pairs into a map (later ones win).
 pub fn parse_env(pairs: &[String]) -> Result<HashMap<String, String>> {
     pairs.iter().map(|p| parse_env_pair(p)).collect()
+}
+
+/// Host pids (other than ours) whose command line or environment contains `needle`: how
+/// leftovers of a sandbox are found (a VMM names its sandbox directory on its command line,
+/// a container's agent in its environment; see [`AGENT_DIR_ENV`]).
+pub fn pids_referencing(needle: &[u8]) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            ["cmdline", "environ"].iter().any(|file| {
+                std::fs::read(format!("/proc/{pid}/{file}")).is_ok_and(|c| {
+                    !needle.is_empty() && c.windows(needle.len()).any(|w| w == needle)
+                })
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -31,19 +31,19 @@ fn child_pids() -> Vec<i32> {
     children
 }
 
-/// Processes anywhere on the host whose command line mentions `needle`.
+/// Processes anywhere on the host whose command line or environment mentions `needle`
+/// (their command lines, for the message).
 fn processes_mentioning(needle: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push(cmdline);
-        }
-    }
-    found
+    dsec_edge::sandbox::pids_referencing(needle.as_bytes())
+        .into_iter()
+        .map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            format!(
+                "{pid}: {}",
+                String::from_utf8_lossy(&cmdline).replace('\0', " ")
+            )
+        })
+        .collect()
 }
 
 /// Host mounts under `dir` (other work on the host may mount elsewhere meanwhile).

@@ -42,20 +42,9 @@ fn dsec_home() -> &'static Path {
     })
 }
 
-/// Pids whose command line contains `text`.
+/// Pids whose command line or environment contains `text`.
 fn procs_referencing(text: &str) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| *pid != me)
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| c.windows(text.len()).any(|w| w == text.as_bytes()))
-                .unwrap_or(false)
-        })
-        .collect()
+    dsec_edge::sandbox::pids_referencing(text.as_bytes())
 }
 
 /// A dsec-edge with a private state dir, cgroup name and HTTP port; everything it started is

@@ -98,6 +98,9 @@ fn parse_args(is_pid1: bool) -> Result<Args, clap::Error> {
 }
 
 fn main() -> ExitCode {
+    // The edge's marker of a container agent's sandbox directory (a host path): for the
+    // host only, never inherited by the commands we start.
+    std::env::remove_var("DSEC_SANDBOX_DIR");
     let is_pid1 = std::process::id() == 1;
     let args = match parse_args(is_pid1) {
         Ok(args) => args,

@@ -336,20 +336,23 @@ pub fn cpu_ms_of_stat(stat: &str, ticks_per_s: f64) -> Option<f64> {
     (ticks_per_s > 0.0).then(|| ticks * 1000.0 / ticks_per_s)
 }
 
-/// Pids (not ours) whose command line contains `text`.
+/// Pids (not ours) whose command line or environment contains `text`.
 fn procs_referencing(text: &Path) -> Vec<libc::pid_t> {
     let needle = text.as_os_str().as_encoded_bytes();
     let me = std::process::id() as libc::pid_t;
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
+    // A container's agent names its sandbox directory in its environment, a VMM on its
+    // command line.
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<libc::pid_t>().ok())
         .filter(|&p| p != me)
         .filter(|p| {
-            std::fs::read(format!("/proc/{p}/cmdline"))
-                .map(|c| c.windows(needle.len()).any(|w| w == needle))
-                .unwrap_or(false)
+            ["cmdline", "environ"].iter().any(|f| {
+                std::fs::read(format!("/proc/{p}/{f}"))
+                    .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+            })
         })
         .collect()
 }

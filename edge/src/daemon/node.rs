@@ -1124,7 +1124,7 @@ fn snapshot_path(
     }
 }
 
-/// Kills processes whose command line references a sandbox directory under `dir` that is not
+/// Kills processes whose command line or environment references a sandbox directory under `dir` that is not
 /// in `keep`. Returns how many were killed.
 fn kill_strays(dir: &Path, keep: &HashSet<String>) -> usize {
     let prefix = format!("{}/", dir.display());
@@ -1137,11 +1137,14 @@ fn kill_strays(dir: &Path, keep: &HashSet<String>) -> usize {
         if pid == me {
             continue;
         }
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let text = String::from_utf8_lossy(&cmdline);
-        let Some(pos) = text.find(&prefix) else {
+        // A VMM names its sandbox directory on its command line; a container's agent (whose
+        // command line must not show host paths) in its environment.
+        let Some((text, pos)) = ["cmdline", "environ"].iter().find_map(|file| {
+            let bytes = std::fs::read(format!("/proc/{pid}/{file}")).ok()?;
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            let pos = text.find(&prefix)?;
+            Some((text, pos))
+        }) else {
             continue;
         };
         let id: String = text[pos + prefix.len()..]

@@ -35,18 +35,21 @@ def edge_bin() -> str:
 
 
 def procs_referencing(text: str):
-    """Pids whose command line contains ``text``."""
+    """Pids whose command line or environment contains ``text`` (a container's agent names
+    its sandbox directory in its environment only)."""
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if text.encode() in cmd:
-            found.append(int(d))
+        for name in ("cmdline", "environ"):
+            try:
+                with open(f"/proc/{d}/{name}", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if text.encode() in cmd:
+                found.append(int(d))
+                break
     return found
 
 
@@ -495,9 +498,12 @@ class RestartTest(unittest.TestCase):
             self.assertEqual(cgs, set(adopted))
             owners = set()
             for pid in procs_referencing(daemon.sandboxes_dir):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-                owners.add(cmd.split(daemon.sandboxes_dir, 1)[1].split("/")[0].split("\0")[0])
+                for name in ("cmdline", "environ"):
+                    with open(f"/proc/{pid}/{name}", "rb") as f:
+                        cmd = f.read().decode(errors="replace")
+                    if daemon.sandboxes_dir in cmd:
+                        owners.add(cmd.split(daemon.sandboxes_dir, 1)[1].split("/")[0].split("\0")[0])
+                        break
             self.assertEqual(owners, set(adopted))
             print(f"\nadopted {len(adopted)} sandboxes ({len(running)} running before, "
                   f"{len(adopted) - len(running)} creates completed in flight, "

@@ -1,0 +1,675 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    BACKEND_CONTAINER: _ClassVar[Backend]
+    BACKEND_MICROVM: _ClassVar[Backend]
+
+class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SANDBOX_STATE_UNSPECIFIED: _ClassVar[SandboxState]
+    SANDBOX_STATE_CREATING: _ClassVar[SandboxState]
+    SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
+    SANDBOX_STATE_PAUSED: _ClassVar[SandboxState]
+    SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
+
+class FileType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILE_TYPE_UNSPECIFIED: _ClassVar[FileType]
+    FILE_TYPE_FILE: _ClassVar[FileType]
+    FILE_TYPE_DIR: _ClassVar[FileType]
+    FILE_TYPE_SYMLINK: _ClassVar[FileType]
+    FILE_TYPE_OTHER: _ClassVar[FileType]
+BACKEND_UNSPECIFIED: Backend
+BACKEND_CONTAINER: Backend
+BACKEND_MICROVM: Backend
+SANDBOX_STATE_UNSPECIFIED: SandboxState
+SANDBOX_STATE_CREATING: SandboxState
+SANDBOX_STATE_RUNNING: SandboxState
+SANDBOX_STATE_PAUSED: SandboxState
+SANDBOX_STATE_STOPPING: SandboxState
+FILE_TYPE_UNSPECIFIED: FileType
+FILE_TYPE_FILE: FileType
+FILE_TYPE_DIR: FileType
+FILE_TYPE_SYMLINK: FileType
+FILE_TYPE_OTHER: FileType
+
+class NetworkPolicy(_message.Message):
+    __slots__ = ("allow_internet", "allow")
+    ALLOW_INTERNET_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    allow_internet: bool
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CreateSandboxRequest(_message.Message):
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_MIB_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    backend: Backend
+    image: str
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    env: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    idle_timeout_seconds: int
+    labels: _containers.ScalarMap[str, str]
+    network: NetworkPolicy
+    pids_limit: int
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ...) -> None: ...
+
+class ResourceUsage(_message.Message):
+    __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_USAGE_NS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    memory_bytes: int
+    cpu_usage_ns: int
+    pids: int
+    def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
+
+class Sandbox(_message.Message):
+    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_MIB_FIELD_NUMBER: _ClassVar[int]
+    PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVITY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    backend: Backend
+    image: str
+    state: SandboxState
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
+    pids_limit: int
+    labels: _containers.ScalarMap[str, str]
+    created_at_unix_ms: int
+    expires_at_unix_ms: int
+    idle_timeout_seconds: int
+    last_activity_unix_ms: int
+    pid: int
+    parent_id: str
+    usage: ResourceUsage
+    network: NetworkPolicy
+    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
+
+class GetSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ListSandboxesRequest(_message.Message):
+    __slots__ = ("labels",)
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListSandboxesResponse(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[Sandbox]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ...) -> None: ...
+
+class DeleteSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSandboxResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetTimeoutRequest(_message.Message):
+    __slots__ = ("sandbox_id", "ttl_seconds", "idle_timeout_seconds")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    ttl_seconds: int
+    idle_timeout_seconds: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class PauseSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ResumeSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ForkSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id", "count", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    count: int
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, sandbox_id: _Optional[str] = ..., count: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ForkSandboxResponse(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[Sandbox]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ...) -> None: ...
+
+class SnapshotSandboxRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "diff")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIFF_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: str
+    diff: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[str] = ..., diff: _Optional[bool] = ...) -> None: ...
+
+class SnapshotSandboxResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LogsRequest(_message.Message):
+    __slots__ = ("sandbox_id", "follow", "tail_bytes")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    follow: bool
+    tail_bytes: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., follow: _Optional[bool] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("source", "data")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    data: bytes
+    def __init__(self, source: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Budget(_message.Message):
+    __slots__ = ("limit", "reserved")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    reserved: int
+    def __init__(self, limit: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
+
+class NodeStatusResponse(_message.Message):
+    __slots__ = ("version", "default_backend", "memory_mib", "vcpus", "pids", "disk_mib", "sandboxes", "creates_total", "create_failures_total", "admission_rejections_total", "reaped_total", "adopted_total", "started_at_unix_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_MIB_FIELD_NUMBER: _ClassVar[int]
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    CREATES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_REJECTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REAPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    default_backend: str
+    memory_mib: Budget
+    vcpus: Budget
+    pids: Budget
+    disk_mib: Budget
+    sandboxes: int
+    creates_total: int
+    create_failures_total: int
+    admission_rejections_total: int
+    reaped_total: int
+    adopted_total: int
+    started_at_unix_ms: int
+    def __init__(self, version: _Optional[str] = ..., default_backend: _Optional[str] = ..., memory_mib: _Optional[_Union[Budget, _Mapping]] = ..., vcpus: _Optional[_Union[Budget, _Mapping]] = ..., pids: _Optional[_Union[Budget, _Mapping]] = ..., disk_mib: _Optional[_Union[Budget, _Mapping]] = ..., sandboxes: _Optional[int] = ..., creates_total: _Optional[int] = ..., create_failures_total: _Optional[int] = ..., admission_rejections_total: _Optional[int] = ..., reaped_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class PtyConfig(_message.Message):
+    __slots__ = ("rows", "cols", "term")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    cols: int
+    term: str
+    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ..., term: _Optional[str] = ...) -> None: ...
+
+class WindowSize(_message.Message):
+    __slots__ = ("rows", "cols")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    cols: int
+    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ...) -> None: ...
+
+class ExecStart(_message.Message):
+    __slots__ = ("sandbox_id", "argv", "env", "workdir", "timeout_ms", "stdin", "pty")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    PTY_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    timeout_ms: int
+    stdin: bool
+    pty: PtyConfig
+    def __init__(self, sandbox_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., stdin: _Optional[bool] = ..., pty: _Optional[_Union[PtyConfig, _Mapping]] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("start", "stdin", "stdin_eof", "signal", "resize")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    STDIN_EOF_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    start: ExecStart
+    stdin: bytes
+    stdin_eof: StdinEof
+    signal: int
+    resize: WindowSize
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., stdin_eof: _Optional[_Union[StdinEof, _Mapping]] = ..., signal: _Optional[int] = ..., resize: _Optional[_Union[WindowSize, _Mapping]] = ...) -> None: ...
+
+class StdinEof(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecResponse(_message.Message):
+    __slots__ = ("started", "stdout", "stderr", "exit")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    started: ExecStarted
+    stdout: bytes
+    stderr: bytes
+    exit: ExitStatus
+    def __init__(self, started: _Optional[_Union[ExecStarted, _Mapping]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExitStatus, _Mapping]] = ...) -> None: ...
+
+class ExecStarted(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class ExitStatus(_message.Message):
+    __slots__ = ("code", "signal", "timed_out")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    signal: int
+    timed_out: bool
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+
+class ReadFileRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class WriteFileHeader(_message.Message):
+    __slots__ = ("sandbox_id", "path", "mode", "create_parents")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CREATE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    mode: int
+    create_parents: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ..., mode: _Optional[int] = ..., create_parents: _Optional[bool] = ...) -> None: ...
+
+class WriteFileRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: WriteFileHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[WriteFileHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteFileResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
+class FileInfo(_message.Message):
+    __slots__ = ("name", "type", "size", "mode", "mtime_unix_ms", "symlink_target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SYMLINK_TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: FileType
+    size: int
+    mode: int
+    mtime_unix_ms: int
+    symlink_target: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[FileType, str]] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., mtime_unix_ms: _Optional[int] = ..., symlink_target: _Optional[str] = ...) -> None: ...
+
+class ListDirRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
+
+class ListDirResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
+
+class MkdirRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "parents", "mode")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    parents: bool
+    mode: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ..., parents: _Optional[bool] = ..., mode: _Optional[int] = ...) -> None: ...
+
+class MkdirResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("sandbox_id", "path", "recursive")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    path: bytes
+    recursive: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RenameRequest(_message.Message):
+    __slots__ = ("sandbox_id", "to")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    to: bytes
+    def __init__(self, sandbox_id: _Optional[str] = ..., to: _Optional[bytes] = ..., **kwargs) -> None: ...
+
+class RenameResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("sandbox_id", "shell", "env", "workdir")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    shell: str
+    env: _containers.ScalarMap[str, str]
+    workdir: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., shell: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "shell_pid", "alive", "commands", "busy")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHELL_PID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shell_pid: int
+    alive: bool
+    commands: int
+    busy: bool
+    def __init__(self, session_id: _Optional[str] = ..., shell_pid: _Optional[int] = ..., alive: _Optional[bool] = ..., commands: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class RunInSessionRequest(_message.Message):
+    __slots__ = ("sandbox_id", "session_id", "command", "timeout_ms", "wait", "output_limit")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    session_id: str
+    command: str
+    timeout_ms: int
+    wait: bool
+    output_limit: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., session_id: _Optional[str] = ..., command: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., wait: _Optional[bool] = ..., output_limit: _Optional[int] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("session_id", "command_id", "done", "exit_code", "timed_out", "output", "truncated", "total_bytes", "duration_ms", "session_ended")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    command_id: int
+    done: bool
+    exit_code: int
+    timed_out: bool
+    output: bytes
+    truncated: bool
+    total_bytes: int
+    duration_ms: int
+    session_ended: bool
+    def __init__(self, session_id: _Optional[str] = ..., command_id: _Optional[int] = ..., done: _Optional[bool] = ..., exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., output: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[int] = ..., session_ended: _Optional[bool] = ...) -> None: ...
+
+class ReadOutputRequest(_message.Message):
+    __slots__ = ("sandbox_id", "session_id", "command_id", "wait")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    session_id: str
+    command_id: int
+    wait: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., session_id: _Optional[str] = ..., command_id: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("sandbox_id", "session_id")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    session_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("sandbox_id",)
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class PortOpen(_message.Message):
+    __slots__ = ("sandbox_id", "port")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class PortEof(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PortRequest(_message.Message):
+    __slots__ = ("open", "data", "eof")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    open: PortOpen
+    data: bytes
+    eof: PortEof
+    def __init__(self, open: _Optional[_Union[PortOpen, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
+
+class PortConnected(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PortResponse(_message.Message):
+    __slots__ = ("connected", "data", "eof")
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EOF_FIELD_NUMBER: _ClassVar[int]
+    connected: PortConnected
+    data: bytes
+    eof: PortEof
+    def __init__(self, connected: _Optional[_Union[PortConnected, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
+
+class PortUrlRequest(_message.Message):
+    __slots__ = ("sandbox_id", "port")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class PortUrl(_message.Message):
+    __slots__ = ("url", "host", "address")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    host: str
+    address: str
+    def __init__(self, url: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...

@@ -13,6 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::limits::{self, check_env, check_labels, check_len};
 use super::node::{Demand, Entry, Node, Plan};
 use crate::sandbox::BackendKind;
 
@@ -49,6 +50,7 @@ fn path_arg(what: &str, bytes: &[u8]) -> Result<String, Status> {
     if path.is_empty() {
         return Err(Status::invalid_argument(format!("{what} is empty")));
     }
+    check_len(what, bytes, limits::MAX_PATH)?;
     if path.contains('\0') {
         return Err(Status::invalid_argument(format!(
             "{what} contains a NUL byte"
@@ -105,13 +107,12 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
     }
 }
 
-fn check_env(env: &std::collections::HashMap<String, String>) -> Result<(), Status> {
-    for (k, v) in env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(Status::invalid_argument(format!(
-                "environment variable {k:?} is invalid: names must be non-empty without '=' or NUL, values without NUL"
-            )));
-        }
+/// The network policy sandboxes can have today: none beyond loopback.
+fn check_network(network: &NetworkPolicy) -> Result<(), Status> {
+    if network.allow_internet || !network.allow.is_empty() {
+        return Err(Status::unimplemented(
+            "network egress is not built yet: a sandbox has loopback only, so allow_internet and allow rules cannot be enforced; leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
+        ));
     }
     Ok(())
 }
@@ -180,21 +181,17 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         }
         n => n,
     };
-    if req.ttl_seconds < 0 || req.idle_timeout_seconds < 0 {
-        return Err(Status::invalid_argument(
-            "ttl_seconds and idle_timeout_seconds must be >= 0 (0 means none)",
-        ));
-    }
-    check_env(&req.env)?;
-    if req.labels.keys().any(|k| k.is_empty()) {
-        return Err(Status::invalid_argument("label keys must not be empty"));
-    }
+    limits::check_lifetime_s("ttl_seconds", req.ttl_seconds)?;
+    limits::check_lifetime_s("idle_timeout_seconds", req.idle_timeout_seconds)?;
+    check_env("env", &req.env)?;
+    check_labels("labels", req.labels.iter())?;
     let image = if req.image.is_empty() {
         "busybox".to_string()
     } else {
         req.image
     };
     let network = req.network.unwrap_or_default();
+    check_network(&network)?;
     let ttl_s = if req.ttl_seconds > 0 {
         req.ttl_seconds
     } else {
@@ -263,6 +260,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<ListSandboxesRequest>,
     ) -> Result<Response<ListSandboxesResponse>, Status> {
         let want = request.into_inner().labels;
+        check_labels("label filter", want.iter())?;
         let sandboxes = self
             .0
             .list()
@@ -333,6 +331,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
             }
             n => n as usize,
         };
+        check_labels("labels", r.labels.iter())?;
         let children = self
             .0
             .fork(
@@ -351,6 +350,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<SnapshotSandboxRequest>,
     ) -> Result<Response<SnapshotSandboxResponse>, Status> {
         let r = request.into_inner();
+        check_len("path", r.path.as_bytes(), limits::MAX_PATH)?;
         let path = self.0.snapshot(&r.sandbox_id, &r.path, r.diff).await?;
         Ok(Response::new(SnapshotSandboxResponse {
             path: path.display().to_string(),
@@ -467,12 +467,10 @@ impl process_server::Process for ProcessService {
                 ))
             }
         };
-        if start.argv.is_empty() {
-            return Err(Status::invalid_argument(
-                "argv is empty: give the command to run",
-            ));
-        }
-        check_env(&start.env)?;
+        limits::check_argv(&start.argv)?;
+        check_env("env of this exec", &start.env)?;
+        limits::check_timeout_ms("timeout_ms", start.timeout_ms)?;
+        check_len("workdir", start.workdir.as_bytes(), limits::MAX_PATH)?;
         let id = start.sandbox_id.clone();
         let entry = self.0.running(&id)?;
         self.0.metrics.execs_total.fetch_add(1, Ordering::Relaxed);
@@ -708,7 +706,9 @@ impl sessions_server::Sessions for SessionsService {
         request: Request<CreateSessionRequest>,
     ) -> Result<Response<SessionInfo>, Status> {
         let r = request.into_inner();
-        check_env(&r.env)?;
+        check_env("env of this session", &r.env)?;
+        check_len("shell", r.shell.as_bytes(), limits::MAX_PATH)?;
+        check_len("workdir", r.workdir.as_bytes(), limits::MAX_PATH)?;
         let entry = self.0.running(&r.sandbox_id)?;
         let mut env: std::collections::HashMap<String, String> =
             entry.record().env.into_iter().collect();
@@ -730,6 +730,15 @@ impl sessions_server::Sessions for SessionsService {
         request: Request<RunInSessionRequest>,
     ) -> Result<Response<CommandResult>, Status> {
         let r = request.into_inner();
+        check_len("command", r.command.as_bytes(), limits::MAX_SESSION_COMMAND)?;
+        limits::check_timeout_ms("timeout_ms", r.timeout_ms)?;
+        if r.output_limit > limits::MAX_OUTPUT_LIMIT {
+            return Err(Status::invalid_argument(format!(
+                "output_limit {} is more than {} (64 MiB): give bytes, 0 for the default 1 MiB",
+                r.output_limit,
+                limits::MAX_OUTPUT_LIMIT
+            )));
+        }
         let out = self
             .sessions(&r.sandbox_id)?
             .run_in_session(agent::RunInSessionRequest {

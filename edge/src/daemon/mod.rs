@@ -9,6 +9,7 @@
 pub mod cgroup;
 pub mod grpc;
 pub mod images;
+pub mod limits;
 pub mod metrics;
 pub mod node;
 pub mod ports;

@@ -472,6 +472,13 @@ impl Node {
                 "sandbox_id is empty: give the id Create returned (see List)",
             ));
         }
+        if id.len() > super::limits::MAX_SANDBOX_ID {
+            return Err(Status::invalid_argument(format!(
+                "sandbox_id is {} bytes, at most {} are allowed: give the id Create returned (like sb-0123456789ab)",
+                id.len(),
+                super::limits::MAX_SANDBOX_ID
+            )));
+        }
         self.lock().get(id).cloned().ok_or_else(|| {
             Status::not_found(format!(
                 "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
@@ -785,10 +792,9 @@ impl Node {
         ttl_s: i64,
         idle_s: Option<i64>,
     ) -> Result<Arc<Entry>, Status> {
-        if ttl_s < 0 || idle_s.is_some_and(|s| s < 0) {
-            return Err(Status::invalid_argument(
-                "ttl_seconds and idle_timeout_seconds must be >= 0 (0 removes the timeout)",
-            ));
+        super::limits::check_lifetime_s("ttl_seconds", ttl_s)?;
+        if let Some(idle) = idle_s {
+            super::limits::check_lifetime_s("idle_timeout_seconds", idle)?;
         }
         let entry = self.get(id)?;
         {
@@ -844,6 +850,15 @@ impl Node {
         labels: BTreeMap<String, String>,
     ) -> Result<Vec<Arc<Entry>>, Status> {
         let parent = self.get(id)?.record();
+        let mut merged = parent.labels.clone();
+        merged.extend(labels.clone());
+        if merged.len() > super::limits::MAX_LABELS {
+            return Err(Status::invalid_argument(format!(
+                "the children would carry {} labels (the parent's and these), at most {} are allowed",
+                merged.len(),
+                super::limits::MAX_LABELS
+            )));
+        }
         if parent.handle.backend != BackendKind::MicroVm.as_str() {
             return Err(Status::unimplemented(
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",

@@ -40,8 +40,9 @@ class DsecError(Exception):
         self.details = details
 
 
-class InvalidArgument(DsecError):
-    pass
+class InvalidArgument(DsecError, ValueError):
+    """The request is malformed (also raised by the SDK itself before a call, e.g. for a
+    negative timeout); a ValueError too."""
 
 
 class NotFound(DsecError):
@@ -254,18 +255,36 @@ def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_
         network=pb.NetworkPolicy(allow_internet=allow_internet))
 
 
+def _timeout_ms(timeout: Optional[float]) -> int:
+    """Seconds -> the API's milliseconds; a negative timeout is refused here, before the call
+    (the field is unsigned: it would fail while the request is encoded)."""
+    if not timeout:
+        return 0
+    if timeout < 0:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"timeout must be >= 0 seconds (None or 0 for none), got {timeout}")
+    return int(timeout * 1000)
+
+
 def _exec_start(sandbox_id: str, command: Command, env, workdir, timeout, stdin: bool,
                 pty: Optional[Pty]) -> pb.ExecStart:
     return pb.ExecStart(sandbox_id=sandbox_id, argv=_argv(command), env=dict(env or {}),
                         workdir=workdir or "",
-                        timeout_ms=int(timeout * 1000) if timeout else 0,
+                        timeout_ms=_timeout_ms(timeout),
                         stdin=stdin, pty=pty._pb() if pty is not None else None)
 
 
 def _exec_requests(sandbox_id: str, command: Command, env, workdir, timeout,
                    stdin: Optional[bytes], pty: Optional[Pty] = None) -> Iterator[pb.ExecRequest]:
-    yield pb.ExecRequest(start=_exec_start(sandbox_id, command, env, workdir, timeout,
-                                           stdin is not None, pty))
+    # Built now, not in the generator: bad arguments raise here instead of inside gRPC's
+    # request iteration (which reports only "Exception iterating requests").
+    start = _exec_start(sandbox_id, command, env, workdir, timeout, stdin is not None, pty)
+    return _exec_stream_requests(start, stdin)
+
+
+def _exec_stream_requests(start: pb.ExecStart,
+                          stdin: Optional[bytes]) -> Iterator[pb.ExecRequest]:
+    yield pb.ExecRequest(start=start)
     if stdin is not None:
         for i in range(0, len(stdin), _CHUNK):
             yield pb.ExecRequest(stdin=stdin[i:i + _CHUNK])
@@ -795,7 +814,7 @@ class Session:
             output_limit: int = 0) -> CommandResult:
         r = self.sandbox._call(self.sandbox.client._sessions.Run, pb.RunInSessionRequest(
             sandbox_id=self.sandbox.id, session_id=self.id, command=command,
-            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            timeout_ms=_timeout_ms(timeout), wait=wait,
             output_limit=output_limit))
         return CommandResult._from(r)
 
@@ -1052,7 +1071,7 @@ class AsyncSession:
         r = await self.sandbox.client._call(self.sandbox.client._sessions.Run,
                                             pb.RunInSessionRequest(
             sandbox_id=self.sandbox.id, session_id=self.id, command=command,
-            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            timeout_ms=_timeout_ms(timeout), wait=wait,
             output_limit=output_limit))
         return CommandResult._from(r)
 

@@ -306,6 +306,21 @@ class ApiTest(NodeTest):
                 sb.write_file("relative/path", b"x")
             with self.assertRaises(dsec.NotFound):
                 sb.read_file("/does/not/exist")
+            # A negative timeout is refused by the SDK before the call, clearly (it used to
+            # surface as gRPC's opaque "Exception iterating requests").
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                sb.exec("true", timeout=-1)
+            self.assertIsInstance(e.exception, ValueError)
+            self.assertIn("timeout must be >= 0", e.exception.details)
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                sb.exec("true", timeout=8 * 24 * 3600)
+            self.assertIn("more than 7 days", e.exception.details)
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                c.create(labels={"k": "v" * 257})
+            self.assertIn("at most 256", e.exception.details)
+            with self.assertRaises(dsec.Unimplemented) as e:
+                c.create(allow_internet=True)
+            self.assertIn("loopback only", e.exception.details)
 
             def two_gib():
                 chunk = b"\0" * (1 << 20)

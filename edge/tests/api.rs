@@ -1,0 +1,236 @@
+//! The node API's rules through a real `dsec-edge` (container backend): input bounds at their
+//! limits, refused network policies. Run as root: `cargo test -p dsec-edge --test api`.
+
+mod daemon;
+
+use std::collections::HashMap;
+
+use daemon::Daemon;
+use dsec_sdk::{Client, CreateSandboxRequest, ExecStart, NetworkPolicy};
+
+fn code(result: Result<impl std::fmt::Debug, dsec_sdk::Error>) -> (tonic::Code, String) {
+    let err = result.expect_err("the node accepted a request past a limit");
+    (err.code().expect("a status from the node"), err.to_string())
+}
+
+fn assert_invalid(result: Result<impl std::fmt::Debug, dsec_sdk::Error>, needle: &str) {
+    let (code, text) = code(result);
+    assert_eq!(code, tonic::Code::InvalidArgument, "{text}");
+    assert!(text.contains(needle), "{needle:?} not in: {text}");
+}
+
+fn request(labels: HashMap<String, String>, env: HashMap<String, String>) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        memory_mib: 64,
+        disk_mib: 16,
+        labels,
+        env,
+        ..Default::default()
+    }
+}
+
+async fn exec_ok(client: &Client, start: ExecStart) -> String {
+    let out = client.exec_with(start, None, |_, _| {}).await.unwrap();
+    assert_eq!(
+        out.exit_code(),
+        0,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inputs_are_bounded_at_documented_limits() {
+    let (daemon, client) = Daemon::start("bounds", &[]).await;
+    let none = HashMap::new;
+
+    // Labels: 64 accepted, 65 refused; key 63 bytes / 64; value 256 bytes / 257; charset.
+    let labels = |n: usize| -> HashMap<String, String> {
+        (0..n).map(|i| (format!("k{i}"), "v".into())).collect()
+    };
+    let sb = client.create(request(labels(64), none())).await.unwrap();
+    assert_eq!(sb.labels.len(), 64);
+    client.delete(&sb.id).await.unwrap();
+    assert_invalid(
+        client.create(request(labels(65), none())).await,
+        "65 labels, at most 64",
+    );
+    let one = |k: String, v: String| HashMap::from([(k, v)]);
+    let sb = client
+        .create(request(one("k".repeat(63), "v".repeat(256)), none()))
+        .await
+        .unwrap();
+    client.delete(&sb.id).await.unwrap();
+    assert_invalid(
+        client
+            .create(request(one("k".repeat(64), "v".into()), none()))
+            .await,
+        "keys are 1 to 63 bytes",
+    );
+    assert_invalid(
+        client
+            .create(request(one("k".into(), "v".repeat(257)), none()))
+            .await,
+        "257 bytes, at most 256",
+    );
+    assert_invalid(
+        client
+            .create(request(one("bad key".into(), "v".into()), none()))
+            .await,
+        "label key",
+    );
+    assert_invalid(client.list(labels(65)).await, "at most 64");
+
+    // Sandbox env: 256 vars / 257; value 32 KiB / +1; total 128 KiB / +1.
+    let vars = |n: usize| -> HashMap<String, String> {
+        (0..n).map(|i| (format!("V{i}"), "x".into())).collect()
+    };
+    let sb = client.create(request(none(), vars(256))).await.unwrap();
+    client.delete(&sb.id).await.unwrap();
+    assert_invalid(
+        client.create(request(none(), vars(257))).await,
+        "257 environment variables, at most 256",
+    );
+    assert_invalid(
+        client
+            .create(request(
+                none(),
+                one("BIG".into(), "x".repeat(32 * 1024 + 1)),
+            ))
+            .await,
+        "at most 32768 (32 KiB)",
+    );
+    // Four variables of K0..K3 with 32764-byte values: 4 x (2 + 32764 + 2) = 128 KiB exactly.
+    let full = |extra: usize| -> HashMap<String, String> {
+        (0..4)
+            .map(|i| {
+                let len = 32764 + if i == 0 { extra } else { 0 };
+                (format!("K{i}"), "x".repeat(len))
+            })
+            .collect()
+    };
+    assert_invalid(
+        client.create(request(none(), full(1))).await,
+        "131073 bytes in all, at most 131072",
+    );
+    // At the limit the sandbox is created and commands still run: per-exec env and argv at
+    // their limits too never reach the kernel's E2BIG.
+    let id = client.create(request(none(), full(0))).await.unwrap().id;
+    let exec_env: HashMap<String, String> = (0..4)
+        .map(|i| (format!("E{i}"), "y".repeat(32764)))
+        .collect();
+    // argv: "sh\0" + "-c\0" + script\0 + "_\0" + two fillers = 256 KiB exactly, the
+    // first filler at the 128 KiB per-string limit (with its NUL).
+    let script = "echo ${#K0} ${#E3} $#";
+    let used = 3 + 3 + script.len() + 1 + 2;
+    let filler = "z".repeat((128 << 10) - 1);
+    let rest = "w".repeat((256 << 10) - used - (128 << 10) - 1);
+    let start = |argv: Vec<String>, env: HashMap<String, String>| ExecStart {
+        sandbox_id: id.clone(),
+        argv,
+        env,
+        ..Default::default()
+    };
+    let argv = vec![
+        "sh".to_string(),
+        "-c".into(),
+        script.into(),
+        "_".into(),
+        filler,
+        rest,
+    ];
+    assert_eq!(
+        exec_ok(&client, start(argv.clone(), exec_env.clone())).await,
+        "32764 32764 2\n"
+    );
+    let mut longer = argv.clone();
+    longer[5].push('w');
+    assert_invalid(
+        client
+            .exec_with(start(longer, HashMap::new()), None, |_, _| {})
+            .await,
+        "262145 bytes in all, at most 262144",
+    );
+    let mut too_much_env = exec_env.clone();
+    too_much_env.insert("E0".into(), "y".repeat(32765));
+    assert_invalid(
+        client
+            .exec_with(start(argv.clone(), too_much_env), None, |_, _| {})
+            .await,
+        "env of this exec",
+    );
+    // One argument is capped at the kernel's 128 KiB per string.
+    assert_invalid(
+        client
+            .exec_with(
+                start(vec!["true".into(), "a".repeat(128 << 10)], HashMap::new()),
+                None,
+                |_, _| {},
+            )
+            .await,
+        "argv[1] is 131072 bytes, at most 131071",
+    );
+
+    // Exec timeouts: 7 days accepted, a millisecond more refused, a wrapped negative named.
+    let mut timed = start(vec!["true".into()], HashMap::new());
+    timed.timeout_ms = 7 * 24 * 3600 * 1000;
+    exec_ok(&client, timed.clone()).await;
+    timed.timeout_ms += 1;
+    assert_invalid(
+        client.exec_with(timed.clone(), None, |_, _| {}).await,
+        "more than 7 days",
+    );
+    timed.timeout_ms = -5000i64 as u64;
+    assert_invalid(
+        client.exec_with(timed, None, |_, _| {}).await,
+        "negative timeout wrapped",
+    );
+    // TTLs: a year accepted, more refused.
+    client.set_timeout(&id, 365 * 24 * 3600).await.unwrap();
+    assert_invalid(
+        client.set_timeout(&id, 365 * 24 * 3600 + 1).await,
+        "more than 365 days",
+    );
+    // Oversized ids and paths are refused before anything is looked up.
+    assert_invalid(client.get(&"s".repeat(65)).await, "at most 64");
+    assert_invalid(
+        client
+            .read_file(&id, &format!("/{}", "p".repeat(4096)))
+            .await,
+        "4097 bytes, at most 4096",
+    );
+    client.delete(&id).await.unwrap();
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_policies_that_cannot_be_enforced_are_refused() {
+    let (daemon, client) = Daemon::start("network", &[]).await;
+    for network in [
+        NetworkPolicy {
+            allow_internet: true,
+            allow: vec![],
+        },
+        NetworkPolicy {
+            allow_internet: false,
+            allow: vec!["pypi".into()],
+        },
+    ] {
+        let mut r = request(HashMap::new(), HashMap::new());
+        r.network = Some(network.clone());
+        let (code, text) = code(client.create(r).await);
+        assert_eq!(code, tonic::Code::Unimplemented, "{network:?}: {text}");
+        assert!(text.contains("loopback only"), "{text}");
+    }
+    assert!(
+        client.list(HashMap::new()).await.unwrap().is_empty(),
+        "a refused create left a sandbox"
+    );
+    // An empty policy, explicit or left out, is fine.
+    let mut r = request(HashMap::new(), HashMap::new());
+    r.network = Some(NetworkPolicy::default());
+    let id = client.create(r).await.unwrap().id;
+    client.delete(&id).await.unwrap();
+    drop(daemon);
+}

@@ -166,7 +166,9 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
 }
 
 pub async fn ls(c: &Client, labels: &[String], json_out: bool) -> Result<(), NodeError> {
-    let list = c.list(parse_labels(labels)?).await?;
+    // The SDK pages through the node's List (by id); shown oldest first.
+    let mut list = c.list(parse_labels(labels)?).await?;
+    list.sort_by_key(|s| s.created_at_unix_ms);
     emit(
         json_out,
         json!(list.iter().map(sandbox_json).collect::<Vec<_>>()),

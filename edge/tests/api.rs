@@ -1,12 +1,12 @@
 //! The node API's rules through a real `dsec-edge` (container backend): input bounds at their
-//! limits, refused network policies. Run as root: `cargo test -p dsec-edge --test api`.
+//! limits, refused network policies, paged List. Run as root: `cargo test -p dsec-edge --test api`.
 
 mod daemon;
 
 use std::collections::HashMap;
 
 use daemon::Daemon;
-use dsec_sdk::{Client, CreateSandboxRequest, ExecStart, NetworkPolicy};
+use dsec_sdk::{Client, CreateSandboxRequest, ExecStart, ListSandboxesRequest, NetworkPolicy};
 
 fn code(result: Result<impl std::fmt::Debug, dsec_sdk::Error>) -> (tonic::Code, String) {
     let err = result.expect_err("the node accepted a request past a limit");
@@ -232,5 +232,95 @@ async fn network_policies_that_cannot_be_enforced_are_refused() {
     r.network = Some(NetworkPolicy::default());
     let id = client.create(r).await.unwrap().id;
     client.delete(&id).await.unwrap();
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_through_more_sandboxes_than_a_page() {
+    let (daemon, client) = Daemon::start("paging", &[]).await;
+    let mut ids = Vec::new();
+    for i in 0..7 {
+        let labels = HashMap::from([("odd".to_string(), (i % 2).to_string())]);
+        ids.push(
+            client
+                .create(request(labels, HashMap::new()))
+                .await
+                .unwrap()
+                .id,
+        );
+    }
+    ids.sort();
+    // Pages of 3: 3 + 3 + 1, in id order, each token the page's last id, no repeats.
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    let mut sizes = Vec::new();
+    loop {
+        let page = client
+            .list_page(ListSandboxesRequest {
+                page_size: 3,
+                page_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        sizes.push(page.sandboxes.len());
+        seen.extend(page.sandboxes.into_iter().map(|s| s.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        assert_eq!(&page.next_page_token, seen.last().unwrap());
+        token = page.next_page_token;
+    }
+    assert_eq!(sizes, [3, 3, 1]);
+    assert_eq!(seen, ids);
+    // The SDK's list pages transparently; with a label filter too.
+    let all: Vec<String> = client
+        .list(HashMap::new())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(all, ids);
+    let odd = client
+        .list(HashMap::from([("odd".to_string(), "1".to_string())]))
+        .await
+        .unwrap();
+    assert_eq!(odd.len(), 3);
+    // A page past the end is empty; a deleted token still pages on from where it was.
+    client.delete(&ids[2]).await.unwrap();
+    let page = client
+        .list_page(ListSandboxesRequest {
+            page_size: 2,
+            page_token: ids[2].clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let got: Vec<_> = page.sandboxes.iter().map(|s| s.id.clone()).collect();
+    assert_eq!(got, ids[3..5]);
+    for bad in [-1, 1001] {
+        assert_invalid(
+            client
+                .list_page(ListSandboxesRequest {
+                    page_size: bad,
+                    ..Default::default()
+                })
+                .await,
+            "give 1 to 1000",
+        );
+    }
+    let ok_max = client
+        .list_page(ListSandboxesRequest {
+            page_size: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ok_max.sandboxes.len(), 6);
+    assert!(ok_max.next_page_token.is_empty());
+    for id in ids.iter().filter(|id| **id != ids[2]) {
+        client.delete(id).await.unwrap();
+    }
     drop(daemon);
 }

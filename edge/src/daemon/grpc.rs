@@ -107,6 +107,44 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
     }
 }
 
+const DEFAULT_PAGE_SIZE: usize = 500;
+const MAX_PAGE_SIZE: usize = 1000;
+/// A List reply ends early past this many encoded bytes (gRPC's default limit is 4 MiB).
+const MAX_PAGE_BYTES: usize = 2 << 20;
+
+/// One page of `items` (ordered by id): at most `size` of them and, beyond the first, at most
+/// `max_bytes` encoded; the token is the page's last id when more follow.
+fn page<'a, F: FnOnce() -> api::Sandbox>(
+    items: impl ExactSizeIterator<Item = (&'a str, F)>,
+    size: usize,
+    max_bytes: usize,
+) -> (Vec<api::Sandbox>, String) {
+    use prost::Message;
+    let total = items.len();
+    let mut out: Vec<api::Sandbox> = Vec::new();
+    let mut bytes = 0usize;
+    let mut last = "";
+    for (id, make) in items {
+        if out.len() == size {
+            break;
+        }
+        let sandbox = make();
+        let len = sandbox.encoded_len() + 8;
+        if !out.is_empty() && bytes + len > max_bytes {
+            break;
+        }
+        bytes += len;
+        last = id;
+        out.push(sandbox);
+    }
+    let next = if out.len() < total {
+        last.to_string()
+    } else {
+        String::new()
+    };
+    (out, next)
+}
+
 /// The network policy sandboxes can have today: none beyond loopback.
 fn check_network(network: &NetworkPolicy) -> Result<(), Status> {
     if network.allow_internet || !network.allow.is_empty() {
@@ -259,19 +297,47 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         &self,
         request: Request<ListSandboxesRequest>,
     ) -> Result<Response<ListSandboxesResponse>, Status> {
-        let want = request.into_inner().labels;
-        check_labels("label filter", want.iter())?;
-        let sandboxes = self
+        let r = request.into_inner();
+        check_labels("label filter", r.labels.iter())?;
+        let size = match r.page_size {
+            0 => DEFAULT_PAGE_SIZE,
+            n if !(1..=MAX_PAGE_SIZE as i32).contains(&n) => {
+                return Err(Status::invalid_argument(format!(
+                    "page_size {n} is out of range: give 1 to {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})"
+                )))
+            }
+            n => n as usize,
+        };
+        // The token is the last id of the previous page.
+        let after = r.page_token;
+        if after.len() > limits::MAX_SANDBOX_ID {
+            return Err(Status::invalid_argument(
+                "page_token is not one this node handed out: pass back next_page_token as it came, or leave it empty for the first page",
+            ));
+        }
+        let mut entries: Vec<(String, Arc<Entry>)> = self
             .0
             .list()
-            .iter()
-            .filter(|e| {
+            .into_iter()
+            .map(|e| (e.id(), e))
+            .filter(|(id, _)| *id > after)
+            .filter(|(_, e)| {
                 let labels = e.record().labels;
-                want.iter().all(|(k, v)| labels.get(k) == Some(v))
+                r.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
             })
-            .map(|e| sandbox_proto(&self.0, e))
             .collect();
-        Ok(Response::new(ListSandboxesResponse { sandboxes }))
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let (sandboxes, next_page_token) = page(
+            entries
+                .iter()
+                .map(|(id, e)| (id.as_str(), || sandbox_proto(&self.0, e))),
+            size,
+            MAX_PAGE_BYTES,
+        );
+        Ok(Response::new(ListSandboxesResponse {
+            sandboxes,
+            next_page_token,
+        }))
     }
 
     async fn delete(
@@ -795,5 +861,35 @@ impl sessions_server::Sessions for SessionsService {
             .await?
             .into_inner();
         Ok(Response::new(transcode(&out)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox(id: &str, label_bytes: usize) -> api::Sandbox {
+        api::Sandbox {
+            id: id.to_string(),
+            labels: [("k".to_string(), "v".repeat(label_bytes))].into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pages_end_at_size_or_bytes_and_name_their_last_id() {
+        let ids: Vec<String> = (0..7).map(|i| format!("sb-{i}")).collect();
+        let items = || ids.iter().map(|id| (id.as_str(), || sandbox(id, 10)));
+        let (p, next) = page(items(), 3, 1 << 20);
+        assert_eq!(p.len(), 3);
+        assert_eq!(next, "sb-2");
+        let (p, next) = page(items(), 7, 1 << 20);
+        assert_eq!((p.len(), next.as_str()), (7, ""));
+        // 1000-byte sandboxes, 2500 bytes allowed: two fit; a page always holds one.
+        let big = || ids.iter().map(|id| (id.as_str(), || sandbox(id, 1000)));
+        let (p, next) = page(big(), 7, 2500);
+        assert_eq!((p.len(), next.as_str()), (2, "sb-1"));
+        let (p, next) = page(big(), 7, 10);
+        assert_eq!((p.len(), next.as_str()), (1, "sb-0"));
     }
 }

@@ -555,9 +555,19 @@ class Client:
         s = self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return Sandbox(self, SandboxInfo._from(s))
 
-    def list(self, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
-        r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
-        return [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+    def list(self, labels: Optional[Mapping[str, str]] = None, *,
+             page_size: int = 0) -> List["Sandbox"]:
+        """Every sandbox carrying all of ``labels``, in the order of their ids: pages through
+        the node's List (``page_size`` per call; 0 means the node's default of 500)."""
+        out: List[Sandbox] = []
+        token = ""
+        while True:
+            r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(
+                labels=dict(labels or {}), page_size=page_size, page_token=token))
+            out += [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+            if not r.next_page_token or r.next_page_token == token:
+                return out
+            token = r.next_page_token
 
     def node_status(self) -> pb.NodeStatusResponse:
         return self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
@@ -862,9 +872,18 @@ class AsyncClient:
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return AsyncSandbox(self, SandboxInfo._from(s))
 
-    async def list(self, labels: Optional[Mapping[str, str]] = None) -> List["AsyncSandbox"]:
-        r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
-        return [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+    async def list(self, labels: Optional[Mapping[str, str]] = None, *,
+                   page_size: int = 0) -> List["AsyncSandbox"]:
+        """Every sandbox carrying all of ``labels``, paging through the node's List."""
+        out: List[AsyncSandbox] = []
+        token = ""
+        while True:
+            r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(
+                labels=dict(labels or {}), page_size=page_size, page_token=token))
+            out += [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+            if not r.next_page_token or r.next_page_token == token:
+                return out
+            token = r.next_page_token
 
     async def node_status(self) -> pb.NodeStatusResponse:
         return await self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())

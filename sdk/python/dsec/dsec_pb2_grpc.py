@@ -112,7 +112,9 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """All sandboxes of this node, optionally only those carrying all the given labels.
+        """The sandboxes of this node, optionally only those carrying all the given labels, one page
+        at a time in the order of their ids (pass next_page_token back until it is empty; the
+        SDKs' list does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -216,6 +216,24 @@ class ApiTest(NodeTest):
         print(f"\n100 concurrent creates + exec: {took:.2f} s ({100 / took:.0f}/s)")
         self.assertClean()
 
+    def test_list_pages_through_everything(self):
+        """list() pages through the node's List transparently, in the order of the ids."""
+        sbs = [self.client.create(memory_mib=64, disk_mib=16, labels={"paged": "yes"})
+               for _ in range(5)]
+        ids = sorted(sb.id for sb in sbs)
+        self.assertEqual([sb.id for sb in self.client.list({"paged": "yes"}, page_size=2)], ids)
+        first = self.client._sandboxes.List(dsec.dsec_pb2.ListSandboxesRequest(page_size=2))
+        self.assertEqual(len(first.sandboxes), 2)
+        self.assertEqual(first.next_page_token, first.sandboxes[-1].id)
+
+        async def listed():
+            async with dsec.AsyncClient(self.client.target) as c:
+                return [sb.id for sb in await c.list({"paged": "yes"}, page_size=2)]
+
+        self.assertEqual(asyncio.run(listed()), ids)
+        for sb in sbs:
+            sb.delete()
+
     def test_files_sessions_pause(self):
         with self.client.create(memory_mib=64, env={"GREETING": "hi"}) as sb:
             self.assertEqual(sb.exec("echo $GREETING").text, "hi\n")

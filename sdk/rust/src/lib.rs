@@ -270,16 +270,34 @@ impl Client {
             .into_inner())
     }
 
+    /// Every sandbox carrying all of `labels` (all when empty), in the order of their ids:
+    /// pages through the node's List until its last page.
     pub async fn list(
         &self,
         labels: std::collections::HashMap<String, String>,
     ) -> Result<Vec<Sandbox>> {
-        Ok(self
-            .sandboxes()
-            .list(ListSandboxesRequest { labels })
-            .await?
-            .into_inner()
-            .sandboxes)
+        let mut all = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let page = self
+                .list_page(ListSandboxesRequest {
+                    labels: labels.clone(),
+                    page_size: 0,
+                    page_token: page_token.clone(),
+                })
+                .await?;
+            all.extend(page.sandboxes);
+            // A token that does not advance would loop for ever: the node never sends one.
+            if page.next_page_token.is_empty() || page.next_page_token == page_token {
+                return Ok(all);
+            }
+            page_token = page.next_page_token;
+        }
+    }
+
+    /// One page of List (`page_size` 0 means the node's default of 500, at most 1000).
+    pub async fn list_page(&self, request: ListSandboxesRequest) -> Result<ListSandboxesResponse> {
+        Ok(self.sandboxes().list(request).await?.into_inner())
     }
 
     pub async fn delete(&self, id: &str) -> Result<()> {

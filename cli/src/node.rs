@@ -46,7 +46,7 @@ pub fn sandbox_json(s: &Sandbox) -> serde_json::Value {
         "vcpus": s.vcpus, "memory_mib": s.memory_mib, "disk_mib": s.disk_mib,
         "pids_limit": s.pids_limit, "labels": s.labels, "created_at_unix_ms": s.created_at_unix_ms,
         "expires_at_unix_ms": s.expires_at_unix_ms, "idle_timeout_seconds": s.idle_timeout_seconds,
-        "pid": s.pid, "parent_id": s.parent_id,
+        "pid": s.pid, "parent_id": s.parent_id, "memory_limit_bytes": s.memory_limit_bytes,
         "usage": {"memory_bytes": usage.memory_bytes, "cpu_usage_ns": usage.cpu_usage_ns, "pids": usage.pids},
     })
 }

@@ -324,3 +324,53 @@ async fn list_pages_through_more_sandboxes_than_a_page() {
     }
     drop(daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_reserves_what_the_memory_cgroup_allows() {
+    let (daemon, client) = Daemon::start(
+        "admission",
+        &["--memory-mib", "1000", "--overcommit-memory", "1"],
+    )
+    .await;
+    let sized = |memory_mib, disk_mib| CreateSandboxRequest {
+        memory_mib,
+        disk_mib,
+        ..Default::default()
+    };
+    // A container's disk is a tmpfs charged to its memory cgroup: 64 + 512 MiB reserved, and
+    // that is the cgroup's limit.
+    let a = client.create(sized(64, 512)).await.unwrap();
+    assert_eq!(a.memory_limit_bytes, 576 << 20);
+    assert_eq!(a.memory_mib, 64);
+    assert_eq!(a.disk_mib, 512);
+    let reserved = || async {
+        client
+            .node_status()
+            .await
+            .unwrap()
+            .memory_mib
+            .unwrap()
+            .reserved
+    };
+    assert_eq!(reserved().await, 576);
+    let (code, text) = code(client.create(sized(64, 512)).await);
+    assert_eq!(code, tonic::Code::ResourceExhausted, "{text}");
+    assert!(
+        text.contains(
+            "memory budget spent: 576 of 1000 MiB of memory reserved, this sandbox needs 576"
+        ),
+        "{text}"
+    );
+    // Fits: 576 + 80 <= 1000.
+    let b = client.create(sized(64, 16)).await.unwrap();
+    assert_eq!(b.memory_limit_bytes, 80 << 20);
+    assert_eq!(
+        client.get(&b.id).await.unwrap().memory_limit_bytes,
+        80 << 20
+    );
+    assert_eq!(reserved().await, 656);
+    client.delete(&a.id).await.unwrap();
+    client.delete(&b.id).await.unwrap();
+    assert_eq!(reserved().await, 0);
+    drop(daemon);
+}

@@ -192,6 +192,21 @@ pub fn set_frozen(dirs: &[PathBuf], frozen: bool) -> Result<()> {
     })
 }
 
+/// The memory limit in force (v1 memory.limit_in_bytes, v2 memory.max), if one is set.
+pub fn memory_limit(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        ["memory.limit_in_bytes", "memory.max"]
+            .iter()
+            .find_map(|f| {
+                std::fs::read_to_string(dir.join(f))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+    })
+}
+
 /// Memory in use (bytes), CPU time (ns) and number of processes.
 pub fn usage(dirs: &[PathBuf]) -> (u64, u64, u64) {
     let read = |p: PathBuf| -> Option<u64> {

@@ -104,6 +104,9 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
             allow_internet: r.allow_internet,
             allow: r.allow.clone(),
         }),
+        memory_limit_bytes: super::cgroup::memory_limit(&r.cgroups)
+            .map(|b| b as i64)
+            .unwrap_or(r.memory_limit_mib << 20),
     }
 }
 
@@ -241,6 +244,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
     Ok(Plan {
         kind,
         image,
+        memory_limit_mib: 0,
         demand: Demand {
             memory_mib,
             vcpus: i64::from(vcpus),

@@ -59,6 +59,11 @@ pub struct Record {
     pub paused: bool,
     pub parent_id: String,
     pub cgroups: Vec<PathBuf>,
+    /// The memory cgroup's limit, which admission reserves: memory plus what else is charged
+    /// to the cgroup (a container's tmpfs disk; a microVM's overhead and upper disk). 0 in
+    /// records of older daemons (derived then).
+    #[serde(default)]
+    pub memory_limit_mib: i64,
     /// The image server whose mount is this container's lowerdir (layer-store images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_mount: Option<String>,
@@ -66,8 +71,15 @@ pub struct Record {
 
 impl Record {
     fn demand(&self) -> Demand {
+        let memory_mib = if self.memory_limit_mib > 0 {
+            self.memory_limit_mib
+        } else if self.handle.backend == BackendKind::Container.as_str() {
+            self.memory_mib + self.disk_mib
+        } else {
+            self.memory_mib + MICROVM_OVERHEAD_MIB
+        };
         Demand {
-            memory_mib: self.memory_mib,
+            memory_mib,
             vcpus: i64::from(self.vcpus),
             pids: self.pids_limit,
             disk_mib: self.disk_mib,
@@ -144,6 +156,23 @@ pub fn append_event(dir: &Path, message: &str) {
     }
 }
 
+/// Charged to a microVM's memory cgroup besides guest memory: the VMM's own memory.
+pub const MICROVM_OVERHEAD_MIB: i64 = 64;
+
+/// The memory cgroup limit of a sandbox, in MiB, and so what admission reserves for it:
+/// whatever the cgroup is charged must be in the budget.
+pub fn memory_limit_mib(kind: BackendKind, memory_mib: i64, disk_mib: i64, on_disk: bool) -> i64 {
+    match kind {
+        // A container's writable layer is a tmpfs inside it, charged to its memory cgroup.
+        BackendKind::Container => memory_mib + disk_mib,
+        // The VMM maps guest memory plus its own overhead, and the pages it writes to the
+        // upper disk of a disk image are charged to it (all of them on a tmpfs).
+        BackendKind::MicroVm => {
+            memory_mib + MICROVM_OVERHEAD_MIB + if on_disk { disk_mib } else { 0 }
+        }
+    }
+}
+
 /// Resources a sandbox reserves at admission.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Demand {
@@ -183,10 +212,15 @@ impl Budgets {
         if !force {
             for (i, (name, unit, budget, _)) in self.all().into_iter().enumerate() {
                 if budget.reserved + wants[i] > budget.limit {
+                    let why = if i == 0 {
+                        " (its memory cgroup limit: memory plus a container's disk, a tmpfs charged to its memory, or a microVM's VMM overhead)"
+                    } else {
+                        ""
+                    };
                     return Err((
                         i,
                         format!(
-                            "node {name} budget spent: {} of {} {unit} reserved, this sandbox needs {}; delete sandboxes, ask for less, or start the daemon with a larger budget/overcommit ratio",
+                            "node {name} budget spent: {} of {} {unit} reserved, this sandbox needs {}{why}; delete sandboxes, ask for less, or start the daemon with a larger budget/overcommit ratio",
                             budget.reserved, budget.limit, wants[i]
                         ),
                     ));
@@ -230,13 +264,26 @@ impl ReapReason {
 pub struct Plan {
     pub kind: BackendKind,
     pub image: String,
+    /// What was asked (`demand.memory_mib` is the guest's / container's memory).
     pub demand: Demand,
+    /// The memory cgroup limit (see [`memory_limit_mib`]); filled in by the node.
+    pub memory_limit_mib: i64,
     pub env: BTreeMap<String, String>,
     pub labels: BTreeMap<String, String>,
     pub ttl_s: i64,
     pub idle_timeout_s: i64,
     pub allow_internet: bool,
     pub allow: Vec<String>,
+}
+
+impl Plan {
+    /// What admission reserves: the memory cgroup's limit, not only the asked memory.
+    fn reserved(&self) -> Demand {
+        Demand {
+            memory_mib: self.memory_limit_mib,
+            ..self.demand
+        }
+    }
 }
 
 pub struct Node {
@@ -578,21 +625,8 @@ impl Node {
     }
 
     fn make_cgroups(&self, plan: &Plan, id: &str) -> Result<Vec<PathBuf>, Status> {
-        // A container's disk is a tmpfs charged to its memory cgroup.
-        let memory_mib = match plan.kind {
-            BackendKind::Container => plan.demand.memory_mib + plan.demand.disk_mib,
-            // The VMM maps guest memory plus its own overhead, and the pages it writes to
-            // the upper disk of a disk image are charged to it (all of them on a tmpfs).
-            BackendKind::MicroVm => {
-                let upper = match self.image_root_disk(plan) {
-                    Some(_) => plan.demand.disk_mib,
-                    None => 0,
-                };
-                plan.demand.memory_mib + 64 + upper
-            }
-        };
         let limits = Limits {
-            memory_bytes: memory_mib as u64 * 1024 * 1024,
+            memory_bytes: plan.memory_limit_mib as u64 * 1024 * 1024,
             pids: match plan.kind {
                 BackendKind::Container => plan.demand.pids as u64,
                 BackendKind::MicroVm => 64 + plan.demand.vcpus as u64,
@@ -605,8 +639,14 @@ impl Node {
     }
 
     /// Admits, creates, persists and registers a sandbox.
-    pub async fn create(self: &Arc<Self>, plan: Plan) -> Result<Arc<Entry>, Status> {
+    pub async fn create(self: &Arc<Self>, mut plan: Plan) -> Result<Arc<Entry>, Status> {
         let started = Instant::now();
+        plan.memory_limit_mib = memory_limit_mib(
+            plan.kind,
+            plan.demand.memory_mib,
+            plan.demand.disk_mib,
+            self.image_root_disk(&plan).is_some(),
+        );
         if plan.kind == BackendKind::MicroVm {
             if let Some(reason) = &self.microvm_unavailable {
                 return Err(Status::failed_precondition(format!(
@@ -615,7 +655,7 @@ impl Node {
             }
         }
         let source = self.check_image(plan.kind, &plan.image)?;
-        self.reserve(plan.demand)?;
+        self.reserve(plan.reserved())?;
         let id = self.new_id();
         let result = self.create_admitted(&plan, &id, source).await;
         match &result {
@@ -624,7 +664,7 @@ impl Node {
                 self.metrics.observe_create(started.elapsed());
             }
             Err(status) => {
-                self.release(plan.demand);
+                self.release(plan.reserved());
                 self.metrics
                     .create_failures_total
                     .fetch_add(1, Ordering::Relaxed);
@@ -692,6 +732,7 @@ impl Node {
             paused: false,
             parent_id: String::new(),
             cgroups,
+            memory_limit_mib: plan.memory_limit_mib,
             image_mount,
         };
         self.register(record, client).await
@@ -920,7 +961,11 @@ impl Node {
             let plan = Plan {
                 kind: BackendKind::MicroVm,
                 image: parent.image.clone(),
-                demand: parent.demand(),
+                demand: Demand {
+                    memory_mib: parent.memory_mib,
+                    ..parent.demand()
+                },
+                memory_limit_mib: parent.demand().memory_mib,
                 env: parent.env.clone(),
                 labels: all_labels,
                 ttl_s: 0,
@@ -928,12 +973,12 @@ impl Node {
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
             };
-            self.reserve(plan.demand)?;
+            self.reserve(plan.reserved())?;
             let child_id = self.new_id();
             let cgroups = match self.make_cgroups(&plan, &child_id) {
                 Ok(c) => c,
                 Err(e) => {
-                    self.release(plan.demand);
+                    self.release(plan.reserved());
                     return Err(e);
                 }
             };
@@ -952,7 +997,7 @@ impl Node {
                 Ok(s) => s,
                 Err(err) => {
                     cgroup::remove(&cgroups);
-                    self.release(plan.demand);
+                    self.release(plan.reserved());
                     uppers.for_each(|u| drop(std::fs::remove_file(u)));
                     let _ = std::fs::remove_dir_all(&snapshot);
                     return Err(edge_status(err));
@@ -977,6 +1022,7 @@ impl Node {
                 paused: false,
                 parent_id: id.to_string(),
                 cgroups,
+                memory_limit_mib: plan.memory_limit_mib,
                 image_mount: None,
             };
             children.push(self.register(record, client).await?);

@@ -163,6 +163,8 @@ class SandboxInfo:
     memory_bytes: int = 0
     cpu_usage_ns: int = 0
     pids: int = 0
+    #: The memory cgroup's limit (memory + a container's tmpfs disk): what admission reserved.
+    memory_limit_bytes: int = 0
 
     @classmethod
     def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
@@ -170,7 +172,8 @@ class SandboxInfo:
                    pb.SandboxState.Name(s.state).removeprefix("SANDBOX_STATE_").lower(),
                    s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
                    s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
-                   s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids)
+                   s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids,
+                   s.memory_limit_bytes)
 
 
 @dataclass

@@ -194,7 +194,7 @@ class ApiTest(NodeTest):
         target = self.client.target
 
         async def one(client, i):
-            sb = await client.create(memory_mib=64, labels={"batch": "100"})
+            sb = await client.create(memory_mib=64, disk_mib=16, labels={"batch": "100"})
             r = await sb.exec(f"echo sandbox-{i}; hostname")
             return sb, i, r
 
@@ -470,13 +470,15 @@ class AdmissionTest(NodeTest):
     extra_args = ("--memory-mib", "600", "--overcommit-memory", "1")
 
     def test_memory_budget_refuses_with_resource_exhausted(self):
-        a = self.client.create(memory_mib=256)
-        b = self.client.create(memory_mib=256)
+        # A container reserves memory + its disk (a tmpfs charged to its memory): 272 MiB.
+        a = self.client.create(memory_mib=256, disk_mib=16)
+        self.assertEqual(a.info.memory_limit_bytes, 272 << 20)
+        b = self.client.create(memory_mib=256, disk_mib=16)
         with self.assertRaises(dsec.ResourceExhausted) as e:
-            self.client.create(memory_mib=256)
-        self.assertIn("memory budget spent", e.exception.details)
+            self.client.create(memory_mib=256, disk_mib=16)
+        self.assertIn("memory budget spent: 544 of 600", e.exception.details)
         a.delete()
-        c = self.client.create(memory_mib=256)
+        c = self.client.create(memory_mib=256, disk_mib=16)
         for sb in (b, c):
             sb.delete()
 

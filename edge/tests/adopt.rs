@@ -60,3 +60,28 @@ async fn deleting_an_adopted_sandbox_does_not_wait_for_its_zombie() {
     );
     drop(daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_retried_after_a_daemon_restart_returns_the_same_sandbox() {
+    become_subreaper();
+    let (mut daemon, client) = Daemon::start("retry", &[]).await;
+    let request = CreateSandboxRequest {
+        request_id: "retry-after-restart".into(),
+        ..small()
+    };
+    let sb = client.create(request.clone()).await.unwrap();
+    drop(client);
+    daemon.kill9();
+    let client = daemon.restart().await;
+    let again = client.create(request.clone()).await.unwrap();
+    assert_eq!(again.id, sb.id);
+    assert_eq!(again.pid, sb.pid);
+    assert_eq!(client.list(Default::default()).await.unwrap().len(), 1);
+    let mut changed = request;
+    changed.memory_mib = 128;
+    let err = client.create(changed).await.unwrap_err();
+    assert_eq!(err.code(), Some(tonic::Code::AlreadyExists), "{err}");
+    client.delete(&sb.id).await.unwrap();
+    reap(sb.pid as i32);
+    drop(daemon);
+}

@@ -374,3 +374,60 @@ async fn admission_reserves_what_the_memory_cgroup_allows() {
     assert_eq!(reserved().await, 0);
     drop(daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_with_one_request_id_make_one_sandbox() {
+    let (daemon, client) = Daemon::start("idempotent", &[]).await;
+    let with_id = |request_id: &str| CreateSandboxRequest {
+        request_id: request_id.into(),
+        ..request(HashMap::new(), HashMap::new())
+    };
+    // Two at once: the second waits for the first and gets its sandbox.
+    let (a, b) = tokio::join!(
+        client.create(with_id("req-1")),
+        client.create(with_id("req-1"))
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.id, b.id);
+    assert_eq!(a.request_id, "req-1");
+    // A later retry too; only one sandbox exists.
+    assert_eq!(client.create(with_id("req-1")).await.unwrap().id, a.id);
+    assert_eq!(client.list(HashMap::new()).await.unwrap().len(), 1);
+    // The same request_id with a different spec is refused, naming the rule.
+    let mut other = with_id("req-1");
+    other.memory_mib = 128;
+    let (status, text) = code(client.create(other).await);
+    assert_eq!(status, tonic::Code::AlreadyExists, "{text}");
+    assert!(text.contains("different spec"), "{text}");
+    // A failed first attempt is not remembered: the retry creates.
+    let mut failing = with_id("req-2");
+    failing.image = "no-such-image".into();
+    assert_eq!(code(client.create(failing).await).0, tonic::Code::NotFound);
+    let c = client.create(with_id("req-2")).await.unwrap();
+    assert_ne!(c.id, a.id);
+    // Once its sandbox is deleted, a request_id creates afresh.
+    client.delete(&a.id).await.unwrap();
+    let d = client.create(with_id("req-1")).await.unwrap();
+    assert_ne!(d.id, a.id);
+    // Without a request_id the SDK sends a fresh one each time: two sandboxes.
+    let e = client
+        .create(request(HashMap::new(), HashMap::new()))
+        .await
+        .unwrap();
+    let f = client
+        .create(request(HashMap::new(), HashMap::new()))
+        .await
+        .unwrap();
+    assert_ne!(e.id, f.id);
+    assert!(!e.request_id.is_empty() && e.request_id != f.request_id);
+    // Bounded, plain request_ids only.
+    assert_invalid(
+        client.create(with_id(&"r".repeat(129))).await,
+        "at most 128 bytes",
+    );
+    assert_invalid(client.create(with_id("a b")).await, "request_id");
+    for id in [c.id, d.id, e.id, f.id] {
+        client.delete(&id).await.unwrap();
+    }
+    drop(daemon);
+}

@@ -14,7 +14,7 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::limits::{self, check_env, check_labels, check_len};
-use super::node::{Demand, Entry, Node, Plan};
+use super::node::{Claim, Demand, Entry, Node, Plan};
 use crate::sandbox::BackendKind;
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
@@ -104,6 +104,7 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
             allow_internet: r.allow_internet,
             allow: r.allow.clone(),
         }),
+        request_id: r.request_id.clone(),
         memory_limit_bytes: super::cgroup::memory_limit(&r.cgroups)
             .map(|b| b as i64)
             .unwrap_or(r.memory_limit_mib << 20),
@@ -146,6 +147,68 @@ fn page<'a, F: FnOnce() -> api::Sandbox>(
         String::new()
     };
     (out, next)
+}
+
+/// How long a sandbox whose creating client went away is kept for a retry with the same
+/// request_id before it is deleted.
+const ABANDONED_KEEP: Duration = Duration::from_secs(60);
+
+/// Runs a create in its own task, so that a client that goes away cannot leak a half-built
+/// sandbox (its budget, its cgroups). An abandoned result is deleted at once, or, with a
+/// request_id, after ABANDONED_KEEP unless a retry has returned it by then.
+async fn spawn_create(
+    node: Arc<Node>,
+    plan: Plan,
+    claim: Option<(
+        String,
+        tokio::sync::watch::Sender<super::node::CreateOutcome>,
+    )>,
+) -> Result<Arc<Entry>, Status> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let request_id = plan.request_id.clone();
+        let result = node.create(plan).await;
+        if let Some((fingerprint, done)) = claim {
+            node.finish_claim(&request_id, &fingerprint, &result, done);
+        }
+        if let Err(Ok(entry)) = tx.send(result) {
+            let id = entry.id();
+            if request_id.is_empty() {
+                let _ = node.delete(&id, "client cancelled the create").await;
+                return;
+            }
+            entry.event(&format!(
+                "the creating client went away; kept {} s for a retry with its request_id",
+                ABANDONED_KEEP.as_secs()
+            ));
+            let claims = entry.claims.load(Ordering::Relaxed);
+            tokio::time::sleep(ABANDONED_KEEP).await;
+            if entry.claims.load(Ordering::Relaxed) == claims {
+                let _ = node
+                    .delete(&id, "client cancelled the create and never retried")
+                    .await;
+            }
+        }
+    });
+    rx.await
+        .map_err(|_| Status::internal("the create task failed; see the daemon log"))?
+}
+
+/// A Create request_id: bounded, and plain enough to log and store.
+fn check_request_id(id: &str) -> Result<(), Status> {
+    let ok = id.len() <= limits::MAX_REQUEST_ID
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'));
+    if !ok {
+        let shown: String = id.chars().take(80).collect();
+        return Err(Status::invalid_argument(format!(
+            "request_id {shown:?} ({} bytes) is invalid: give at most {} bytes of A-Z a-z 0-9 - _ . : (e.g. a UUID)",
+            id.len(),
+            limits::MAX_REQUEST_ID
+        )));
+    }
+    Ok(())
 }
 
 /// The network policy sandboxes can have today: none beyond loopback.
@@ -233,6 +296,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
     };
     let network = req.network.unwrap_or_default();
     check_network(&network)?;
+    check_request_id(&req.request_id)?;
     let ttl_s = if req.ttl_seconds > 0 {
         req.ttl_seconds
     } else {
@@ -257,6 +321,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         idle_timeout_s: req.idle_timeout_seconds,
         allow_internet: network.allow_internet,
         allow: network.allow,
+        request_id: req.request_id,
     })
 }
 
@@ -271,22 +336,40 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<CreateSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
         let plan = plan(&self.0, request.into_inner())?;
-        // Creation runs to completion in its own task even when the client goes away (a
-        // half-built sandbox must not leak its budget or cgroups); an abandoned result is
-        // deleted at once.
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let node = self.0.clone();
-        tokio::spawn(async move {
-            let result = node.create(plan).await;
-            if let Err(Ok(entry)) = tx.send(result) {
-                let id = entry.id();
-                let _ = node.delete(&id, "client cancelled the create").await;
+        if plan.request_id.is_empty() {
+            let entry = spawn_create(self.0.clone(), plan, None).await?;
+            return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+        }
+        let fingerprint = plan.fingerprint();
+        loop {
+            match self.0.claim(&plan.request_id, &fingerprint)? {
+                Claim::Existing(entry) => {
+                    return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                }
+                Claim::Create(tx) => {
+                    let entry = spawn_create(self.0.clone(), plan, Some((fingerprint, tx))).await?;
+                    return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                }
+                Claim::Wait(mut done) => {
+                    let outcome = done
+                        .wait_for(Option::is_some)
+                        .await
+                        .map_err(|_| Status::internal("the first create with this request_id ended without an outcome; retry"))?
+                        .clone();
+                    match outcome {
+                        Some(Ok(id)) => {
+                            if let Ok(entry) = self.0.get(&id) {
+                                entry.claims.fetch_add(1, Ordering::Relaxed);
+                                return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                            }
+                            // Deleted meanwhile: claim again (and create afresh).
+                        }
+                        Some(Err((code, message))) => return Err(Status::new(code, message)),
+                        None => unreachable!("waited for an outcome"),
+                    }
+                }
             }
-        });
-        let entry = rx
-            .await
-            .map_err(|_| Status::internal("the create task failed; see the daemon log"))??;
-        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+        }
     }
 
     async fn get(

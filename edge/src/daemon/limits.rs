@@ -36,6 +36,8 @@ pub const MAX_PATH: usize = 4096;
 pub const MAX_SESSION_COMMAND: usize = 1 << 20;
 /// A session command's recorded output cap.
 pub const MAX_OUTPUT_LIMIT: u64 = 64 << 20;
+/// A Create request_id (a UUID is 36).
+pub const MAX_REQUEST_ID: usize = 128;
 /// Sandbox ids are `sb-` and 12 hex digits; anything much longer is not one.
 pub const MAX_SANDBOX_ID: usize = 64;
 

@@ -64,6 +64,12 @@ pub struct Record {
     /// records of older daemons (derived then).
     #[serde(default)]
     pub memory_limit_mib: i64,
+    /// The client's Create request_id and the fingerprint of its spec: a retry after a daemon
+    /// restart still finds this sandbox.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_fingerprint: String,
     /// The image server whose mount is this container's lowerdir (layer-store images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_mount: Option<String>,
@@ -111,6 +117,8 @@ pub struct Entry {
     pub record: Mutex<Record>,
     pub client: AgentClient,
     pub last_activity_ms: AtomicI64,
+    /// Creates with its request_id that returned it (a retry counts as a claim).
+    pub claims: AtomicU64,
 }
 
 impl Entry {
@@ -241,6 +249,30 @@ impl Budgets {
     }
 }
 
+/// The outcome of a Create, as waiting retries see it: the sandbox id, or the error.
+pub type CreateOutcome = Option<Result<String, (tonic::Code, String)>>;
+
+/// What the node knows about a Create request_id.
+enum RequestState {
+    /// Being created; the receiver yields the outcome.
+    InFlight {
+        fingerprint: String,
+        done: tokio::sync::watch::Receiver<CreateOutcome>,
+    },
+    /// Made this sandbox (which still exists).
+    Done { fingerprint: String, id: String },
+}
+
+/// What a Create with a request_id has to do.
+pub enum Claim {
+    /// Nobody has this request_id: create, then report through the sender.
+    Create(tokio::sync::watch::Sender<CreateOutcome>),
+    /// An earlier attempt made this sandbox.
+    Existing(Arc<Entry>),
+    /// An earlier attempt is still running: wait for its outcome.
+    Wait(tokio::sync::watch::Receiver<CreateOutcome>),
+}
+
 /// Why a sandbox was removed by the node itself.
 #[derive(Clone, Copy, Debug)]
 pub enum ReapReason {
@@ -274,9 +306,35 @@ pub struct Plan {
     pub idle_timeout_s: i64,
     pub allow_internet: bool,
     pub allow: Vec<String>,
+    /// The client's idempotency key ("" = none).
+    pub request_id: String,
 }
 
 impl Plan {
+    /// A stable digest of what the Create asked for (defaults filled in), to tell a retry
+    /// from a different request that reuses a request_id.
+    pub fn fingerprint(&self) -> String {
+        let spec = serde_json::json!({
+            "kind": self.kind.as_str(),
+            "image": self.image,
+            "memory_mib": self.demand.memory_mib,
+            "vcpus": self.demand.vcpus,
+            "pids": self.demand.pids,
+            "disk_mib": self.demand.disk_mib,
+            "env": self.env,
+            "labels": self.labels,
+            "ttl_s": self.ttl_s,
+            "idle_timeout_s": self.idle_timeout_s,
+        });
+        // FNV-1a: stable across builds (records outlive the daemon binary).
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in spec.to_string().bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{hash:016x}")
+    }
+
     /// What admission reserves: the memory cgroup's limit, not only the asked memory.
     fn reserved(&self) -> Demand {
         Demand {
@@ -301,6 +359,8 @@ pub struct Node {
     pub catalog: Catalog,
     /// Shared FUSE mounts of layer-store images.
     pub images: ImageMounts,
+    /// Create request_ids: in flight, or the sandbox they made.
+    requests: Mutex<HashMap<String, RequestState>>,
 }
 
 /// Maps a library error to a status whose message says what to do.
@@ -402,6 +462,7 @@ impl Node {
             next_cid: AtomicU64::new(3 + (now_ms() as u64 % 1_000_000) * 16),
             catalog: Catalog::new(&config.artifacts.home),
             images: ImageMounts::new(&config.state_dir, &config.invocation),
+            requests: Mutex::new(HashMap::new()),
             config,
         });
         node.adopt().await;
@@ -441,12 +502,22 @@ impl Node {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .reserve(record.demand(), true);
+                    if !record.request_id.is_empty() {
+                        self.requests().insert(
+                            record.request_id.clone(),
+                            RequestState::Done {
+                                fingerprint: record.request_fingerprint.clone(),
+                                id: id.clone(),
+                            },
+                        );
+                    }
                     append_event(&record.handle.dir, "adopted by a restarted daemon");
                     tracing::info!(sandbox = %id, pid = record.handle.pid, "adopted");
                     let entry = Arc::new(Entry {
                         record: Mutex::new(record),
                         client,
                         last_activity_ms: AtomicI64::new(now_ms()),
+                        claims: AtomicU64::new(0),
                     });
                     kept.insert(id.clone());
                     self.lock().insert(id, entry);
@@ -500,6 +571,92 @@ impl Node {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
         self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn requests(&self) -> std::sync::MutexGuard<'_, HashMap<String, RequestState>> {
+        self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Decides what a Create with `request_id` does: the sandbox an earlier attempt made, a
+    /// wait for one in flight, or a new create. The same request_id with another spec is
+    /// ALREADY_EXISTS.
+    pub fn claim(&self, request_id: &str, fingerprint: &str) -> Result<Claim, Status> {
+        let mismatch = |what: &str| {
+            Status::already_exists(format!(
+                "request_id {request_id:?} was already used by a Create with a different spec ({what}): a retry must repeat the request unchanged; use a fresh request_id for a new sandbox"
+            ))
+        };
+        let mut requests = self.requests();
+        match requests.get(request_id) {
+            Some(RequestState::InFlight {
+                fingerprint: f,
+                done,
+            }) => {
+                if f != fingerprint {
+                    return Err(mismatch("still being created"));
+                }
+                Ok(Claim::Wait(done.clone()))
+            }
+            Some(RequestState::Done { fingerprint: f, id }) => {
+                if let Some(entry) = self.lock().get(id).cloned() {
+                    if f != fingerprint {
+                        return Err(mismatch(&format!("sandbox {id}")));
+                    }
+                    entry.claims.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Claim::Existing(entry));
+                }
+                // Deleted since: a retry creates afresh.
+                requests.remove(request_id);
+                self.claim_new(&mut requests, request_id, fingerprint)
+            }
+            None => self.claim_new(&mut requests, request_id, fingerprint),
+        }
+    }
+
+    fn claim_new(
+        &self,
+        requests: &mut HashMap<String, RequestState>,
+        request_id: &str,
+        fingerprint: &str,
+    ) -> Result<Claim, Status> {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        requests.insert(
+            request_id.to_string(),
+            RequestState::InFlight {
+                fingerprint: fingerprint.to_string(),
+                done: rx,
+            },
+        );
+        Ok(Claim::Create(tx))
+    }
+
+    /// Records the outcome of a claimed Create and wakes the retries waiting for it. A failed
+    /// attempt forgets the request_id (a retry may create afresh).
+    pub fn finish_claim(
+        &self,
+        request_id: &str,
+        fingerprint: &str,
+        result: &Result<Arc<Entry>, Status>,
+        tx: tokio::sync::watch::Sender<CreateOutcome>,
+    ) {
+        let outcome = match result {
+            Ok(entry) => {
+                let id = entry.id();
+                self.requests().insert(
+                    request_id.to_string(),
+                    RequestState::Done {
+                        fingerprint: fingerprint.to_string(),
+                        id: id.clone(),
+                    },
+                );
+                Ok(id)
+            }
+            Err(status) => {
+                self.requests().remove(request_id);
+                Err((status.code(), status.message().to_string()))
+            }
+        };
+        let _ = tx.send(Some(outcome));
     }
 
     pub fn list(&self) -> Vec<Arc<Entry>> {
@@ -733,6 +890,12 @@ impl Node {
             parent_id: String::new(),
             cgroups,
             memory_limit_mib: plan.memory_limit_mib,
+            request_fingerprint: if plan.request_id.is_empty() {
+                String::new()
+            } else {
+                plan.fingerprint()
+            },
+            request_id: plan.request_id.clone(),
             image_mount,
         };
         self.register(record, client).await
@@ -766,6 +929,7 @@ impl Node {
             record: Mutex::new(record),
             client,
             last_activity_ms: AtomicI64::new(now_ms()),
+            claims: AtomicU64::new(0),
         });
         self.lock().insert(id, entry.clone());
         Ok(entry)
@@ -795,6 +959,13 @@ impl Node {
         }
         self.release(record.demand());
         self.metrics.deletes_total.fetch_add(1, Ordering::Relaxed);
+        if !record.request_id.is_empty() {
+            let mut requests = self.requests();
+            if matches!(requests.get(&record.request_id), Some(RequestState::Done { id: done, .. }) if done == id)
+            {
+                requests.remove(&record.request_id);
+            }
+        }
         tracing::info!(sandbox = %id, reason, "deleted");
         result.map_err(|e| Status::internal(format!("sandbox {id} teardown: {e}")))
     }
@@ -972,6 +1143,7 @@ impl Node {
                 idle_timeout_s: parent.idle_timeout_s,
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
+                request_id: String::new(),
             };
             self.reserve(plan.reserved())?;
             let child_id = self.new_id();
@@ -1023,6 +1195,8 @@ impl Node {
                 parent_id: id.to_string(),
                 cgroups,
                 memory_limit_mib: plan.memory_limit_mib,
+                request_id: String::new(),
+                request_fingerprint: String::new(),
                 image_mount: None,
             };
             children.push(self.register(record, client).await?);

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, Union)
@@ -165,6 +167,8 @@ class SandboxInfo:
     pids: int = 0
     #: The memory cgroup's limit (memory + a container's tmpfs disk): what admission reserved.
     memory_limit_bytes: int = 0
+    #: The request_id of the Create that made it.
+    request_id: str = ""
 
     @classmethod
     def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
@@ -173,7 +177,7 @@ class SandboxInfo:
                    s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
                    s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
                    s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids,
-                   s.memory_limit_bytes)
+                   s.memory_limit_bytes, s.request_id)
 
 
 @dataclass
@@ -248,14 +252,20 @@ _BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
 def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_mib: int,
                     env: Optional[Mapping[str, str]], ttl: int, idle_timeout: int,
                     labels: Optional[Mapping[str, str]], pids_limit: int,
-                    allow_internet: bool) -> pb.CreateSandboxRequest:
+                    allow_internet: bool, request_id: Optional[str]) -> pb.CreateSandboxRequest:
     if backend not in _BACKENDS:
         raise ValueError(f"backend {backend!r}: use 'container', 'microvm' or 'auto'")
     return pb.CreateSandboxRequest(
         backend=_BACKENDS[backend], image=image, vcpus=vcpus, memory_mib=memory_mib,
         disk_mib=disk_mib, env=dict(env or {}), ttl_seconds=ttl,
         idle_timeout_seconds=idle_timeout, labels=dict(labels or {}), pids_limit=pids_limit,
-        network=pb.NetworkPolicy(allow_internet=allow_internet))
+        network=pb.NetworkPolicy(allow_internet=allow_internet),
+        request_id=request_id or uuid.uuid4().hex)
+
+
+#: How often ``create`` tries when the node is unreachable (with the same request_id, so the
+#: node never makes two sandboxes of one call).
+CREATE_ATTEMPTS = 3
 
 
 def _timeout_ms(timeout: Optional[float]) -> int:
@@ -548,11 +558,22 @@ class Client:
     def create(self, *, backend: str = "", image: str = "", vcpus: int = 0, memory_mib: int = 0,
                disk_mib: int = 0, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
-               pids_limit: int = 0, allow_internet: bool = False) -> "Sandbox":
-        """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults."""
+               pids_limit: int = 0, allow_internet: bool = False,
+               request_id: Optional[str] = None) -> "Sandbox":
+        """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults.
+        ``request_id`` (default: a fresh random one) makes the call idempotent: a Create
+        repeating it returns the sandbox the first one made; retries reuse it."""
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet)
-        return Sandbox(self, SandboxInfo._from(self._call(self._sandboxes.Create, req)))
+                              idle_timeout, labels, pids_limit, allow_internet, request_id)
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                s = self._call(self._sandboxes.Create, req)
+                return Sandbox(self, SandboxInfo._from(s))
+            except Unavailable:
+                if attempt == CREATE_ATTEMPTS:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     def get(self, sandbox_id: str) -> "Sandbox":
         s = self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
@@ -866,10 +887,19 @@ class AsyncClient:
                      memory_mib: int = 0, disk_mib: int = 0,
                      env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                      idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
-                     pids_limit: int = 0, allow_internet: bool = False) -> "AsyncSandbox":
+                     pids_limit: int = 0, allow_internet: bool = False,
+                     request_id: Optional[str] = None) -> "AsyncSandbox":
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet)
-        return AsyncSandbox(self, SandboxInfo._from(await self._call(self._sandboxes.Create, req)))
+                              idle_timeout, labels, pids_limit, allow_internet, request_id)
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                s = await self._call(self._sandboxes.Create, req)
+                return AsyncSandbox(self, SandboxInfo._from(s))
+            except Unavailable:
+                if attempt == CREATE_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))

@@ -51,7 +51,7 @@ class NetworkPolicy(_message.Message):
     def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit")
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class CreateSandboxRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     image: str
     vcpus: int
@@ -88,7 +89,8 @@ class CreateSandboxRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     network: NetworkPolicy
     pids_limit: int
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")
@@ -101,7 +103,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class Sandbox(_message.Message):
-    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes")
+    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class Sandbox(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     backend: Backend
     image: str
@@ -145,7 +148,8 @@ class Sandbox(_message.Message):
     usage: ResourceUsage
     network: NetworkPolicy
     memory_limit_bytes: int
-    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)

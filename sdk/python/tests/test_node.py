@@ -234,6 +234,23 @@ class ApiTest(NodeTest):
         for sb in sbs:
             sb.delete()
 
+    def test_create_is_idempotent_with_a_request_id(self):
+        a = self.client.create(memory_mib=64, disk_mib=16, request_id="py-req-1")
+        b = self.client.create(memory_mib=64, disk_mib=16, request_id="py-req-1")
+        self.assertEqual(a.id, b.id)
+        self.assertEqual(a.info.request_id, "py-req-1")
+        with self.assertRaises(dsec.DsecError) as e:
+            self.client.create(memory_mib=128, disk_mib=16, request_id="py-req-1")
+        self.assertEqual(e.exception.code.name, "ALREADY_EXISTS")
+        self.assertIn("different spec", e.exception.details)
+        # Without one, each call gets a fresh random request_id: two sandboxes.
+        c = self.client.create(memory_mib=64, disk_mib=16)
+        d = self.client.create(memory_mib=64, disk_mib=16)
+        self.assertNotEqual(c.id, d.id)
+        self.assertNotEqual(c.info.request_id, d.info.request_id)
+        for sb in (a, c, d):
+            sb.delete()
+
     def test_files_sessions_pause(self):
         with self.client.create(memory_mib=64, env={"GREETING": "hi"}) as sb:
             self.assertEqual(sb.exec("echo $GREETING").text, "hi\n")

@@ -34,6 +34,29 @@ pub fn default_target() -> String {
         .unwrap_or_else(|| DEFAULT_TARGET.to_string())
 }
 
+/// How often [`Client::create`] tries when the node is unreachable.
+pub const CREATE_ATTEMPTS: u32 = 3;
+
+/// A random Create request_id (128 bits, hex).
+pub fn new_request_id() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if random.is_err() {
+        // No /dev/urandom: time, pid and a counter are unique enough for one client.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        bytes[..8].copy_from_slice(&nanos.to_le_bytes());
+        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        bytes[12..].copy_from_slice(&(n as u32).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Errors of the SDK.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -256,8 +279,26 @@ impl Client {
         SessionsClient::new(self.channel.clone())
     }
 
-    pub async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox> {
-        Ok(self.sandboxes().create(request).await?.into_inner())
+    /// Creates a sandbox. Without a `request_id` the SDK picks a fresh random one; the call is
+    /// retried (with the same request_id, so the node never makes two sandboxes of it) when
+    /// the node is unreachable, up to [`CREATE_ATTEMPTS`] times.
+    pub async fn create(&self, mut request: CreateSandboxRequest) -> Result<Sandbox> {
+        if request.request_id.is_empty() {
+            request.request_id = new_request_id();
+        }
+        let mut attempt = 1;
+        loop {
+            match self.sandboxes().create(request.clone()).await {
+                Ok(sandbox) => return Ok(sandbox.into_inner()),
+                Err(status)
+                    if status.code() == tonic::Code::Unavailable && attempt < CREATE_ATTEMPTS =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(200 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(status) => return Err(status.into()),
+            }
+        }
     }
 
     pub async fn get(&self, id: &str) -> Result<Sandbox> {

@@ -105,6 +105,8 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
             allow: r.allow.clone(),
         }),
         request_id: r.request_id.clone(),
+        access_token: r.access_token.clone(),
+        public_ports: r.public_ports.iter().map(|p| u32::from(*p)).collect(),
         memory_limit_bytes: super::cgroup::memory_limit(&r.cgroups)
             .map(|b| b as i64)
             .unwrap_or(r.memory_limit_mib << 20),
@@ -297,6 +299,18 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
     let network = req.network.unwrap_or_default();
     check_network(&network)?;
     check_request_id(&req.request_id)?;
+    if req.public_ports.len() > super::node::MAX_PUBLIC_PORTS {
+        return Err(Status::invalid_argument(format!(
+            "{} public_ports, at most {} are allowed",
+            req.public_ports.len(),
+            super::node::MAX_PUBLIC_PORTS
+        )));
+    }
+    let public_ports = req
+        .public_ports
+        .iter()
+        .map(|p| super::ports::check_port(*p))
+        .collect::<Result<_, _>>()?;
     let ttl_s = if req.ttl_seconds > 0 {
         req.ttl_seconds
     } else {
@@ -322,6 +336,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         allow_internet: network.allow_internet,
         allow: network.allow,
         request_id: req.request_id,
+        public_ports,
     })
 }
 
@@ -415,9 +430,14 @@ impl sandboxes_server::Sandboxes for SandboxesService {
             .collect();
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         let (sandboxes, next_page_token) = page(
-            entries
-                .iter()
-                .map(|(id, e)| (id.as_str(), || sandbox_proto(&self.0, e))),
+            entries.iter().map(|(id, e)| {
+                (id.as_str(), || {
+                    // Tokens go to callers naming one sandbox, not to listings.
+                    let mut s = sandbox_proto(&self.0, e);
+                    s.access_token.clear();
+                    s
+                })
+            }),
             size,
             MAX_PAGE_BYTES,
         );

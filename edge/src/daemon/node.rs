@@ -30,6 +30,11 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// A sandbox's access token: 128 random bits.
+pub fn new_access_token() -> String {
+    random_hex(16)
+}
+
 fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
@@ -70,6 +75,13 @@ pub struct Record {
     pub request_id: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub request_fingerprint: String,
+    /// Secret a request must carry to reach the sandbox's ports (not its public ones) through
+    /// the HTTP entry point or Ports.Open on TCP. Never logged.
+    #[serde(default)]
+    pub access_token: String,
+    /// Ports open without the token.
+    #[serde(default)]
+    pub public_ports: std::collections::BTreeSet<u16>,
     /// The image server whose mount is this container's lowerdir (layer-store images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_mount: Option<String>,
@@ -102,8 +114,17 @@ impl Record {
         let tmp = path.with_extension("json.tmp");
         let data = serde_json::to_vec_pretty(self)
             .map_err(|e| EdgeError::Protocol(format!("encode sandbox record: {e}")))?;
-        let mut file = std::fs::File::create(&tmp)
-            .map_err(|e| EdgeError::io(format!("create {}", tmp.display()), e))?;
+        // Root-only: it holds the sandbox's access token.
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(|e| EdgeError::io(format!("create {}", tmp.display()), e))?
+        };
         file.write_all(&data)
             .and_then(|()| file.sync_data())
             .map_err(|e| EdgeError::io(format!("write {}", tmp.display()), e))?;
@@ -163,6 +184,9 @@ pub fn append_event(dir: &Path, message: &str) {
         let _ = writeln!(f, "{} {message}", now_ms());
     }
 }
+
+/// Most ports one sandbox may open to everyone.
+pub const MAX_PUBLIC_PORTS: usize = 64;
 
 /// Charged to a microVM's memory cgroup besides guest memory: the VMM's own memory.
 pub const MICROVM_OVERHEAD_MIB: i64 = 64;
@@ -308,6 +332,8 @@ pub struct Plan {
     pub allow: Vec<String>,
     /// The client's idempotency key ("" = none).
     pub request_id: String,
+    /// Ports open without the access token.
+    pub public_ports: std::collections::BTreeSet<u16>,
 }
 
 impl Plan {
@@ -325,6 +351,7 @@ impl Plan {
             "labels": self.labels,
             "ttl_s": self.ttl_s,
             "idle_timeout_s": self.idle_timeout_s,
+            "public_ports": self.public_ports,
         });
         // FNV-1a: stable across builds (records outlive the daemon binary).
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
@@ -485,7 +512,7 @@ impl Node {
                 .ok()
                 .and_then(|d| serde_json::from_slice(&d).ok());
             match record {
-                Some(record)
+                Some(mut record)
                     if record.handle.is_alive()
                         && record
                             .image_mount
@@ -502,6 +529,11 @@ impl Node {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .reserve(record.demand(), true);
+                    if record.access_token.is_empty() {
+                        // A record of a daemon from before access tokens.
+                        record.access_token = new_access_token();
+                        let _ = record.persist();
+                    }
                     if !record.request_id.is_empty() {
                         self.requests().insert(
                             record.request_id.clone(),
@@ -896,6 +928,8 @@ impl Node {
                 plan.fingerprint()
             },
             request_id: plan.request_id.clone(),
+            access_token: new_access_token(),
+            public_ports: plan.public_ports.clone(),
             image_mount,
         };
         self.register(record, client).await
@@ -996,6 +1030,33 @@ impl Node {
         entry.touch();
         entry.event(if paused { "paused" } else { "resumed" });
         Ok(entry)
+    }
+
+    /// Opens `port` to everyone or makes it private again; returns the public ports.
+    pub fn set_port_public(&self, id: &str, port: u16, public: bool) -> Result<Vec<u32>, Status> {
+        let entry = self.get(id)?;
+        let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+        if public && !r.public_ports.contains(&port) && r.public_ports.len() >= MAX_PUBLIC_PORTS {
+            return Err(Status::invalid_argument(format!(
+                "sandbox {id} already has {MAX_PUBLIC_PORTS} public ports, the most allowed: make one private first"
+            )));
+        }
+        let changed = if public {
+            r.public_ports.insert(port)
+        } else {
+            r.public_ports.remove(&port)
+        };
+        if changed {
+            r.persist().map_err(|e| Status::internal(e.to_string()))?;
+            append_event(
+                &r.handle.dir,
+                &format!(
+                    "port {port} made {}",
+                    if public { "public" } else { "private" }
+                ),
+            );
+        }
+        Ok(r.public_ports.iter().map(|p| u32::from(*p)).collect())
     }
 
     pub fn set_timeout(
@@ -1144,6 +1205,7 @@ impl Node {
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
                 request_id: String::new(),
+                public_ports: parent.public_ports.clone(),
             };
             self.reserve(plan.reserved())?;
             let child_id = self.new_id();
@@ -1197,6 +1259,8 @@ impl Node {
                 memory_limit_mib: plan.memory_limit_mib,
                 request_id: String::new(),
                 request_fingerprint: String::new(),
+                access_token: new_access_token(),
+                public_ports: plan.public_ports.clone(),
                 image_mount: None,
             };
             children.push(self.register(record, client).await?);

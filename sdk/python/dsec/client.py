@@ -169,6 +169,11 @@ class SandboxInfo:
     memory_limit_bytes: int = 0
     #: The request_id of the Create that made it.
     request_id: str = ""
+    #: Secret for the sandbox's private ports (HTTP entry point, Ports.Open over TCP); set in
+    #: what Create and Get return, empty in list() results.
+    access_token: str = ""
+    #: Ports open to everyone.
+    public_ports: Tuple[int, ...] = ()
 
     @classmethod
     def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
@@ -177,7 +182,7 @@ class SandboxInfo:
                    s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
                    s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
                    s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids,
-                   s.memory_limit_bytes, s.request_id)
+                   s.memory_limit_bytes, s.request_id, s.access_token, tuple(s.public_ports))
 
 
 @dataclass
@@ -206,12 +211,16 @@ ExecEvent = Tuple[str, bytes]
 class PortUrl:
     """Where a sandbox port is served over plain HTTP by the node's HTTP entry point."""
 
-    #: ``http://8080-sb-0123456789ab.localhost:7080/`` (``*.localhost`` is 127.0.0.1).
+    #: ``http://8080-sb-0123456789ab-TOKEN.localhost:7080/`` (``*.localhost`` is 127.0.0.1;
+    #: no token for a public port).
     url: str
     #: The Host header that routes to the port (any domain suffix works).
     host: str
     #: Address the entry point listens on (``127.0.0.1:7080``).
     address: str
+    #: The sandbox's access token, also for the ``X-Dsec-Access-Token`` header ("" for a
+    #: public port).
+    access_token: str = ""
 
 
 def _check_port(port: int) -> None:
@@ -221,9 +230,10 @@ def _check_port(port: int) -> None:
                               f"port {port!r} is not a TCP port: give 1-65535")
 
 
-def _port_open(sandbox_id: str, port: int) -> pb.PortRequest:
+def _port_open(sandbox_id: str, port: int, token: str = "") -> pb.PortRequest:
     _check_port(port)
-    return pb.PortRequest(open=pb.PortOpen(sandbox_id=sandbox_id, port=port))
+    return pb.PortRequest(open=pb.PortOpen(sandbox_id=sandbox_id, port=port,
+                                           access_token=token))
 
 
 def _port_data(data: bytes) -> Iterator[pb.PortRequest]:
@@ -252,7 +262,8 @@ _BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
 def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_mib: int,
                     env: Optional[Mapping[str, str]], ttl: int, idle_timeout: int,
                     labels: Optional[Mapping[str, str]], pids_limit: int,
-                    allow_internet: bool, request_id: Optional[str]) -> pb.CreateSandboxRequest:
+                    allow_internet: bool, request_id: Optional[str],
+                    public_ports: Iterable[int] = ()) -> pb.CreateSandboxRequest:
     if backend not in _BACKENDS:
         raise ValueError(f"backend {backend!r}: use 'container', 'microvm' or 'auto'")
     return pb.CreateSandboxRequest(
@@ -260,7 +271,7 @@ def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_
         disk_mib=disk_mib, env=dict(env or {}), ttl_seconds=ttl,
         idle_timeout_seconds=idle_timeout, labels=dict(labels or {}), pids_limit=pids_limit,
         network=pb.NetworkPolicy(allow_internet=allow_internet),
-        request_id=request_id or uuid.uuid4().hex)
+        request_id=request_id or uuid.uuid4().hex, public_ports=list(public_ports))
 
 
 #: How often ``create`` tries when the node is unreachable (with the same request_id, so the
@@ -559,12 +570,15 @@ class Client:
                disk_mib: int = 0, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
                pids_limit: int = 0, allow_internet: bool = False,
-               request_id: Optional[str] = None) -> "Sandbox":
+               request_id: Optional[str] = None,
+               public_ports: Iterable[int] = ()) -> "Sandbox":
         """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults.
         ``request_id`` (default: a fresh random one) makes the call idempotent: a Create
-        repeating it returns the sandbox the first one made; retries reuse it."""
+        repeating it returns the sandbox the first one made; retries reuse it.
+        ``public_ports`` are served to everyone without the access token."""
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet, request_id)
+                              idle_timeout, labels, pids_limit, allow_internet, request_id,
+                              public_ports)
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 s = self._call(self._sandboxes.Create, req)
@@ -705,18 +719,29 @@ class Sandbox:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox. Raises
         :class:`Unavailable` when nothing listens there, :class:`InvalidArgument` for a port
         outside 1-65535, :class:`FailedPrecondition` when the sandbox is paused."""
-        return PortStream(self.id, port, self.client._ports)
+        if not self.info.access_token and not self.client.target.startswith("unix:"):
+            self.refresh()  # over TCP a private port needs the token (List omits it)
+        return PortStream(self.id, port, self.client._ports, self.info.access_token)
 
     def port_url(self, port: int) -> PortUrl:
         """Where the node's HTTP entry point serves ``port``; :class:`FailedPrecondition`
         when the node runs without one."""
         _check_port(port)
         r = self._call(self.client._ports.Url, pb.PortUrlRequest(sandbox_id=self.id, port=port))
-        return PortUrl(r.url, r.host, r.address)
+        return PortUrl(r.url, r.host, r.address, r.access_token)
 
     def url(self, port: int) -> str:
-        """``http://PORT-ID.localhost:7080/``: fetch it with any HTTP client on the node."""
+        """``http://PORT-ID-TOKEN.localhost:7080/``: fetch it with any HTTP client on the
+        node (the token is in the host name; none for a public port)."""
         return self.port_url(port).url
+
+    def set_port_public(self, port: int, public: bool = True) -> List[int]:
+        """Opens ``port`` to everyone through the HTTP entry point (no token needed), or
+        with ``public=False`` makes it private again; returns the public ports."""
+        _check_port(port)
+        r = self._call(self.client._ports.SetPublic,
+                       pb.SetPortPublicRequest(sandbox_id=self.id, port=port, public=public))
+        return list(r.public_ports)
 
     def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
@@ -766,9 +791,9 @@ class PortStream:
 
     _END = object()
 
-    def __init__(self, sandbox_id: str, port: int, stub: rpc.PortsStub):
+    def __init__(self, sandbox_id: str, port: int, stub: rpc.PortsStub, token: str = ""):
         self._requests: "queue.Queue" = queue.Queue()
-        self._requests.put(_port_open(sandbox_id, port))
+        self._requests.put(_port_open(sandbox_id, port, token))
         self._write_closed = False
         self._read_closed = False
         self._call = stub.Open(iter(self._requests.get, self._END))
@@ -888,9 +913,11 @@ class AsyncClient:
                      env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                      idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
                      pids_limit: int = 0, allow_internet: bool = False,
-                     request_id: Optional[str] = None) -> "AsyncSandbox":
+                     request_id: Optional[str] = None,
+                     public_ports: Iterable[int] = ()) -> "AsyncSandbox":
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet, request_id)
+                              idle_timeout, labels, pids_limit, allow_internet, request_id,
+                              public_ports)
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 s = await self._call(self._sandboxes.Create, req)
@@ -1004,13 +1031,18 @@ class AsyncSandbox:
     async def open_port(self, port: int) -> AsyncPortStream:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox (see
         :meth:`Sandbox.open_port`)."""
-        return await AsyncPortStream._open(self.id, port, self.client._ports)
+        if not self.info.access_token and not self.client.target.startswith("unix:"):
+            s = await self.client._call(self.client._sandboxes.Get,
+                                        pb.GetSandboxRequest(sandbox_id=self.id))
+            self.info = SandboxInfo._from(s)
+        return await AsyncPortStream._open(self.id, port, self.client._ports,
+                                           self.info.access_token)
 
     async def port_url(self, port: int) -> PortUrl:
         _check_port(port)
         r = await self.client._call(self.client._ports.Url,
                                     pb.PortUrlRequest(sandbox_id=self.id, port=port))
-        return PortUrl(r.url, r.host, r.address)
+        return PortUrl(r.url, r.host, r.address, r.access_token)
 
     async def url(self, port: int) -> str:
         return (await self.port_url(port)).url
@@ -1044,8 +1076,9 @@ class AsyncPortStream:
         self._read_closed = False
 
     @classmethod
-    async def _open(cls, sandbox_id: str, port: int, stub: rpc.PortsStub) -> "AsyncPortStream":
-        request = _port_open(sandbox_id, port)
+    async def _open(cls, sandbox_id: str, port: int, stub: rpc.PortsStub,
+                    token: str = "") -> "AsyncPortStream":
+        request = _port_open(sandbox_id, port, token)
         call = stub.Open()
         try:
             await call.write(request)

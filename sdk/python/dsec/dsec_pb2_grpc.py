@@ -1253,6 +1253,11 @@ class PortsStub:
                 request_serializer=dsec__pb2.PortUrlRequest.SerializeToString,
                 response_deserializer=dsec__pb2.PortUrl.FromString,
                 _registered_method=True)
+        self.SetPublic = channel.unary_unary(
+                '/dsec.v1.Ports/SetPublic',
+                request_serializer=dsec__pb2.SetPortPublicRequest.SerializeToString,
+                response_deserializer=dsec__pb2.SetPortPublicResponse.FromString,
+                _registered_method=True)
 
 
 class PortsServicer:
@@ -1276,8 +1281,17 @@ class PortsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Url(self, request, context):
-        """The HTTP address of a sandbox port on this node's HTTP entry point. FAILED_PRECONDITION
-        when the daemon serves no HTTP entry point.
+        """The HTTP address of a sandbox port on this node's HTTP entry point, with the sandbox's
+        access token in it unless the port is public. FAILED_PRECONDITION when the daemon serves
+        no HTTP entry point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPublic(self, request, context):
+        """Opens a port to everyone (public = true) or makes it private again; takes effect for new
+        connections at once. Returns the sandbox's public ports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1295,6 +1309,11 @@ def add_PortsServicer_to_server(servicer, server):
                     servicer.Url,
                     request_deserializer=dsec__pb2.PortUrlRequest.FromString,
                     response_serializer=dsec__pb2.PortUrl.SerializeToString,
+            ),
+            'SetPublic': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPublic,
+                    request_deserializer=dsec__pb2.SetPortPublicRequest.FromString,
+                    response_serializer=dsec__pb2.SetPortPublicResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1355,6 +1374,33 @@ class Ports:
             '/dsec.v1.Ports/Url',
             dsec__pb2.PortUrlRequest.SerializeToString,
             dsec__pb2.PortUrl.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPublic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Ports/SetPublic',
+            dsec__pb2.SetPortPublicRequest.SerializeToString,
+            dsec__pb2.SetPortPublicResponse.FromString,
             options,
             channel_credentials,
             insecure,

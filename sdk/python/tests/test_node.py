@@ -630,7 +630,9 @@ class PortsTest(NodeTest):
 
             # The URL helper and a real HTTP client on the entry point.
             u = a.port_url(8080)
-            self.assertEqual(u.host, f"8080-{a.id}.localhost")
+            self.assertEqual(len(a.info.access_token), 32)
+            self.assertEqual(u.access_token, a.info.access_token)
+            self.assertEqual(u.host, f"8080-{a.id}-{a.info.access_token}.localhost")
             self.assertEqual(a.url(8080), u.url)
             self.assertTrue(u.url.startswith(f"http://{u.host}:"), u.url)
             host, port = u.address.rsplit(":", 1)
@@ -646,12 +648,31 @@ class PortsTest(NodeTest):
             self.assertEqual(r.status, 200)
             self.assertTrue(r.read() == big, "1 MiB body through the entry point differs")
             conn.close()
-            conn = http.client.HTTPConnection(host, int(port), timeout=20)
-            conn.request("GET", "/", headers={"Host": "8080-sb-000000000000.localhost"})
-            r = conn.getresponse()
-            self.assertEqual(r.status, 404)
-            self.assertIn(b"no sandbox", r.read())
-            conn.close()
+            # Private by default: no token, or another sandbox's, is 401 like an unknown
+            # sandbox; the header works as well as the host name; public ports need none.
+            def status(host_header, token=None):
+                conn = http.client.HTTPConnection(host, int(port), timeout=20)
+                headers = {"Host": host_header}
+                if token:
+                    headers["X-Dsec-Access-Token"] = token
+                conn.request("GET", "/index.html", headers=headers)
+                r = conn.getresponse()
+                out = (r.status, r.read())
+                conn.close()
+                return out
+
+            code, body = status(f"8080-{a.id}.localhost")
+            self.assertEqual(code, 401)
+            self.assertIn(b"X-Dsec-Access-Token", body)
+            self.assertEqual(status(f"8080-{a.id}.localhost", b.info.access_token)[0], 401)
+            self.assertEqual(status("8080-sb-000000000000.localhost"), (code, body))
+            self.assertEqual(status(f"8080-{a.id}.localhost", a.info.access_token),
+                             (200, b"page of A\n"))
+            self.assertEqual(a.set_port_public(8080), [8080])
+            self.assertEqual(status(f"8080-{a.id}.localhost"), (200, b"page of A\n"))
+            self.assertEqual(a.port_url(8080).host, f"8080-{a.id}.localhost")
+            self.assertEqual(a.set_port_public(8080, False), [])
+            self.assertEqual(status(f"8080-{a.id}.localhost")[0], 401)
 
             # asyncio: the same through AsyncSandbox.
             async def main():

@@ -234,6 +234,8 @@ impl ExecSession {
 #[derive(Clone, Debug)]
 pub struct Client {
     channel: Channel,
+    /// Connected over TCP: port streams need the sandbox's access token there.
+    tcp: bool,
 }
 
 impl Client {
@@ -264,7 +266,10 @@ impl Client {
                 .await
                 .map_err(|e| err(e.to_string()))?
         };
-        Ok(Self { channel })
+        Ok(Self {
+            channel,
+            tcp: !target.starts_with("unix:"),
+        })
     }
 
     fn sandboxes(&self) -> SandboxesClient<Channel> {
@@ -504,13 +509,31 @@ impl Client {
     /// A TCP connection to 127.0.0.1:`port` inside the sandbox (a server an agent started
     /// there). Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or > 65535),
     /// FAILED_PRECONDITION (paused), UNAVAILABLE (nothing listens on the port).
+    /// Over TCP the node wants the sandbox's access token for a private port: it is fetched
+    /// with Get (use [`open_port_with_token`](Self::open_port_with_token) to pass it).
     pub async fn open_port(&self, id: &str, port: u32) -> Result<PortStream> {
+        let token = if self.tcp {
+            self.get(id).await?.access_token
+        } else {
+            String::new()
+        };
+        self.open_port_with_token(id, port, &token).await
+    }
+
+    /// [`open_port`](Self::open_port) with the sandbox's access token given (empty: none).
+    pub async fn open_port_with_token(
+        &self,
+        id: &str,
+        port: u32,
+        access_token: &str,
+    ) -> Result<PortStream> {
         let (tx, rx) = mpsc::channel(8);
         let _ = tx
             .send(PortRequest {
                 kind: Some(port_request::Kind::Open(PortOpen {
                     sandbox_id: id.into(),
                     port,
+                    access_token: access_token.into(),
                 })),
             })
             .await;
@@ -531,8 +554,9 @@ impl Client {
     }
 
     /// The URL of a sandbox port on the node's HTTP entry point
-    /// (`http://8080-sb-0123456789ab.localhost:7080/`), with the Host header that routes to
-    /// it. FAILED_PRECONDITION when the node serves no HTTP entry point.
+    /// (`http://8080-sb-0123456789ab-TOKEN.localhost:7080/`, without the token for a public
+    /// port), with the Host header that routes to it. FAILED_PRECONDITION when the node
+    /// serves no HTTP entry point.
     pub async fn port_url(&self, id: &str, port: u32) -> Result<PortUrl> {
         Ok(PortsClient::new(self.channel.clone())
             .url(PortUrlRequest {
@@ -541,6 +565,20 @@ impl Client {
             })
             .await?
             .into_inner())
+    }
+
+    /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns
+    /// the sandbox's public ports.
+    pub async fn set_port_public(&self, id: &str, port: u32, public: bool) -> Result<Vec<u32>> {
+        Ok(PortsClient::new(self.channel.clone())
+            .set_public(SetPortPublicRequest {
+                sandbox_id: id.into(),
+                port,
+                public,
+            })
+            .await?
+            .into_inner()
+            .public_ports)
     }
 
     /// Starts a command and returns a handle to drive it live: send stdin, signals and

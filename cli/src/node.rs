@@ -27,6 +27,7 @@ fn state(s: &Sandbox) -> &'static str {
         3 => "paused",
         1 => "creating",
         4 => "stopping",
+        5 => "dead",
         _ => "unknown",
     }
 }
@@ -50,6 +51,7 @@ pub fn sandbox_json(s: &Sandbox) -> serde_json::Value {
         "request_id": s.request_id, "public_ports": s.public_ports,
         // Only in replies about one sandbox (inspect, create --json), never in ls.
         "access_token": s.access_token,
+        "death_reason": s.death_reason, "died_at_unix_ms": s.died_at_unix_ms,
         "usage": {"memory_bytes": usage.memory_bytes, "cpu_usage_ns": usage.cpu_usage_ns, "pids": usage.pids},
     })
 }

@@ -1,5 +1,6 @@
 //! The node API's rules through a real `dsec-edge` (container backend): input bounds at their
-//! limits, refused network policies, paged List. Run as root: `cargo test -p dsec-edge --test api`.
+//! limits, refused network policies, paged List, admission, idempotent Create, and what is
+//! left of a sandbox that died. Run as root: `cargo test -p dsec-edge --test api`.
 
 mod daemon;
 
@@ -429,5 +430,151 @@ async fn creates_with_one_request_id_make_one_sandbox() {
     for id in [c.id, d.id, e.id, f.id] {
         client.delete(&id).await.unwrap();
     }
+    drop(daemon);
+}
+
+async fn get_dead(client: &Client, id: &str) -> dsec_sdk::Sandbox {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let sb = client.get(id).await.unwrap();
+        if sb.state == dsec_sdk::SandboxState::Dead as i32 {
+            return sb;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the reaper never buried {id}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+fn kill9(pid: u32) {
+    // SAFETY: kill(2) on a sandbox process this test created; no memory is involved.
+    let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert_eq!(rc, 0, "kill {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_sandbox_keeps_its_reason_and_logs() {
+    let (daemon, client) = Daemon::start("dead", &[]).await;
+    let sb = client
+        .create(request(HashMap::new(), HashMap::new()))
+        .await
+        .unwrap();
+    // An exec in flight when the agent dies ends with the reason, not a transport error.
+    let mut running = client
+        .exec_stream(ExecStart {
+            sandbox_id: sb.id.clone(),
+            argv: vec!["sh".into(), "-c".into(), "echo started; sleep 60".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    loop {
+        match running.next().await.unwrap() {
+            Some(dsec_sdk::ExecEvent::Stdout(d)) if d.starts_with(b"started") => break,
+            Some(_) => {}
+            None => panic!("the command ended early"),
+        }
+    }
+    kill9(sb.pid);
+    let err = loop {
+        match running.next().await {
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("the exec ended without an error"),
+            Err(err) => break err,
+        }
+    };
+    assert_eq!(err.code(), Some(tonic::Code::FailedPrecondition), "{err}");
+    assert!(err.to_string().contains("killed by SIGKILL"), "{err}");
+    drop(running);
+
+    // Get keeps showing it, dead, with the reason; it is gone from List.
+    let dead = get_dead(&client, &sb.id).await;
+    assert_eq!(
+        dead.death_reason, "the agent was killed by SIGKILL",
+        "{dead:?}"
+    );
+    assert!(dead.died_at_unix_ms > 0);
+    assert!(client.list(HashMap::new()).await.unwrap().is_empty());
+    // Runtime calls name the reason.
+    for result in [
+        client.exec(&sb.id, &["true"], None).await.map(|_| ()),
+        client.read_file(&sb.id, "/etc/passwd").await.map(|_| ()),
+        client.open_port(&sb.id, 80).await.map(|_| ()),
+    ] {
+        let (status, text) = code(result);
+        assert_eq!(status, tonic::Code::FailedPrecondition, "{text}");
+        assert!(
+            text.contains("is dead: the agent was killed by SIGKILL"),
+            "{text}"
+        );
+    }
+    // Logs serve the kept tails: the daemon's events (with the death) and the agent's log.
+    let mut logs: HashMap<String, Vec<u8>> = HashMap::new();
+    client
+        .logs(&sb.id, false, |chunk| {
+            logs.entry(chunk.source).or_default().extend(chunk.data)
+        })
+        .await
+        .unwrap();
+    let events = String::from_utf8_lossy(&logs["events"]).into_owned();
+    assert!(
+        events.contains("died: the agent was killed by SIGKILL"),
+        "{events}"
+    );
+    assert!(
+        logs.contains_key("agent"),
+        "no agent log kept: {:?}",
+        logs.keys()
+    );
+    // Nothing of it is left on the host.
+    assert!(!daemon.state.join("sandboxes").join(&sb.id).exists());
+    // Delete forgets the tombstone.
+    client.delete(&sb.id).await.unwrap();
+    assert_eq!(code(client.get(&sb.id).await).0, tonic::Code::NotFound);
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_dying_after_an_oom_kill_says_out_of_memory() {
+    let (daemon, client) = Daemon::start("oom", &[]).await;
+    let sb = client
+        .create(CreateSandboxRequest {
+            memory_mib: 48,
+            disk_mib: 16,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // A shell that grows past the 64 MiB limit is killed by the cgroup's OOM killer.
+    let out = client
+        .exec(
+            &sb.id,
+            &[
+                "sh",
+                "-c",
+                "x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo ${#x}",
+            ],
+            None,
+        )
+        .await;
+    assert!(
+        out.as_ref().map_or(true, |o| o.exit_code() != 0),
+        "200 MB fit in a 64 MiB sandbox: {out:?}"
+    );
+    kill9(sb.pid);
+    let dead = get_dead(&client, &sb.id).await;
+    assert!(
+        dead.death_reason.starts_with("the agent was killed by SIGKILL (out of memory: the memory cgroup's oom_kill count rose to"),
+        "{}",
+        dead.death_reason
+    );
+    assert!(
+        dead.death_reason.contains("its limit is 64 MiB"),
+        "{}",
+        dead.death_reason
+    );
+    client.delete(&sb.id).await.unwrap();
     drop(daemon);
 }

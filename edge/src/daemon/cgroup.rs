@@ -207,6 +207,24 @@ pub fn memory_limit(dirs: &[PathBuf]) -> Option<u64> {
     })
 }
 
+/// How often the memory cgroup's OOM killer struck (`oom_kill` of v1 memory.oom_control or v2
+/// memory.events), if the kernel says.
+pub fn oom_kills(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        ["memory.oom_control", "memory.events"]
+            .iter()
+            .find_map(|f| {
+                std::fs::read_to_string(dir.join(f))
+                    .ok()?
+                    .lines()
+                    .find_map(|l| l.strip_prefix("oom_kill "))?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+    })
+}
+
 /// Memory in use (bytes), CPU time (ns) and number of processes.
 pub fn usage(dirs: &[PathBuf]) -> (u64, u64, u64) {
     let read = |p: PathBuf| -> Option<u64> {

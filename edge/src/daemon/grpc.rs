@@ -14,7 +14,7 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::limits::{self, check_env, check_labels, check_len};
-use super::node::{Claim, Demand, Entry, Node, Plan};
+use super::node::{Claim, Demand, Entry, Node, Plan, LOG_SOURCES};
 use crate::sandbox::BackendKind;
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
@@ -110,6 +110,38 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
         memory_limit_bytes: super::cgroup::memory_limit(&r.cgroups)
             .map(|b| b as i64)
             .unwrap_or(r.memory_limit_mib << 20),
+        death_reason: String::new(),
+        died_at_unix_ms: 0,
+    }
+}
+
+/// What Get shows of a sandbox that died.
+fn tombstone_proto(t: &super::node::Tombstone) -> api::Sandbox {
+    let r = &t.record;
+    api::Sandbox {
+        id: r.handle.id.clone(),
+        backend: backend_of(&r.handle.backend),
+        image: r.image.clone(),
+        state: SandboxState::Dead as i32,
+        vcpus: r.vcpus,
+        memory_mib: r.memory_mib,
+        disk_mib: r.disk_mib,
+        pids_limit: r.pids_limit,
+        labels: r.labels.clone().into_iter().collect(),
+        created_at_unix_ms: r.created_at_ms,
+        expires_at_unix_ms: r.expires_at_ms,
+        idle_timeout_seconds: r.idle_timeout_s,
+        last_activity_unix_ms: t.last_activity_ms,
+        pid: r.handle.pid as u32,
+        parent_id: r.parent_id.clone(),
+        usage: None,
+        network: Some(NetworkPolicy::default()),
+        memory_limit_bytes: r.memory_limit_mib << 20,
+        request_id: r.request_id.clone(),
+        access_token: String::new(),
+        public_ports: Vec::new(),
+        death_reason: t.reason.clone(),
+        died_at_unix_ms: t.died_at_ms,
     }
 }
 
@@ -391,8 +423,14 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         &self,
         request: Request<GetSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
-        let entry = self.0.get(&request.into_inner().sandbox_id)?;
-        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+        let id = request.into_inner().sandbox_id;
+        match self.0.get(&id) {
+            Ok(entry) => Ok(Response::new(sandbox_proto(&self.0, &entry))),
+            Err(status) => match self.0.tombstone(&id) {
+                Some(t) => Ok(Response::new(tombstone_proto(&t))),
+                None => Err(status),
+            },
+        }
     }
 
     async fn list(
@@ -452,6 +490,9 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<DeleteSandboxRequest>,
     ) -> Result<Response<DeleteSandboxResponse>, Status> {
         let id = request.into_inner().sandbox_id;
+        if self.0.get(&id).is_err() && self.0.remove_tombstone(&id) {
+            return Ok(Response::new(DeleteSandboxResponse {}));
+        }
         self.0.get(&id)?;
         self.0.delete(&id, "requested").await?;
         Ok(Response::new(DeleteSandboxResponse {}))
@@ -537,18 +578,35 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<LogsRequest>,
     ) -> Result<Response<Self::LogsStream>, Status> {
         let r = request.into_inner();
-        let entry = self.0.get(&r.sandbox_id)?;
+        let entry = match self.0.get(&r.sandbox_id) {
+            Ok(entry) => entry,
+            Err(status) => {
+                let Some(t) = self.0.tombstone(&r.sandbox_id) else {
+                    return Err(status);
+                };
+                // A dead sandbox: the kept tails, no following.
+                let (tx, rx) = mpsc::channel(LOG_SOURCES.len());
+                for (source, data) in &t.logs {
+                    let start = if r.tail_bytes > 0 {
+                        data.len().saturating_sub(r.tail_bytes as usize)
+                    } else {
+                        0
+                    };
+                    let chunk = LogChunk {
+                        source: source.to_string(),
+                        data: data[start..].to_vec(),
+                    };
+                    let _ = tx.try_send(Ok(chunk));
+                }
+                return Ok(Response::new(ReceiverStream::new(rx)));
+            }
+        };
         let dir = entry.record().handle.dir.clone();
         let node = self.0.clone();
         let id = r.sandbox_id.clone();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
-            let sources = [
-                ("events", "events.log"),
-                ("agent", "agent.log"),
-                ("vmm", "vmm.log"),
-                ("serial", "serial.log"),
-            ];
+            let sources = LOG_SOURCES;
             let mut offsets = [0u64; 4];
             for (i, (_, file)) in sources.iter().enumerate() {
                 let len = std::fs::metadata(dir.join(file))
@@ -675,12 +733,15 @@ impl process_server::Process for ProcessService {
         let responses = client
             .exec(ReceiverStream::new(rx))
             .await
-            .map_err(|s| agent_status(&id, s))?
+            .map_err(|s| self.0.agent_error(&entry, s))?
             .into_inner();
         let touch = entry.clone();
+        let node = self.0.clone();
         let stream = responses.map(move |item| {
             touch.touch();
+            // An agent that died mid-command: say why, not "h2 protocol error".
             item.map(|m| transcode::<agent::ExecResponse, ExecResponse>(&m))
+                .map_err(|s| node.agent_error(&touch, s))
         });
         Ok(Response::new(Box::pin(stream)))
     }

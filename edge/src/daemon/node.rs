@@ -140,6 +140,8 @@ pub struct Entry {
     pub last_activity_ms: AtomicI64,
     /// Creates with its request_id that returned it (a retry counts as a claim).
     pub claims: AtomicU64,
+    /// Why its agent / VMM died, once seen (computed once: it reaps the process).
+    pub death: std::sync::OnceLock<String>,
 }
 
 impl Entry {
@@ -297,6 +299,80 @@ pub enum Claim {
     Wait(tokio::sync::watch::Receiver<CreateOutcome>),
 }
 
+/// How long a dead sandbox's tombstone (state, reason, log tails) is kept.
+pub const TOMBSTONE_KEEP: Duration = Duration::from_secs(600);
+/// Most tombstones kept (the oldest go first).
+pub const MAX_TOMBSTONES: usize = 1000;
+/// Bytes kept of the end of each of a dead sandbox's logs.
+pub const TOMBSTONE_LOG_BYTES: u64 = 16 << 10;
+
+/// What is left of a sandbox whose agent or VMM died, for Get and Logs.
+pub struct Tombstone {
+    pub record: Record,
+    pub reason: String,
+    pub died_at_ms: i64,
+    pub last_activity_ms: i64,
+    /// (source, tail of its log), as Logs names them.
+    pub logs: Vec<(&'static str, Vec<u8>)>,
+}
+
+/// The log files of a sandbox directory, by the source names of the Logs call.
+pub const LOG_SOURCES: [(&str, &str); 4] = [
+    ("events", "events.log"),
+    ("agent", "agent.log"),
+    ("vmm", "vmm.log"),
+    ("serial", "serial.log"),
+];
+
+/// The last `max` bytes of a file (empty if it is missing).
+fn tail_bytes(path: &Path, max: u64) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(max)));
+    let mut out = Vec::new();
+    let _ = file.take(max).read_to_end(&mut out);
+    out
+}
+
+/// Why a sandbox's process is gone: its exit status when this daemon is its parent (reaping
+/// it), and whether the memory cgroup's OOM killer struck.
+fn describe_death(record: &Record) -> String {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let container = record.handle.backend == BackendKind::Container.as_str();
+    let mut reason = if container {
+        let pid = nix::unistd::Pid::from_raw(record.handle.pid);
+        // A dying multi-threaded leader shows as a zombie before its other threads are gone,
+        // and waitpid reports it only then: give it a moment.
+        let mut status = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+        for _ in 0..200 {
+            if !matches!(status, Ok(WaitStatus::StillAlive)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            status = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+        }
+        match status {
+            Ok(WaitStatus::Exited(_, code)) => format!("the agent exited with code {code}"),
+            Ok(WaitStatus::Signaled(_, signal, _)) => {
+                format!("the agent was killed by {}", signal.as_str())
+            }
+            _ => "the agent process is gone (exit status unknown: it is not this daemon's child, e.g. adopted after a restart)".to_string(),
+        }
+    } else {
+        "the VMM process exited".to_string()
+    };
+    if let Some(kills) = cgroup::oom_kills(&record.cgroups).filter(|n| *n > 0) {
+        reason.push_str(&format!(
+            " (out of memory: the memory cgroup's oom_kill count rose to {kills}; its limit is {} MiB, memory plus the disk: give the sandbox more memory_mib or write less to its disk and tmpfs)",
+            record.demand().memory_mib
+        ));
+    }
+    reason
+}
+
 /// Why a sandbox was removed by the node itself.
 #[derive(Clone, Copy, Debug)]
 pub enum ReapReason {
@@ -388,6 +464,16 @@ pub struct Node {
     pub images: ImageMounts,
     /// Create request_ids: in flight, or the sandbox they made.
     requests: Mutex<HashMap<String, RequestState>>,
+    /// Sandboxes that died, oldest first.
+    tombstones: Mutex<std::collections::VecDeque<Arc<Tombstone>>>,
+}
+
+/// What calls to a dead sandbox get.
+pub fn dead_status(id: &str, reason: &str) -> Status {
+    Status::failed_precondition(format!(
+        "sandbox {id} is dead: {reason}. Get and Logs (`dsec logs {id}`) still show it for {} minutes; create a new sandbox",
+        TOMBSTONE_KEEP.as_secs() / 60
+    ))
 }
 
 /// Maps a library error to a status whose message says what to do.
@@ -490,6 +576,7 @@ impl Node {
             catalog: Catalog::new(&config.artifacts.home),
             images: ImageMounts::new(&config.state_dir, &config.invocation),
             requests: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(std::collections::VecDeque::new()),
             config,
         });
         node.adopt().await;
@@ -550,6 +637,7 @@ impl Node {
                         client,
                         last_activity_ms: AtomicI64::new(now_ms()),
                         claims: AtomicU64::new(0),
+                        death: std::sync::OnceLock::new(),
                     });
                     kept.insert(id.clone());
                     self.lock().insert(id, entry);
@@ -715,16 +803,99 @@ impl Node {
                 super::limits::MAX_SANDBOX_ID
             )));
         }
-        self.lock().get(id).cloned().ok_or_else(|| {
-            Status::not_found(format!(
-                "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
-            ))
-        })
+        if let Some(entry) = self.lock().get(id).cloned() {
+            return Ok(entry);
+        }
+        if let Some(t) = self.tombstone(id) {
+            return Err(dead_status(id, &t.reason));
+        }
+        Err(Status::not_found(format!(
+            "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
+        )))
     }
 
-    /// The sandbox if it can run commands now (not paused).
+    /// The tombstone of a sandbox that died (within the last 10 minutes).
+    pub fn tombstone(&self, id: &str) -> Option<Arc<Tombstone>> {
+        self.tombstones
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .rev()
+            .find(|t| t.record.handle.id == id)
+            .cloned()
+    }
+
+    /// Forgets a tombstone (Delete of a dead sandbox); whether there was one.
+    pub fn remove_tombstone(&self, id: &str) -> bool {
+        let mut all = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
+        let before = all.len();
+        all.retain(|t| t.record.handle.id != id);
+        all.len() != before
+    }
+
+    fn bury(&self, tombstone: Tombstone) {
+        let mut all = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
+        all.push_back(Arc::new(tombstone));
+        let cutoff = now_ms() - TOMBSTONE_KEEP.as_millis() as i64;
+        while all
+            .front()
+            .is_some_and(|t| all.len() > MAX_TOMBSTONES || t.died_at_ms < cutoff)
+        {
+            all.pop_front();
+        }
+    }
+
+    /// Why the sandbox's agent / VMM is dead, or None while it runs.
+    pub fn death_reason(&self, entry: &Entry) -> Option<String> {
+        if let Some(reason) = entry.death.get() {
+            return Some(reason.clone());
+        }
+        let record = entry.record();
+        if record.handle.is_alive() {
+            return None;
+        }
+        Some(entry.death.get_or_init(|| describe_death(&record)).clone())
+    }
+
+    /// An agent call's error in terms of the sandbox: FAILED_PRECONDITION naming why it died
+    /// when it did (instead of a transport error), else the agent's status.
+    pub fn agent_error(&self, entry: &Entry, status: Status) -> Status {
+        let id = entry.id();
+        let broken = matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+        );
+        if broken && entry.death.get().is_none() {
+            // The connection broke first; the dying process may take a moment to show as
+            // dead (its namespace is torn down before it becomes a zombie).
+            let dead = || !entry.record().handle.is_alive();
+            let wait = || {
+                for _ in 0..100 {
+                    if dead() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(wait)
+                }
+                _ => wait(),
+            }
+        }
+        match self.death_reason(entry) {
+            Some(reason) => dead_status(&id, &reason),
+            None => super::grpc::agent_status(&id, status),
+        }
+    }
+
+    /// The sandbox if it can run commands now (not paused, not dead).
     pub fn running(&self, id: &str) -> Result<Arc<Entry>, Status> {
         let entry = self.get(id)?;
+        if let Some(reason) = self.death_reason(&entry) {
+            return Err(dead_status(id, &reason));
+        }
         if entry.record().paused {
             return Err(Status::failed_precondition(format!(
                 "sandbox {id} is paused: resume it first"
@@ -964,6 +1135,7 @@ impl Node {
             client,
             last_activity_ms: AtomicI64::new(now_ms()),
             claims: AtomicU64::new(0),
+            death: std::sync::OnceLock::new(),
         });
         self.lock().insert(id, entry.clone());
         Ok(entry)
@@ -1297,8 +1469,48 @@ impl Node {
             }
         }
         for (id, reason) in doomed {
-            if self.delete(&id, reason.as_str()).await.is_ok() {
+            let mut why = reason.as_str().to_string();
+            let mut tombstone = None;
+            if let (ReapReason::Died, Ok(entry)) = (reason, self.get(&id)) {
+                let record = entry.record();
+                let image_gone = record
+                    .image_mount
+                    .as_ref()
+                    .is_some_and(|m| dead_images.contains(m));
+                let cause = match self.death_reason(&entry) {
+                    Some(cause) => cause,
+                    None if image_gone => {
+                        "its image server died (the layer-store mount under its root is gone)"
+                            .to_string()
+                    }
+                    None => "its process is gone".to_string(),
+                };
+                why = format!("died: {cause}");
+                entry.event(&why);
+                let logs = LOG_SOURCES
+                    .iter()
+                    .map(|(source, file)| {
+                        (
+                            *source,
+                            tail_bytes(&record.handle.dir.join(file), TOMBSTONE_LOG_BYTES),
+                        )
+                    })
+                    .filter(|(_, data)| !data.is_empty())
+                    .collect();
+                tombstone = Some(Tombstone {
+                    record,
+                    reason: cause,
+                    died_at_ms: now_ms(),
+                    last_activity_ms: entry.last_activity_ms.load(Ordering::Relaxed),
+                    logs,
+                });
+            }
+            if self.delete(&id, &why).await.is_ok() {
                 self.metrics.reaped[reason as usize].fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = tombstone {
+                    tracing::warn!(sandbox = %id, reason = %t.reason, "sandbox died");
+                    self.bury(t);
+                }
             }
         }
     }

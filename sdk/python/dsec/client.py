@@ -174,6 +174,8 @@ class SandboxInfo:
     access_token: str = ""
     #: Ports open to everyone.
     public_ports: Tuple[int, ...] = ()
+    #: State "dead": why its agent / VMM died (Get keeps showing it for 10 minutes).
+    death_reason: str = ""
 
     @classmethod
     def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
@@ -182,7 +184,8 @@ class SandboxInfo:
                    s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
                    s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
                    s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids,
-                   s.memory_limit_bytes, s.request_id, s.access_token, tuple(s.public_ports))
+                   s.memory_limit_bytes, s.request_id, s.access_token, tuple(s.public_ports),
+                   s.death_reason)
 
 
 @dataclass

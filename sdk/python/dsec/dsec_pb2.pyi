@@ -20,6 +20,7 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_PAUSED: _ClassVar[SandboxState]
     SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
+    SANDBOX_STATE_DEAD: _ClassVar[SandboxState]
 
 class FileType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ SANDBOX_STATE_CREATING: SandboxState
 SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_PAUSED: SandboxState
 SANDBOX_STATE_STOPPING: SandboxState
+SANDBOX_STATE_DEAD: SandboxState
 FILE_TYPE_UNSPECIFIED: FileType
 FILE_TYPE_FILE: FileType
 FILE_TYPE_DIR: FileType
@@ -105,7 +107,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class Sandbox(_message.Message):
-    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports")
+    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports", "death_reason", "died_at_unix_ms")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,8 @@ class Sandbox(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
+    DEATH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DIED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     backend: Backend
     image: str
@@ -155,7 +159,9 @@ class Sandbox(_message.Message):
     request_id: str
     access_token: str
     public_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., access_token: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    death_reason: str
+    died_at_unix_ms: int
+    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., access_token: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., death_reason: _Optional[str] = ..., died_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)

@@ -121,7 +121,8 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Stops the sandbox and frees everything it held. Deleting an unknown id is NOT_FOUND.
+        """Stops the sandbox and frees everything it held (of a dead one: forgets its tombstone).
+        Deleting an unknown id is NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,7 +163,8 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Logs(self, request, context):
-        """The sandbox's logs (daemon events, agent or VMM log, serial console).
+        """The sandbox's logs (daemon events, agent or VMM log, serial console). Of a dead sandbox
+        the last 16 KiB of each, for 10 minutes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

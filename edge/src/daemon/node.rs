@@ -861,10 +861,13 @@ impl Node {
     /// when it did (instead of a transport error), else the agent's status.
     pub fn agent_error(&self, entry: &Entry, status: Status) -> Status {
         let id = entry.id();
+        let text = status.message();
         let broken = matches!(
             status.code(),
             tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
-        );
+        ) && ["h2 protocol", "transport", "connect", "broken pipe"]
+            .iter()
+            .any(|w| text.contains(w));
         if broken && entry.death.get().is_none() {
             // The connection broke first; the dying process may take a moment to show as
             // dead (its namespace is torn down before it becomes a zombie).

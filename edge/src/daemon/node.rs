@@ -708,6 +708,11 @@ impl Node {
         };
         let mut requests = self.requests();
         match requests.get(request_id) {
+            // A create task that ended without reporting (it panicked): forget it.
+            Some(RequestState::InFlight { done, .. }) if done.has_changed().is_err() => {
+                requests.remove(request_id);
+                self.claim_new(&mut requests, request_id, fingerprint)
+            }
             Some(RequestState::InFlight {
                 fingerprint: f,
                 done,

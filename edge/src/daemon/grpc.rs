@@ -778,7 +778,8 @@ impl files_server::Files for FilesService {
         let stream = self
             .files(&r.sandbox_id)?
             .read_file(agent::ReadFileRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner()
             .map(|item| item.map(|c| FileChunk { data: c.data }));
         Ok(Response::new(Box::pin(stream)))
@@ -856,7 +857,8 @@ impl files_server::Files for FilesService {
         let out = self
             .files(&r.sandbox_id)?
             .list_dir(agent::ListDirRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -867,7 +869,8 @@ impl files_server::Files for FilesService {
         let out = self
             .files(&r.sandbox_id)?
             .stat(agent::StatRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -884,7 +887,8 @@ impl files_server::Files for FilesService {
                 parents: r.parents,
                 mode: r.mode,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(MkdirResponse {}))
     }
 
@@ -899,7 +903,8 @@ impl files_server::Files for FilesService {
                 path,
                 recursive: r.recursive,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(RemoveResponse {}))
     }
 
@@ -912,7 +917,8 @@ impl files_server::Files for FilesService {
         let to = path_arg("to", &r.to)?;
         self.files(&r.sandbox_id)?
             .rename(agent::RenameRequest { from, to })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(RenameResponse {}))
     }
 }
@@ -954,7 +960,8 @@ impl sessions_server::Sessions for SessionsService {
                 env,
                 workdir: r.workdir,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -982,7 +989,8 @@ impl sessions_server::Sessions for SessionsService {
                 wait: r.wait,
                 output_limit: r.output_limit,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         self.0.get(&r.sandbox_id).map(|e| e.touch()).ok();
         Ok(Response::new(transcode(&out)))
@@ -1000,7 +1008,8 @@ impl sessions_server::Sessions for SessionsService {
                 command_id: r.command_id,
                 wait: r.wait,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -1014,7 +1023,8 @@ impl sessions_server::Sessions for SessionsService {
             .close_session(agent::CloseSessionRequest {
                 session_id: r.session_id,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(CloseSessionResponse {}))
     }
 
@@ -1026,7 +1036,8 @@ impl sessions_server::Sessions for SessionsService {
         let out = self
             .sessions(&r.sandbox_id)?
             .list_sessions(agent::ListSessionsRequest {})
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }

@@ -862,6 +862,15 @@ impl Node {
         Some(entry.death.get_or_init(|| describe_death(&record)).clone())
     }
 
+    /// [`agent_error`](Self::agent_error) for a sandbox named by id (a status as is when the
+    /// sandbox is gone).
+    pub fn call_error(&self, id: &str, status: Status) -> Status {
+        match self.lock().get(id).cloned() {
+            Some(entry) => self.agent_error(&entry, status),
+            None => status,
+        }
+    }
+
     /// An agent call's error in terms of the sandbox: FAILED_PRECONDITION naming why it died
     /// when it did (instead of a transport error), else the agent's status.
     pub fn agent_error(&self, entry: &Entry, status: Status) -> Status {

@@ -76,6 +76,10 @@ enum Command {
         /// How many sandboxes (created concurrently).
         #[arg(long, short = 'n', default_value_t = 1)]
         count: usize,
+        /// A port open to everyone through the HTTP entry point, without the sandbox's access
+        /// token (repeatable; see `dsec port-public`).
+        #[arg(long = "public-port", value_name = "PORT")]
+        public_ports: Vec<u32>,
     },
     /// List sandboxes (optionally only those with all the given labels).
     Ls {
@@ -140,10 +144,18 @@ enum Command {
         ids: Vec<String>,
     },
     /// Print the URL of a port inside a sandbox on the node's HTTP entry point
-    /// (http://PORT-ID.localhost:7080/ by default).
+    /// (http://PORT-ID-TOKEN.localhost:7080/ by default; no token for a public port).
     Url {
         id: String,
         port: u32,
+    },
+    /// Open a sandbox port to everyone through the HTTP entry point (no access token needed),
+    /// or with --private make it private again.
+    PortPublic {
+        id: String,
+        port: u32,
+        #[arg(long)]
+        private: bool,
     },
     /// Forward a local TCP port to a port inside a sandbox, one stream per connection, until
     /// Ctrl-C.
@@ -298,6 +310,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     env,
                     labels,
                     count,
+                    public_ports,
                 } => {
                     let opts = node::CreateOpts {
                         backend,
@@ -310,6 +323,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         env,
                         labels,
                         count,
+                        public_ports,
                     };
                     node::create(&c, opts, json).await.map(|()| 0)
                 }
@@ -350,6 +364,11 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 Command::Fork { id, count } => node::fork(&c, &id, count, json).await.map(|()| 0),
                 Command::Top { once } => node::top(&c, once, json).await.map(|()| 0),
                 Command::Url { id, port } => node::url(&c, &id, port, json).await.map(|()| 0),
+                Command::PortPublic { id, port, private } => {
+                    node::port_public(&c, &id, port, !private, json)
+                        .await
+                        .map(|()| 0)
+                }
                 Command::PortForward { id, port, listen } => {
                     node::port_forward(&c, &id, port, listen.as_deref()).await
                 }

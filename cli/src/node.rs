@@ -27,6 +27,7 @@ fn state(s: &Sandbox) -> &'static str {
         3 => "paused",
         1 => "creating",
         4 => "stopping",
+        5 => "dead",
         _ => "unknown",
     }
 }
@@ -46,7 +47,11 @@ pub fn sandbox_json(s: &Sandbox) -> serde_json::Value {
         "vcpus": s.vcpus, "memory_mib": s.memory_mib, "disk_mib": s.disk_mib,
         "pids_limit": s.pids_limit, "labels": s.labels, "created_at_unix_ms": s.created_at_unix_ms,
         "expires_at_unix_ms": s.expires_at_unix_ms, "idle_timeout_seconds": s.idle_timeout_seconds,
-        "pid": s.pid, "parent_id": s.parent_id,
+        "pid": s.pid, "parent_id": s.parent_id, "memory_limit_bytes": s.memory_limit_bytes,
+        "request_id": s.request_id, "public_ports": s.public_ports,
+        // Only in replies about one sandbox (inspect, create --json), never in ls.
+        "access_token": s.access_token,
+        "death_reason": s.death_reason, "died_at_unix_ms": s.died_at_unix_ms,
         "usage": {"memory_bytes": usage.memory_bytes, "cpu_usage_ns": usage.cpu_usage_ns, "pids": usage.pids},
     })
 }
@@ -106,6 +111,7 @@ pub struct CreateOpts {
     pub env: Vec<String>,
     pub labels: Vec<String>,
     pub count: usize,
+    pub public_ports: Vec<u32>,
 }
 
 pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), NodeError> {
@@ -129,6 +135,7 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
         ttl_seconds: o.ttl,
         idle_timeout_seconds: o.idle_timeout,
         labels: parse_labels(&o.labels)?,
+        public_ports: o.public_ports,
         ..Default::default()
     };
     let mut tasks = Vec::new();
@@ -166,7 +173,9 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
 }
 
 pub async fn ls(c: &Client, labels: &[String], json_out: bool) -> Result<(), NodeError> {
-    let list = c.list(parse_labels(labels)?).await?;
+    // The SDK pages through the node's List (by id); shown oldest first.
+    let mut list = c.list(parse_labels(labels)?).await?;
+    list.sort_by_key(|s| s.created_at_unix_ms);
     emit(
         json_out,
         json!(list.iter().map(sandbox_json).collect::<Vec<_>>()),
@@ -188,9 +197,33 @@ pub async fn url(c: &Client, id: &str, port: u32, json_out: bool) -> Result<(), 
     let u = c.port_url(id, port).await?;
     emit(
         json_out,
-        json!({"url": u.url, "host": u.host, "address": u.address}),
+        json!({"url": u.url, "host": u.host, "address": u.address, "access_token": u.access_token}),
         || println!("{}", u.url),
     );
+    Ok(())
+}
+
+/// `dsec port-public ID PORT [--private]`.
+pub async fn port_public(
+    c: &Client,
+    id: &str,
+    port: u32,
+    public: bool,
+    json_out: bool,
+) -> Result<(), NodeError> {
+    let ports = c.set_port_public(id, port, public).await?;
+    emit(json_out, json!({"public_ports": ports}), || {
+        let list: Vec<String> = ports.iter().map(u32::to_string).collect();
+        println!(
+            "port {port} of {id} is {}; public ports: {}",
+            if public { "public" } else { "private" },
+            if list.is_empty() {
+                "none".to_string()
+            } else {
+                list.join(",")
+            }
+        )
+    });
     Ok(())
 }
 

@@ -426,10 +426,17 @@ fn url_and_port_forward_reach_a_server_in_the_sandbox() {
         "mkdir -p /www && echo hello from the sandbox > /www/index.html && busybox httpd -p 127.0.0.1:8080 -h /www",
     ]);
 
-    // `dsec url` prints a URL curl can fetch as-is.
+    // `dsec inspect` shows the access token and the effective memory limit (256 MiB of
+    // memory + the 1024 MiB tmpfs disk charged to it).
+    let info: serde_json::Value = serde_json::from_str(&node.ok(&["inspect", &id])).unwrap();
+    let token = info["access_token"].as_str().unwrap().to_string();
+    assert_eq!(token.len(), 32, "{info}");
+    assert_eq!(info["memory_limit_bytes"], 1280u64 << 20, "{info}");
+
+    // `dsec url` prints a URL curl can fetch as-is: it carries the token.
     let url = node.ok(&["url", &id, "8080"]).trim().to_string();
     assert!(
-        url.starts_with(&format!("http://8080-{id}.localhost:")),
+        url.starts_with(&format!("http://8080-{id}-{token}.localhost:")),
         "{url}"
     );
     let fetch = |url: &str| {
@@ -449,6 +456,30 @@ fn url_and_port_forward_reach_a_server_in_the_sandbox() {
         fetch(&format!("{url}index.html")),
         "hello from the sandbox\n"
     );
+    // Without the token: refused until `dsec port-public` opens the port.
+    let plain = url.replace(&format!("-{token}"), "");
+    let status = |url: &str| {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "10",
+            ])
+            .arg(url)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(status(&format!("{plain}index.html")), "401");
+    node.ok(&["port-public", &id, "8080"]);
+    assert_eq!(status(&format!("{plain}index.html")), "200");
+    assert_eq!(node.ok(&["url", &id, "8080"]).trim(), plain);
+    node.ok(&["port-public", &id, "8080", "--private"]);
+    assert_eq!(status(&format!("{plain}index.html")), "401");
 
     // `dsec port-forward` on a free local port.
     let mut forward = node

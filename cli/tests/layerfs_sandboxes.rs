@@ -565,10 +565,18 @@ fn a_dead_image_server_takes_its_sandboxes_with_it() {
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
+    // Reaped: what is left is its tombstone, naming the cause.
     wait_until("the sandbox is reaped", || {
         rt.block_on(c.get(&first))
-            .is_err_and(|e| e.code() == Some(tonic::Code::NotFound))
+            .is_ok_and(|s| s.state == dsec_sdk::SandboxState::Dead as i32)
     });
+    let dead = rt.block_on(c.get(&first)).unwrap();
+    assert!(
+        dead.death_reason.contains("image server died"),
+        "{}",
+        dead.death_reason
+    );
+    assert!(rt.block_on(c.list(Default::default())).unwrap().is_empty());
     wait_until("the dead mount is gone", || {
         node.layerfs_mounts().is_empty()
     });

@@ -1171,9 +1171,12 @@ impl SandboxHandle {
             match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::StillAlive) => {}
                 Ok(_) => break,
-                // Not our child (adopted after a daemon restart): init reaps it.
+                // Not our child (adopted after a daemon restart): whoever reaps it (init,
+                // a subreaper) may take its time, and a zombie is dead already.
                 Err(_) => {
-                    if proc_stat(self.pid).is_none_or(|(_, start)| start != self.pid_start) {
+                    if proc_stat(self.pid).is_none_or(|(state, start)| {
+                        start != self.pid_start || state == 'Z' || state == 'X'
+                    }) {
                         break;
                     }
                 }

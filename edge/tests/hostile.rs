@@ -7,7 +7,6 @@
 //! Run as root: `cargo test -p dsec-edge --test hostile` (needs the installed debian image
 //! for the system-call attacks, which use python3).
 
-mod common;
 mod daemon;
 
 use std::collections::BTreeMap;
@@ -92,8 +91,8 @@ fn host_uids(pid: u32) -> Vec<u64> {
 
 #[tokio::test]
 async fn sandbox_root_is_an_unprivileged_host_uid() {
-    let daemon = Daemon::start("hostile-uid").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-uid", &[]).await;
+    let c = &c;
     let a = create(c, Default::default()).await;
     let b = create(c, Default::default()).await;
 
@@ -140,13 +139,13 @@ async fn sandbox_root_is_an_unprivileged_host_uid() {
     let (_, other, _) = sh(c, &b, "cat /proc/self/uid_map").await;
     let other_base: u64 = other.split_whitespace().nth(1).unwrap().parse().unwrap();
     assert_ne!(other_base, base, "two sandboxes share a host id range");
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn proc_and_sys_are_hardened() {
-    let daemon = Daemon::start("hostile-proc").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-proc", &[]).await;
+    let c = &c;
     let id = create(c, Default::default()).await;
 
     // Read-only, whatever the caller's privileges: the mount itself says so.
@@ -195,8 +194,8 @@ async fn proc_and_sys_are_hardened() {
         assert!(line.ends_with(":/"), "cgroup path visible: {line}");
     }
     // No host path anywhere: agent arguments, mount sources, socket paths, environment.
-    let state = daemon.dir.to_string_lossy().into_owned();
-    let home = dsec_edge::Artifacts::home().to_string_lossy().into_owned();
+    let state = daemon.state.to_string_lossy().into_owned();
+    let home = daemon::dsec_home().to_string_lossy().into_owned();
     let (_, out, _) = sh(
         c,
         &id,
@@ -219,13 +218,13 @@ async fn proc_and_sys_are_hardened() {
             "host path {leak:?} visible inside:\n{out}"
         );
     }
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn sysctl_and_core_pattern_attacks_change_nothing_on_the_host() {
-    let daemon = Daemon::start("hostile-sysctl").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-sysctl", &[]).await;
+    let c = &c;
     let id = create(c, Default::default()).await;
     let before = host_sysctls();
     assert!(before.len() >= 10, "host sysctls unreadable: {before:?}");
@@ -268,13 +267,13 @@ async fn sysctl_and_core_pattern_attacks_change_nothing_on_the_host() {
     assert_eq!(sh(c, &id, "echo ok").await.1, "ok\n");
     let fresh = create(c, Default::default()).await;
     assert_eq!(sh(c, &fresh, "echo ok").await.1, "ok\n");
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn the_agent_and_the_node_are_out_of_reach() {
-    let daemon = Daemon::start("hostile-agent").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-agent", &[]).await;
+    let c = &c;
     let id = create(c, Default::default()).await;
     let agent = dsec_edge::find_binary("dsec-agent").expect("agent binary");
     let agent_bytes = std::fs::read(&agent).unwrap();
@@ -306,7 +305,7 @@ async fn the_agent_and_the_node_are_out_of_reach() {
     );
 
     // Overwriting the binaries a command runs changes the sandbox's copy only.
-    let image_sh = daemon.dir.join("home/images/busybox/rootfs/bin/busybox");
+    let image_sh = daemon::dsec_home().join("images/busybox/rootfs/bin/busybox");
     let image_bytes = std::fs::read(&image_sh).unwrap();
     let (code, _, err) = sh(
         c,
@@ -321,13 +320,14 @@ async fn the_agent_and_the_node_are_out_of_reach() {
         image_bytes,
         "the image's busybox changed"
     );
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn system_call_escapes_are_refused() {
-    let daemon = Daemon::start_with_images("hostile-syscalls", &["debian"]).await;
-    let c = daemon.client();
+    daemon::use_installed_image("debian");
+    let (daemon, c) = Daemon::start("hostile-syscalls", &[]).await;
+    let c = &c;
     let id = create(
         c,
         CreateSandboxRequest {
@@ -400,13 +400,13 @@ print("escaped=" + ("0" if not os.path.exists("/marker-of-the-sandbox") else "1"
             ),
         }
     }
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn commands_inherit_no_descriptor_of_the_agent() {
-    let daemon = Daemon::start("hostile-fds").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-fds", &[]).await;
+    let c = &c;
     let id = create(c, Default::default()).await;
     // What a command, a background child of it and a PTY command hold (the "leaky vessels"
     // class: a descriptor of the runtime reaching the workload).
@@ -437,13 +437,13 @@ async fn commands_inherit_no_descriptor_of_the_agent() {
             assert!(ok, "inherited descriptor {line}");
         }
     }
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn filling_tmp_shm_and_the_writable_layer_is_enospc_and_the_sandbox_survives() {
-    let daemon = Daemon::start("hostile-fill").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-fill", &[]).await;
+    let c = &c;
     let id = create(
         c,
         CreateSandboxRequest {
@@ -476,13 +476,13 @@ async fn filling_tmp_shm_and_the_writable_layer_is_enospc_and_the_sandbox_surviv
         c.exec(&id, &["rm", path], None).await.unwrap();
     }
     assert_eq!(sh(c, &id, "echo alive").await.1, "alive\n");
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn fork_and_memory_bombs_are_contained() {
-    let daemon = Daemon::start("hostile-bombs").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-bombs", &[]).await;
+    let c = &c;
     let id = create(
         c,
         CreateSandboxRequest {
@@ -530,13 +530,13 @@ async fn fork_and_memory_bombs_are_contained() {
     // The node still creates sandboxes.
     let fresh = create(c, Default::default()).await;
     assert_eq!(sh(c, &fresh, "echo ok").await.1, "ok\n");
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }
 
 #[tokio::test]
 async fn symlink_races_against_file_calls_stay_inside() {
-    let daemon = Daemon::start("hostile-symlinks").await;
-    let c = daemon.client();
+    let (daemon, c) = Daemon::start("hostile-symlinks", &[]).await;
+    let c = &c;
     let id = create(c, Default::default()).await;
     let canary = std::env::temp_dir().join(format!("dsec-canary-{}", std::process::id()));
     std::fs::write(&canary, "host").unwrap();
@@ -594,5 +594,5 @@ async fn symlink_races_against_file_calls_stay_inside() {
         core_pattern
     );
     let _ = std::fs::remove_file(&canary);
-    daemon.stop().await;
+    daemon.stop(c.clone()).await;
 }

@@ -2,207 +2,15 @@
 //! Ports gRPC stream (via the Rust SDK), the daemon's HTTP entry point (with curl), and the
 //! errors of both. Run as root: `cargo test -p dsec-edge --test ports`.
 
+mod daemon;
+
 use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use daemon::Daemon;
 use dsec_sdk::Client;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// DSEC_HOME with the busybox image; the daemon finds the agent next to itself.
-fn dsec_home() -> &'static Path {
-    static HOME: OnceLock<PathBuf> = OnceLock::new();
-    HOME.get_or_init(|| {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "dsec-agent"])
-            .current_dir(workspace_root())
-            .status()
-            .unwrap();
-        assert!(status.success(), "cargo build -p dsec-agent failed");
-        let agent = Path::new(env!("CARGO_BIN_EXE_dsec-edge")).with_file_name("dsec-agent");
-        let home = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ports-home");
-        let status = Command::new(workspace_root().join("guest-agent/mkinitramfs.sh"))
-            .arg("--agent")
-            .arg(&agent)
-            .arg(home.join("images/busybox"))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "mkinitramfs.sh failed");
-        home
-    })
-}
-
-/// Pids whose command line or environment contains `text`.
-fn procs_referencing(text: &str) -> Vec<i32> {
-    dsec_edge::sandbox::pids_referencing(text.as_bytes())
-}
-
-/// A dsec-edge with a private state dir, cgroup name and HTTP port; everything it started is
-/// removed on drop, also when a test fails.
-struct Daemon {
-    child: Child,
-    tag: String,
-    state: PathBuf,
-    socket: String,
-    http: SocketAddr,
-    metrics: SocketAddr,
-}
-
-impl Daemon {
-    async fn start(name: &str, extra: &[&str]) -> (Self, Client) {
-        let tag = format!("dsec-ports-test-{}-{name}", std::process::id());
-        let state = std::env::temp_dir().join(&tag);
-        std::fs::create_dir_all(&state).unwrap();
-        // A free port: bound and released; nothing else on this host races for it in practice.
-        let free = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-        };
-        let (http, metrics) = (free(), free());
-        let log = std::fs::File::create(state.with_extension("log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--metrics", &metrics.to_string()])
-            .args(["--default-backend", "container"])
-            .args(["--cgroup-name", &tag, "--http", &http.to_string()])
-            .args(extra)
-            .env("DSEC_HOME", dsec_home())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let socket = format!("unix:{}", state.join("edge.sock").display());
-        let mut daemon = Self {
-            child,
-            tag,
-            state,
-            socket,
-            http,
-            metrics,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(client) = Client::connect(&daemon.socket).await {
-                if client.node_status().await.is_ok() {
-                    return (daemon, client);
-                }
-            }
-            if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!("dsec-edge exited with {status}: see {}", daemon.log());
-            }
-            assert!(Instant::now() < deadline, "dsec-edge did not come up");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.state.with_extension("log")).unwrap_or_default()
-    }
-
-    /// `curl` against the HTTP entry point: (HTTP status, body).
-    fn curl(&self, host: &str, path: &str, extra: &[&str]) -> (u32, Vec<u8>) {
-        let out = Command::new("curl")
-            .args(["-sS", "--max-time", "20", "-o", "-", "-w", "\n%{http_code}"])
-            .args(["-H", &format!("Host: {host}")])
-            .args(extra)
-            .arg(format!("http://{}{path}", self.http))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "curl {host}{path}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
-        let code = std::str::from_utf8(&out.stdout[split + 1..])
-            .unwrap()
-            .parse()
-            .unwrap();
-        (code, out.stdout[..split].to_vec())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // Sandboxes outlive their daemon by design: delete them through it first.
-        let socket = self.socket.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            runtime.block_on(async {
-                if let Ok(client) = Client::connect(&socket).await {
-                    for sandbox in client.list(Default::default()).await.unwrap_or_default() {
-                        let _ = client.delete(&sandbox.id).await;
-                    }
-                }
-            });
-        })
-        .join();
-        // SAFETY: kill(2) on the daemon we spawned; no memory is involved.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let sandboxes = format!("{}/sandboxes/", self.state.display());
-        for pid in procs_referencing(&sandboxes) {
-            // SAFETY: kill(2) on a process of a sandbox this test created.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        for hierarchy in std::fs::read_dir("/sys/fs/cgroup")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            for base in [hierarchy.path(), PathBuf::from("/sys/fs/cgroup")] {
-                let _ = remove_cgroup_named(&base, &self.tag, 6);
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.state);
-        let _ = std::fs::remove_file(self.state.with_extension("log"));
-    }
-}
-
-/// Removes (bottom-up) every cgroup directory called `name` below `dir`.
-fn remove_cgroup_named(dir: &Path, name: &str, depth: u32) -> std::io::Result<()> {
-    if depth == 0 {
-        return Ok(());
-    }
-    for entry in std::fs::read_dir(dir)?.flatten() {
-        let path = entry.path();
-        if !entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            continue;
-        }
-        if entry.file_name() == name {
-            for child in std::fs::read_dir(&path)?.flatten() {
-                if child.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    let _ = std::fs::remove_dir(child.path());
-                }
-            }
-            let _ = std::fs::remove_dir(&path);
-        } else {
-            let _ = remove_cgroup_named(&path, name, depth - 1);
-        }
-    }
-    Ok(())
-}
 
 /// An HTTP/1.1 keep-alive server for one connection (run by `nc -e`): answers each request
 /// with its number on the connection.
@@ -304,8 +112,10 @@ async fn get_over_grpc(client: &Client, id: &str, path: &str) -> Vec<u8> {
 async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     let (daemon, client) = Daemon::start("reach", &[]).await;
     let big = pattern(1 << 20, 7);
-    let a = client.create(Default::default()).await.unwrap().id;
-    let b = client.create(Default::default()).await.unwrap().id;
+    let a = client.create(Default::default()).await.unwrap();
+    let b = client.create(Default::default()).await.unwrap();
+    let (tok_a, tok_b) = (a.access_token, b.access_token);
+    let (a, b) = (a.id, b.id);
     start_httpd(&client, &a, "page of A\n", &big).await;
     start_httpd(&client, &b, "page of B\n", &big[..1000]).await;
 
@@ -321,8 +131,8 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     assert!(get_over_grpc(&client, &a, "/big.bin").await == big);
 
     // (b) The HTTP entry point with curl: routed by Host, two sandboxes on one port apart.
-    let host_a = format!("8080-{a}.localhost");
-    let host_b = format!("8080-{b}.localhost");
+    let host_a = format!("8080-{a}-{tok_a}.localhost");
+    let host_b = format!("8080-{b}-{tok_b}.localhost");
     assert_eq!(
         daemon.curl(&host_a, "/index.html", &[]),
         (200, b"page of A\n".to_vec())
@@ -400,7 +210,7 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     )
     .await;
     wait_listening(&client, &a, 9001).await;
-    let url = format!("http://9001-{a}.localhost:{}/", daemon.http.port());
+    let url = format!("http://9001-{a}-{tok_a}.localhost:{}/", daemon.http.port());
     let out = Command::new("curl")
         .args(["-sS", "-v", "--max-time", "20"])
         .args([&url, &url, &url])
@@ -420,8 +230,9 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
     socket
         .set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let head =
-        format!("GET /ws HTTP/1.1\r\nHost: 9000-{a}.localhost\r\nUpgrade: websocket\r\n\r\n");
+    let head = format!(
+        "GET /ws HTTP/1.1\r\nHost: 9000-{a}-{tok_a}.localhost\r\nUpgrade: websocket\r\n\r\n"
+    );
     socket.write_all(head.as_bytes()).unwrap();
     let mut echoed = vec![0u8; head.len()];
     socket.read_exact(&mut echoed).unwrap();
@@ -461,7 +272,8 @@ async fn servers_in_sandboxes_reached_over_grpc_and_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_ports_and_sandboxes_get_clear_errors() {
     let (daemon, client) = Daemon::start("errors", &[]).await;
-    let id = client.create(Default::default()).await.unwrap().id;
+    let sb = client.create(Default::default()).await.unwrap();
+    let (id, token) = (sb.id, sb.access_token);
 
     // Closed port: UNAVAILABLE naming port and sandbox; 502 with the same text over HTTP.
     let err = client.open_port(&id, 8081).await.unwrap_err();
@@ -471,7 +283,7 @@ async fn bad_ports_and_sandboxes_get_clear_errors() {
             .contains(&format!("nothing listens on port 8081 in sandbox {id}")),
         "{err}"
     );
-    let (code, body) = daemon.curl(&format!("8081-{id}.localhost"), "/", &[]);
+    let (code, body) = daemon.curl(&format!("8081-{id}-{token}.localhost"), "/", &[]);
     assert_eq!(code, 502);
     assert!(
         String::from_utf8_lossy(&body).contains("nothing listens on port 8081"),
@@ -479,12 +291,16 @@ async fn bad_ports_and_sandboxes_get_clear_errors() {
         String::from_utf8_lossy(&body)
     );
 
-    // Unknown sandbox: NOT_FOUND / 404.
+    // Unknown sandbox: NOT_FOUND over gRPC (root-only socket); over HTTP 401, the same as a
+    // missing token, so that nobody without one learns which sandboxes exist.
     let err = client.open_port("sb-000000000000", 80).await.unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
     let (code, body) = daemon.curl("80-sb-000000000000.localhost", "/", &[]);
-    assert_eq!(code, 404);
-    assert!(String::from_utf8_lossy(&body).contains("no sandbox \"sb-000000000000\""));
+    assert_eq!(code, 401);
+    assert_eq!(
+        (code, body),
+        daemon.curl(&format!("80-{id}.localhost"), "/", &[])
+    );
     let err = client.port_url("sb-000000000000", 80).await.unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
 
@@ -542,7 +358,7 @@ async fn bad_ports_and_sandboxes_get_clear_errors() {
     client.pause(&id).await.unwrap();
     let err = client.open_port(&id, 9000).await.unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::FailedPrecondition), "{err}");
-    let (code, body) = daemon.curl(&format!("9000-{id}.localhost"), "/", &[]);
+    let (code, body) = daemon.curl(&format!("9000-{id}-{token}.localhost"), "/", &[]);
     assert_eq!(code, 503);
     assert!(String::from_utf8_lossy(&body).contains("paused"));
     client.resume(&id).await.unwrap();
@@ -616,11 +432,179 @@ async fn http_connections_are_capped() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let response = status_line(daemon.http);
-        if response.starts_with("HTTP/1.1 404") {
+        if response.starts_with("HTTP/1.1 401") {
             break;
         }
         assert!(Instant::now() < deadline, "slots never freed: {response}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    drop(daemon);
+}
+
+/// `curl` as uid nobody (a local user who is not root): (HTTP status, body).
+fn curl_as_nobody(http: SocketAddr, host: &str, extra: &[&str]) -> (u32, Vec<u8>) {
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--", "curl", "-sS", "--max-time", "20"])
+        .args(["-o", "-", "-w", "\n%{http_code}"])
+        .args(["-H", &format!("Host: {host}")])
+        .args(extra)
+        .arg(format!("http://{http}/index.html"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "curl as nobody: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
+    let code = std::str::from_utf8(&out.stdout[split + 1..])
+        .unwrap()
+        .parse()
+        .unwrap();
+    (code, out.stdout[..split].to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_ports_are_private_unless_made_public() {
+    let api = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (mut daemon, client) = Daemon::start("private", &["--listen", &api.to_string()]).await;
+    let a = client.create(Default::default()).await.unwrap();
+    let b = client
+        .create(dsec_sdk::CreateSandboxRequest {
+            public_ports: vec![8080],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(a.access_token.len(), 32);
+    assert_ne!(a.access_token, b.access_token);
+    assert_eq!(b.public_ports, [8080]);
+    // Get returns the token to the owner; List does not carry it.
+    assert_eq!(
+        client.get(&a.id).await.unwrap().access_token,
+        a.access_token
+    );
+    let listed = client.list(Default::default()).await.unwrap();
+    assert!(listed.iter().all(|s| s.access_token.is_empty()));
+    start_httpd(&client, &a.id, "page of A\n", b"").await;
+    start_httpd(&client, &b.id, "page of B\n", b"").await;
+    let plain_a = format!("8080-{}.localhost", a.id);
+    let header = |token: &str| format!("X-Dsec-Access-Token: {token}");
+
+    // No token: 401 saying how to authenticate; the same for an unknown sandbox.
+    let (code, body) = daemon.curl(&plain_a, "/index.html", &[]);
+    assert_eq!(code, 401);
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.contains("X-Dsec-Access-Token: TOKEN") && text.contains("dsec url"),
+        "{text}"
+    );
+    assert_eq!(
+        daemon.curl("8080-sb-000000000000.localhost", "/index.html", &[]),
+        (code, body.clone())
+    );
+    // The token in the header or in the host name: served.
+    let page_a = (200, b"page of A\n".to_vec());
+    assert_eq!(
+        daemon.curl(&plain_a, "/index.html", &["-H", &header(&a.access_token)]),
+        page_a
+    );
+    let with_token = format!("8080-{}-{}.localhost", a.id, a.access_token);
+    assert_eq!(daemon.curl(&with_token, "/index.html", &[]), page_a);
+    // Another sandbox's token, or a wrong one: refused.
+    assert_eq!(
+        daemon
+            .curl(&plain_a, "/index.html", &["-H", &header(&b.access_token)])
+            .0,
+        401
+    );
+    let wrong = format!("8080-{}-{}.localhost", a.id, b.access_token);
+    assert_eq!(daemon.curl(&wrong, "/index.html", &[]).0, 401);
+    // A public port needs none.
+    let plain_b = format!("8080-{}.localhost", b.id);
+    assert_eq!(
+        daemon.curl(&plain_b, "/index.html", &[]),
+        (200, b"page of B\n".to_vec())
+    );
+    // A local user who is not root: refused without the token, served on a public port.
+    assert_eq!(curl_as_nobody(daemon.http, &plain_a, &[]).0, 401);
+    assert_eq!(curl_as_nobody(daemon.http, &plain_b, &[]).0, 200);
+
+    // Ports.Url hands out what works: the token in the host, none for a public port.
+    let url = client.port_url(&a.id, 8080).await.unwrap();
+    assert_eq!(url.host, with_token);
+    assert_eq!(url.access_token, a.access_token);
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "20"])
+        .arg(format!("{}index.html", url.url))
+        .output()
+        .unwrap();
+    assert_eq!(out.stdout, b"page of A\n");
+    assert_eq!(client.port_url(&b.id, 8080).await.unwrap().host, plain_b);
+
+    // Public while running, and private again.
+    assert_eq!(
+        client.set_port_public(&a.id, 8080, true).await.unwrap(),
+        [8080]
+    );
+    assert_eq!(daemon.curl(&plain_a, "/index.html", &[]), page_a);
+    assert_eq!(curl_as_nobody(daemon.http, &plain_a, &[]).0, 200);
+    assert!(client
+        .set_port_public(&a.id, 8080, false)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(daemon.curl(&plain_a, "/index.html", &[]).0, 401);
+
+    // Ports.Open on the TCP API: private ports need the token; the SDK fetches it.
+    let tcp = Client::connect(&format!("http://{api}")).await.unwrap();
+    for token in ["", b.access_token.as_str()] {
+        let err = tcp
+            .open_port_with_token(&a.id, 8080, token)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(tonic::Code::PermissionDenied), "{err}");
+        assert!(err.to_string().contains("is private"), "{err}");
+    }
+    let mut stream = tcp.open_port(&a.id, 8080).await.unwrap();
+    stream
+        .send(b"GET /index.html HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    stream.close_write().await.unwrap();
+    assert_eq!(
+        body_of(&stream.recv_to_end().await.unwrap()),
+        b"page of A\n"
+    );
+    let mut public = tcp.open_port_with_token(&b.id, 8080, "").await.unwrap();
+    public.close_write().await.unwrap();
+    let _ = public.recv_to_end().await;
+    // On the root-only Unix socket no token is needed.
+    let mut local = client.open_port_with_token(&a.id, 8080, "").await.unwrap();
+    local.close_write().await.unwrap();
+    let _ = local.recv_to_end().await;
+    drop(tcp);
+
+    // The token is in the root-only record, not in the daemon's log, and survives a restart.
+    let meta = daemon.state.join("sandboxes").join(&a.id).join("meta.json");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&meta).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    daemon.kill9();
+    drop(client);
+    let client = daemon.restart().await;
+    assert_eq!(daemon.curl(&with_token, "/index.html", &[]), page_a);
+    assert_eq!(daemon.curl(&plain_a, "/index.html", &[]).0, 401);
+    assert_eq!(
+        client.get(&b.id).await.unwrap().public_ports,
+        [8080],
+        "public ports lost on restart"
+    );
+    assert!(!daemon.log().contains(&a.access_token), "token logged");
     drop(daemon);
 }

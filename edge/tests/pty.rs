@@ -2,7 +2,6 @@
 //! backend): tty detection, window sizes and resizes, ^C, bad sizes, output floods.
 //! Run as root: `cargo test -p dsec-edge --test pty`.
 
-mod common;
 mod daemon;
 
 use daemon::Daemon;
@@ -40,11 +39,20 @@ async fn read_until(session: &mut dsec_sdk::ExecSession, needle: &str) -> String
     seen
 }
 
+async fn sandbox(c: &dsec_sdk::Client) -> String {
+    c.create(dsec_sdk::CreateSandboxRequest {
+        memory_mib: 128,
+        ..Default::default()
+    })
+    .await
+    .expect("create a sandbox")
+    .id
+}
+
 #[tokio::test]
 async fn pty_exec_end_to_end() {
-    let daemon = Daemon::start("e2e").await;
-    let c = daemon.client();
-    let id = daemon.sandbox().await;
+    let (daemon, c) = Daemon::start("pty-e2e", &[]).await;
+    let id = sandbox(&c).await;
 
     // With a PTY: stdin is a terminal under /dev/pts, stderr is merged into stdout, TERM set.
     let script = "tty; test -t 0 && echo stdin-is-tty; echo to-stderr >&2; echo TERM=$TERM";
@@ -175,14 +183,13 @@ async fn pty_exec_end_to_end() {
     assert_eq!(out.code, Some(0));
     assert_eq!(out.stdout.len(), bytes);
 
-    daemon.stop().await;
+    daemon.stop(c).await;
 }
 
 #[tokio::test]
 async fn bad_pty_requests_are_invalid_argument() {
-    let daemon = Daemon::start("bad").await;
-    let c = daemon.client();
-    let id = daemon.sandbox().await;
+    let (daemon, c) = Daemon::start("pty-bad", &[]).await;
+    let id = sandbox(&c).await;
 
     for (rows, cols) in [(0, 80), (24, 0), (4097, 80), (24, 100_000)] {
         let err = match c
@@ -248,5 +255,5 @@ async fn bad_pty_requests_are_invalid_argument() {
     let out = session.wait().await.unwrap();
     assert_eq!(text(&out), "got-x\n");
 
-    daemon.stop().await;
+    daemon.stop(c).await;
 }

@@ -21,6 +21,9 @@ pub struct Limits {
     pub vcpus: u32,
 }
 
+/// Charged to a microVM's memory cgroup besides guest memory: the VMM's own memory.
+pub const MICROVM_OVERHEAD_MIB: u64 = 64;
+
 impl Limits {
     /// The limits of a sandbox, the same for the daemon's and `dsec run`'s: its memory plus
     /// what else is charged to its cgroup (a container's tmpfs writable layer of
@@ -35,9 +38,10 @@ impl Limits {
     ) -> Self {
         let (memory_mib, pids) = match kind {
             crate::BackendKind::Container => (memory_mib + charged_disk_mib, pids),
-            crate::BackendKind::MicroVm => {
-                (memory_mib + 64 + charged_disk_mib, 64 + u64::from(vcpus))
-            }
+            crate::BackendKind::MicroVm => (
+                memory_mib + MICROVM_OVERHEAD_MIB + charged_disk_mib,
+                64 + u64::from(vcpus),
+            ),
         };
         Self {
             memory_bytes: memory_mib * 1024 * 1024,
@@ -215,6 +219,39 @@ pub fn set_frozen(dirs: &[PathBuf], frozen: bool) -> Result<()> {
         backend: "container",
         reason: "no freezer cgroup (v1 freezer or v2 cgroup.freeze) is available to pause it"
             .into(),
+    })
+}
+
+/// The memory limit in force (v1 memory.limit_in_bytes, v2 memory.max), if one is set.
+pub fn memory_limit(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        ["memory.limit_in_bytes", "memory.max"]
+            .iter()
+            .find_map(|f| {
+                std::fs::read_to_string(dir.join(f))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+    })
+}
+
+/// How often the memory cgroup's OOM killer struck (`oom_kill` of v1 memory.oom_control or v2
+/// memory.events), if the kernel says.
+pub fn oom_kills(dirs: &[PathBuf]) -> Option<u64> {
+    dirs.iter().find_map(|dir| {
+        ["memory.oom_control", "memory.events"]
+            .iter()
+            .find_map(|f| {
+                std::fs::read_to_string(dir.join(f))
+                    .ok()?
+                    .lines()
+                    .find_map(|l| l.strip_prefix("oom_kill "))?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
     })
 }
 

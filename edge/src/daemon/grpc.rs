@@ -13,7 +13,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::{Demand, Entry, Node, Plan};
+use super::limits::{self, check_env, check_labels, check_len};
+use super::node::{Claim, Demand, Entry, Node, Plan, LOG_SOURCES};
 use crate::sandbox::BackendKind;
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
@@ -49,6 +50,7 @@ fn path_arg(what: &str, bytes: &[u8]) -> Result<String, Status> {
     if path.is_empty() {
         return Err(Status::invalid_argument(format!("{what} is empty")));
     }
+    check_len(what, bytes, limits::MAX_PATH)?;
     if path.contains('\0') {
         return Err(Status::invalid_argument(format!(
             "{what} contains a NUL byte"
@@ -102,16 +104,153 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
             allow_internet: r.allow_internet,
             allow: r.allow.clone(),
         }),
+        request_id: r.request_id.clone(),
+        access_token: r.access_token.clone(),
+        public_ports: r.public_ports.iter().map(|p| u32::from(*p)).collect(),
+        memory_limit_bytes: super::cgroup::memory_limit(&r.cgroups)
+            .map(|b| b as i64)
+            .unwrap_or(r.memory_limit_mib << 20),
+        death_reason: String::new(),
+        died_at_unix_ms: 0,
     }
 }
 
-fn check_env(env: &std::collections::HashMap<String, String>) -> Result<(), Status> {
-    for (k, v) in env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(Status::invalid_argument(format!(
-                "environment variable {k:?} is invalid: names must be non-empty without '=' or NUL, values without NUL"
-            )));
+/// What Get shows of a sandbox that died.
+fn tombstone_proto(t: &super::node::Tombstone) -> api::Sandbox {
+    let r = &t.record;
+    api::Sandbox {
+        id: r.handle.id.clone(),
+        backend: backend_of(&r.handle.backend),
+        image: r.image.clone(),
+        state: SandboxState::Dead as i32,
+        vcpus: r.vcpus,
+        memory_mib: r.memory_mib,
+        disk_mib: r.disk_mib,
+        pids_limit: r.pids_limit,
+        labels: r.labels.clone().into_iter().collect(),
+        created_at_unix_ms: r.created_at_ms,
+        expires_at_unix_ms: r.expires_at_ms,
+        idle_timeout_seconds: r.idle_timeout_s,
+        last_activity_unix_ms: t.last_activity_ms,
+        pid: r.handle.pid as u32,
+        parent_id: r.parent_id.clone(),
+        usage: None,
+        network: Some(NetworkPolicy::default()),
+        memory_limit_bytes: r.memory_limit_mib << 20,
+        request_id: r.request_id.clone(),
+        access_token: String::new(),
+        public_ports: Vec::new(),
+        death_reason: t.reason.clone(),
+        died_at_unix_ms: t.died_at_ms,
+    }
+}
+
+const DEFAULT_PAGE_SIZE: usize = 500;
+const MAX_PAGE_SIZE: usize = 1000;
+/// A List reply ends early past this many encoded bytes (gRPC's default limit is 4 MiB).
+const MAX_PAGE_BYTES: usize = 2 << 20;
+
+/// One page of `items` (ordered by id): at most `size` of them and, beyond the first, at most
+/// `max_bytes` encoded; the token is the page's last id when more follow.
+fn page<'a, F: FnOnce() -> api::Sandbox>(
+    items: impl ExactSizeIterator<Item = (&'a str, F)>,
+    size: usize,
+    max_bytes: usize,
+) -> (Vec<api::Sandbox>, String) {
+    use prost::Message;
+    let total = items.len();
+    let mut out: Vec<api::Sandbox> = Vec::new();
+    let mut bytes = 0usize;
+    let mut last = "";
+    for (id, make) in items {
+        if out.len() == size {
+            break;
         }
+        let sandbox = make();
+        let len = sandbox.encoded_len() + 8;
+        if !out.is_empty() && bytes + len > max_bytes {
+            break;
+        }
+        bytes += len;
+        last = id;
+        out.push(sandbox);
+    }
+    let next = if out.len() < total {
+        last.to_string()
+    } else {
+        String::new()
+    };
+    (out, next)
+}
+
+/// How long a sandbox whose creating client went away is kept for a retry with the same
+/// request_id before it is deleted.
+const ABANDONED_KEEP: Duration = Duration::from_secs(60);
+
+/// Runs a create in its own task, so that a client that goes away cannot leak a half-built
+/// sandbox (its budget, its cgroups). An abandoned result is deleted at once, or, with a
+/// request_id, after ABANDONED_KEEP unless a retry has returned it by then.
+async fn spawn_create(
+    node: Arc<Node>,
+    plan: Plan,
+    claim: Option<(
+        String,
+        tokio::sync::watch::Sender<super::node::CreateOutcome>,
+    )>,
+) -> Result<Arc<Entry>, Status> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let request_id = plan.request_id.clone();
+        let result = node.create(plan).await;
+        if let Some((fingerprint, done)) = claim {
+            node.finish_claim(&request_id, &fingerprint, &result, done);
+        }
+        if let Err(Ok(entry)) = tx.send(result) {
+            let id = entry.id();
+            if request_id.is_empty() {
+                let _ = node.delete(&id, "client cancelled the create").await;
+                return;
+            }
+            entry.event(&format!(
+                "the creating client went away; kept {} s for a retry with its request_id",
+                ABANDONED_KEEP.as_secs()
+            ));
+            let claims = entry.claims.load(Ordering::Relaxed);
+            tokio::time::sleep(ABANDONED_KEEP).await;
+            if entry.claims.load(Ordering::Relaxed) == claims {
+                let _ = node
+                    .delete(&id, "client cancelled the create and never retried")
+                    .await;
+            }
+        }
+    });
+    rx.await
+        .map_err(|_| Status::internal("the create task failed; see the daemon log"))?
+}
+
+/// A Create request_id: bounded, and plain enough to log and store.
+fn check_request_id(id: &str) -> Result<(), Status> {
+    let ok = id.len() <= limits::MAX_REQUEST_ID
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'));
+    if !ok {
+        let shown: String = id.chars().take(80).collect();
+        return Err(Status::invalid_argument(format!(
+            "request_id {shown:?} ({} bytes) is invalid: give at most {} bytes of A-Z a-z 0-9 - _ . : (e.g. a UUID)",
+            id.len(),
+            limits::MAX_REQUEST_ID
+        )));
+    }
+    Ok(())
+}
+
+/// The network policy sandboxes can have today: none beyond loopback.
+fn check_network(network: &NetworkPolicy) -> Result<(), Status> {
+    if network.allow_internet || !network.allow.is_empty() {
+        return Err(Status::unimplemented(
+            "network egress is not built yet: a sandbox has loopback only, so allow_internet and allow rules cannot be enforced; leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
+        ));
     }
     Ok(())
 }
@@ -180,21 +319,30 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         }
         n => n,
     };
-    if req.ttl_seconds < 0 || req.idle_timeout_seconds < 0 {
-        return Err(Status::invalid_argument(
-            "ttl_seconds and idle_timeout_seconds must be >= 0 (0 means none)",
-        ));
-    }
-    check_env(&req.env)?;
-    if req.labels.keys().any(|k| k.is_empty()) {
-        return Err(Status::invalid_argument("label keys must not be empty"));
-    }
+    limits::check_lifetime_s("ttl_seconds", req.ttl_seconds)?;
+    limits::check_lifetime_s("idle_timeout_seconds", req.idle_timeout_seconds)?;
+    check_env("env", &req.env)?;
+    check_labels("labels", req.labels.iter())?;
     let image = if req.image.is_empty() {
         "busybox".to_string()
     } else {
         req.image
     };
     let network = req.network.unwrap_or_default();
+    check_network(&network)?;
+    check_request_id(&req.request_id)?;
+    if req.public_ports.len() > super::node::MAX_PUBLIC_PORTS {
+        return Err(Status::invalid_argument(format!(
+            "{} public_ports, at most {} are allowed",
+            req.public_ports.len(),
+            super::node::MAX_PUBLIC_PORTS
+        )));
+    }
+    let public_ports = req
+        .public_ports
+        .iter()
+        .map(|p| super::ports::check_port(*p))
+        .collect::<Result<_, _>>()?;
     let ttl_s = if req.ttl_seconds > 0 {
         req.ttl_seconds
     } else {
@@ -206,6 +354,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
     Ok(Plan {
         kind,
         image,
+        memory_limit_mib: 0,
         demand: Demand {
             memory_mib,
             vcpus: i64::from(vcpus),
@@ -218,6 +367,8 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         idle_timeout_s: req.idle_timeout_seconds,
         allow_internet: network.allow_internet,
         allow: network.allow,
+        request_id: req.request_id,
+        public_ports,
     })
 }
 
@@ -232,48 +383,106 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<CreateSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
         let plan = plan(&self.0, request.into_inner())?;
-        // Creation runs to completion in its own task even when the client goes away (a
-        // half-built sandbox must not leak its budget or cgroups); an abandoned result is
-        // deleted at once.
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let node = self.0.clone();
-        tokio::spawn(async move {
-            let result = node.create(plan).await;
-            if let Err(Ok(entry)) = tx.send(result) {
-                let id = entry.id();
-                let _ = node.delete(&id, "client cancelled the create").await;
+        if plan.request_id.is_empty() {
+            let entry = spawn_create(self.0.clone(), plan, None).await?;
+            return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+        }
+        let fingerprint = plan.fingerprint();
+        loop {
+            match self.0.claim(&plan.request_id, &fingerprint)? {
+                Claim::Existing(entry) => {
+                    return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                }
+                Claim::Create(tx) => {
+                    let entry = spawn_create(self.0.clone(), plan, Some((fingerprint, tx))).await?;
+                    return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                }
+                Claim::Wait(mut done) => {
+                    let outcome = done
+                        .wait_for(Option::is_some)
+                        .await
+                        .map_err(|_| Status::internal("the first create with this request_id ended without an outcome; retry"))?
+                        .clone();
+                    match outcome {
+                        Some(Ok(id)) => {
+                            if let Ok(entry) = self.0.get(&id) {
+                                entry.claims.fetch_add(1, Ordering::Relaxed);
+                                return Ok(Response::new(sandbox_proto(&self.0, &entry)));
+                            }
+                            // Deleted meanwhile: claim again (and create afresh).
+                        }
+                        Some(Err((code, message))) => return Err(Status::new(code, message)),
+                        None => unreachable!("waited for an outcome"),
+                    }
+                }
             }
-        });
-        let entry = rx
-            .await
-            .map_err(|_| Status::internal("the create task failed; see the daemon log"))??;
-        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+        }
     }
 
     async fn get(
         &self,
         request: Request<GetSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
-        let entry = self.0.get(&request.into_inner().sandbox_id)?;
-        Ok(Response::new(sandbox_proto(&self.0, &entry)))
+        let id = request.into_inner().sandbox_id;
+        match self.0.get(&id) {
+            Ok(entry) => Ok(Response::new(sandbox_proto(&self.0, &entry))),
+            Err(status) => match self.0.tombstone(&id) {
+                Some(t) => Ok(Response::new(tombstone_proto(&t))),
+                None => Err(status),
+            },
+        }
     }
 
     async fn list(
         &self,
         request: Request<ListSandboxesRequest>,
     ) -> Result<Response<ListSandboxesResponse>, Status> {
-        let want = request.into_inner().labels;
-        let sandboxes = self
+        let r = request.into_inner();
+        check_labels("label filter", r.labels.iter())?;
+        let size = match r.page_size {
+            0 => DEFAULT_PAGE_SIZE,
+            n if !(1..=MAX_PAGE_SIZE as i32).contains(&n) => {
+                return Err(Status::invalid_argument(format!(
+                    "page_size {n} is out of range: give 1 to {MAX_PAGE_SIZE} (0 means {DEFAULT_PAGE_SIZE})"
+                )))
+            }
+            n => n as usize,
+        };
+        // The token is the last id of the previous page.
+        let after = r.page_token;
+        if after.len() > limits::MAX_SANDBOX_ID {
+            return Err(Status::invalid_argument(
+                "page_token is not one this node handed out: pass back next_page_token as it came, or leave it empty for the first page",
+            ));
+        }
+        let mut entries: Vec<(String, Arc<Entry>)> = self
             .0
             .list()
-            .iter()
-            .filter(|e| {
+            .into_iter()
+            .map(|e| (e.id(), e))
+            .filter(|(id, _)| *id > after)
+            .filter(|(_, e)| {
                 let labels = e.record().labels;
-                want.iter().all(|(k, v)| labels.get(k) == Some(v))
+                r.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
             })
-            .map(|e| sandbox_proto(&self.0, e))
             .collect();
-        Ok(Response::new(ListSandboxesResponse { sandboxes }))
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let (sandboxes, next_page_token) = page(
+            entries.iter().map(|(id, e)| {
+                (id.as_str(), || {
+                    // Tokens go to callers naming one sandbox, not to listings.
+                    let mut s = sandbox_proto(&self.0, e);
+                    s.access_token.clear();
+                    s
+                })
+            }),
+            size,
+            MAX_PAGE_BYTES,
+        );
+        Ok(Response::new(ListSandboxesResponse {
+            sandboxes,
+            next_page_token,
+        }))
     }
 
     async fn delete(
@@ -281,6 +490,9 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<DeleteSandboxRequest>,
     ) -> Result<Response<DeleteSandboxResponse>, Status> {
         let id = request.into_inner().sandbox_id;
+        if self.0.get(&id).is_err() && self.0.remove_tombstone(&id) {
+            return Ok(Response::new(DeleteSandboxResponse {}));
+        }
         self.0.get(&id)?;
         self.0.delete(&id, "requested").await?;
         Ok(Response::new(DeleteSandboxResponse {}))
@@ -333,6 +545,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
             }
             n => n as usize,
         };
+        check_labels("labels", r.labels.iter())?;
         let children = self
             .0
             .fork(
@@ -351,6 +564,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<SnapshotSandboxRequest>,
     ) -> Result<Response<SnapshotSandboxResponse>, Status> {
         let r = request.into_inner();
+        check_len("path", r.path.as_bytes(), limits::MAX_PATH)?;
         let path = self.0.snapshot(&r.sandbox_id, &r.path, r.diff).await?;
         Ok(Response::new(SnapshotSandboxResponse {
             path: path.display().to_string(),
@@ -364,18 +578,35 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         request: Request<LogsRequest>,
     ) -> Result<Response<Self::LogsStream>, Status> {
         let r = request.into_inner();
-        let entry = self.0.get(&r.sandbox_id)?;
+        let entry = match self.0.get(&r.sandbox_id) {
+            Ok(entry) => entry,
+            Err(status) => {
+                let Some(t) = self.0.tombstone(&r.sandbox_id) else {
+                    return Err(status);
+                };
+                // A dead sandbox: the kept tails, no following.
+                let (tx, rx) = mpsc::channel(LOG_SOURCES.len());
+                for (source, data) in &t.logs {
+                    let start = if r.tail_bytes > 0 {
+                        data.len().saturating_sub(r.tail_bytes as usize)
+                    } else {
+                        0
+                    };
+                    let chunk = LogChunk {
+                        source: source.to_string(),
+                        data: data[start..].to_vec(),
+                    };
+                    let _ = tx.try_send(Ok(chunk));
+                }
+                return Ok(Response::new(ReceiverStream::new(rx)));
+            }
+        };
         let dir = entry.record().handle.dir.clone();
         let node = self.0.clone();
         let id = r.sandbox_id.clone();
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
-            let sources = [
-                ("events", "events.log"),
-                ("agent", "agent.log"),
-                ("vmm", "vmm.log"),
-                ("serial", "serial.log"),
-            ];
+            let sources = LOG_SOURCES;
             let mut offsets = [0u64; 4];
             for (i, (_, file)) in sources.iter().enumerate() {
                 let len = std::fs::metadata(dir.join(file))
@@ -467,12 +698,10 @@ impl process_server::Process for ProcessService {
                 ))
             }
         };
-        if start.argv.is_empty() {
-            return Err(Status::invalid_argument(
-                "argv is empty: give the command to run",
-            ));
-        }
-        check_env(&start.env)?;
+        limits::check_argv(&start.argv)?;
+        check_env("env of this exec", &start.env)?;
+        limits::check_timeout_ms("timeout_ms", start.timeout_ms)?;
+        check_len("workdir", start.workdir.as_bytes(), limits::MAX_PATH)?;
         let id = start.sandbox_id.clone();
         let entry = self.0.running(&id)?;
         self.0.metrics.execs_total.fetch_add(1, Ordering::Relaxed);
@@ -504,12 +733,15 @@ impl process_server::Process for ProcessService {
         let responses = client
             .exec(ReceiverStream::new(rx))
             .await
-            .map_err(|s| agent_status(&id, s))?
+            .map_err(|s| self.0.agent_error(&entry, s))?
             .into_inner();
         let touch = entry.clone();
+        let node = self.0.clone();
         let stream = responses.map(move |item| {
             touch.touch();
+            // An agent that died mid-command: say why, not "h2 protocol error".
             item.map(|m| transcode::<agent::ExecResponse, ExecResponse>(&m))
+                .map_err(|s| node.agent_error(&touch, s))
         });
         Ok(Response::new(Box::pin(stream)))
     }
@@ -546,7 +778,8 @@ impl files_server::Files for FilesService {
         let stream = self
             .files(&r.sandbox_id)?
             .read_file(agent::ReadFileRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner()
             .map(|item| item.map(|c| FileChunk { data: c.data }));
         Ok(Response::new(Box::pin(stream)))
@@ -624,7 +857,8 @@ impl files_server::Files for FilesService {
         let out = self
             .files(&r.sandbox_id)?
             .list_dir(agent::ListDirRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -635,7 +869,8 @@ impl files_server::Files for FilesService {
         let out = self
             .files(&r.sandbox_id)?
             .stat(agent::StatRequest { path })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -652,7 +887,8 @@ impl files_server::Files for FilesService {
                 parents: r.parents,
                 mode: r.mode,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(MkdirResponse {}))
     }
 
@@ -667,7 +903,8 @@ impl files_server::Files for FilesService {
                 path,
                 recursive: r.recursive,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(RemoveResponse {}))
     }
 
@@ -680,7 +917,8 @@ impl files_server::Files for FilesService {
         let to = path_arg("to", &r.to)?;
         self.files(&r.sandbox_id)?
             .rename(agent::RenameRequest { from, to })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(RenameResponse {}))
     }
 }
@@ -708,7 +946,9 @@ impl sessions_server::Sessions for SessionsService {
         request: Request<CreateSessionRequest>,
     ) -> Result<Response<SessionInfo>, Status> {
         let r = request.into_inner();
-        check_env(&r.env)?;
+        check_env("env of this session", &r.env)?;
+        check_len("shell", r.shell.as_bytes(), limits::MAX_PATH)?;
+        check_len("workdir", r.workdir.as_bytes(), limits::MAX_PATH)?;
         let entry = self.0.running(&r.sandbox_id)?;
         let mut env: std::collections::HashMap<String, String> =
             entry.record().env.into_iter().collect();
@@ -720,7 +960,8 @@ impl sessions_server::Sessions for SessionsService {
                 env,
                 workdir: r.workdir,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -730,6 +971,15 @@ impl sessions_server::Sessions for SessionsService {
         request: Request<RunInSessionRequest>,
     ) -> Result<Response<CommandResult>, Status> {
         let r = request.into_inner();
+        check_len("command", r.command.as_bytes(), limits::MAX_SESSION_COMMAND)?;
+        limits::check_timeout_ms("timeout_ms", r.timeout_ms)?;
+        if r.output_limit > limits::MAX_OUTPUT_LIMIT {
+            return Err(Status::invalid_argument(format!(
+                "output_limit {} is more than {} (64 MiB): give bytes, 0 for the default 1 MiB",
+                r.output_limit,
+                limits::MAX_OUTPUT_LIMIT
+            )));
+        }
         let out = self
             .sessions(&r.sandbox_id)?
             .run_in_session(agent::RunInSessionRequest {
@@ -739,7 +989,8 @@ impl sessions_server::Sessions for SessionsService {
                 wait: r.wait,
                 output_limit: r.output_limit,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         self.0.get(&r.sandbox_id).map(|e| e.touch()).ok();
         Ok(Response::new(transcode(&out)))
@@ -757,7 +1008,8 @@ impl sessions_server::Sessions for SessionsService {
                 command_id: r.command_id,
                 wait: r.wait,
             })
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
     }
@@ -771,7 +1023,8 @@ impl sessions_server::Sessions for SessionsService {
             .close_session(agent::CloseSessionRequest {
                 session_id: r.session_id,
             })
-            .await?;
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?;
         Ok(Response::new(CloseSessionResponse {}))
     }
 
@@ -783,8 +1036,39 @@ impl sessions_server::Sessions for SessionsService {
         let out = self
             .sessions(&r.sandbox_id)?
             .list_sessions(agent::ListSessionsRequest {})
-            .await?
+            .await
+            .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         Ok(Response::new(transcode(&out)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sandbox(id: &str, label_bytes: usize) -> api::Sandbox {
+        api::Sandbox {
+            id: id.to_string(),
+            labels: [("k".to_string(), "v".repeat(label_bytes))].into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn pages_end_at_size_or_bytes_and_name_their_last_id() {
+        let ids: Vec<String> = (0..7).map(|i| format!("sb-{i}")).collect();
+        let items = || ids.iter().map(|id| (id.as_str(), || sandbox(id, 10)));
+        let (p, next) = page(items(), 3, 1 << 20);
+        assert_eq!(p.len(), 3);
+        assert_eq!(next, "sb-2");
+        let (p, next) = page(items(), 7, 1 << 20);
+        assert_eq!((p.len(), next.as_str()), (7, ""));
+        // 1000-byte sandboxes, 2500 bytes allowed: two fit; a page always holds one.
+        let big = || ids.iter().map(|id| (id.as_str(), || sandbox(id, 1000)));
+        let (p, next) = page(big(), 7, 2500);
+        assert_eq!((p.len(), next.as_str()), (2, "sb-1"));
+        let (p, next) = page(big(), 7, 10);
+        assert_eq!((p.len(), next.as_str()), (1, "sb-0"));
     }
 }

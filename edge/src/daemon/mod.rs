@@ -9,6 +9,7 @@
 pub mod cgroup;
 pub mod grpc;
 pub mod images;
+pub mod limits;
 pub mod metrics;
 pub mod node;
 pub mod ports;
@@ -170,7 +171,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {
                 let bound = listener.local_addr().unwrap_or(addr);
-                tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID.localhost:{}/", bound.port());
+                tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID-TOKEN.localhost:{}/", bound.port());
                 http = Some(bound);
                 tokio::spawn(ports::serve_http(
                     node.clone(),
@@ -183,7 +184,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         }
     }
-    let router = || {
+    let router = |require_token: bool| {
         tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
             .add_service(
@@ -199,6 +200,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
                 PortsServer::new(ports::PortsService {
                     node: node.clone(),
                     http,
+                    require_token,
                 })
                 .max_decoding_message_size(ports::MAX_CHUNK + 1024),
             )
@@ -217,7 +219,8 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             .await
             .map_err(|e| EdgeError::io(format!("bind {addr}"), e))?;
         tracing::info!(%addr, "API on tcp");
-        let server = router();
+        // Anyone who can reach the TCP address may call it: private ports need the token.
+        let server = router(true);
         tokio::spawn(async move {
             if let Err(err) = server
                 .serve_with_incoming(TcpListenerStream::new(tcp))
@@ -229,7 +232,8 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     }
     tracing::info!(socket = %socket.display(), sandboxes = node.count(), "dsec-edge ready");
     println!("dsec-edge ready on unix:{}", socket.display());
-    router()
+    // The Unix socket is root-only (0600): its callers can run anything in any sandbox.
+    router(false)
         .serve_with_incoming_shutdown(UnixListenerStream::new(unix), shutdown)
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
@@ -259,9 +263,10 @@ pub struct DaemonArgs {
     /// Prometheus metrics address; "off" disables.
     #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:9464")]
     pub metrics: String,
-    /// HTTP entry point to servers in sandboxes: a request with Host `PORT-SANDBOXID.<any
-    /// domain>` (e.g. http://8080-sb-0123456789ab.localhost:7080/) is piped to 127.0.0.1:PORT
-    /// inside the sandbox; "off" disables.
+    /// HTTP entry point to servers in sandboxes: a request with Host `PORT-SANDBOXID-TOKEN.<any
+    /// domain>` (e.g. http://8080-sb-0123456789ab-TOKEN.localhost:7080/, see `dsec url`), or
+    /// Host `PORT-SANDBOXID.<domain>` and header `X-Dsec-Access-Token: TOKEN`, is piped to
+    /// 127.0.0.1:PORT inside the sandbox (public ports need no token); "off" disables.
     #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:7080")]
     pub http: String,
     /// Connections the HTTP entry point serves at once (each is a stream to a sandbox); more

@@ -30,6 +30,11 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// A sandbox's access token: 128 random bits.
+pub fn new_access_token() -> String {
+    random_hex(16)
+}
+
 fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
@@ -59,6 +64,24 @@ pub struct Record {
     pub paused: bool,
     pub parent_id: String,
     pub cgroups: Vec<PathBuf>,
+    /// The memory cgroup's limit, which admission reserves: memory plus what else is charged
+    /// to the cgroup (a container's tmpfs disk; a microVM's overhead and upper disk). 0 in
+    /// records of older daemons (derived then).
+    #[serde(default)]
+    pub memory_limit_mib: i64,
+    /// The client's Create request_id and the fingerprint of its spec: a retry after a daemon
+    /// restart still finds this sandbox.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_fingerprint: String,
+    /// Secret a request must carry to reach the sandbox's ports (not its public ones) through
+    /// the HTTP entry point or Ports.Open on TCP. Never logged.
+    #[serde(default)]
+    pub access_token: String,
+    /// Ports open without the token.
+    #[serde(default)]
+    pub public_ports: std::collections::BTreeSet<u16>,
     /// The image server whose mount is this container's lowerdir (layer-store images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_mount: Option<String>,
@@ -66,8 +89,15 @@ pub struct Record {
 
 impl Record {
     fn demand(&self) -> Demand {
+        let memory_mib = if self.memory_limit_mib > 0 {
+            self.memory_limit_mib
+        } else if self.handle.backend == BackendKind::Container.as_str() {
+            self.memory_mib + self.disk_mib
+        } else {
+            self.memory_mib + MICROVM_OVERHEAD_MIB
+        };
         Demand {
-            memory_mib: self.memory_mib,
+            memory_mib,
             vcpus: i64::from(self.vcpus),
             pids: self.pids_limit,
             disk_mib: self.disk_mib,
@@ -84,8 +114,17 @@ impl Record {
         let tmp = path.with_extension("json.tmp");
         let data = serde_json::to_vec_pretty(self)
             .map_err(|e| EdgeError::Protocol(format!("encode sandbox record: {e}")))?;
-        let mut file = std::fs::File::create(&tmp)
-            .map_err(|e| EdgeError::io(format!("create {}", tmp.display()), e))?;
+        // Root-only: it holds the sandbox's access token.
+        let mut file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(|e| EdgeError::io(format!("create {}", tmp.display()), e))?
+        };
         file.write_all(&data)
             .and_then(|()| file.sync_data())
             .map_err(|e| EdgeError::io(format!("write {}", tmp.display()), e))?;
@@ -99,6 +138,10 @@ pub struct Entry {
     pub record: Mutex<Record>,
     pub client: AgentClient,
     pub last_activity_ms: AtomicI64,
+    /// Creates with its request_id that returned it (a retry counts as a claim).
+    pub claims: AtomicU64,
+    /// Why its agent / VMM died, once seen (computed once: it reaps the process).
+    pub death: std::sync::OnceLock<String>,
 }
 
 impl Entry {
@@ -144,6 +187,31 @@ pub fn append_event(dir: &Path, message: &str) {
     }
 }
 
+/// Most ports one sandbox may open to everyone.
+pub const MAX_PUBLIC_PORTS: usize = 64;
+
+/// Charged to a microVM's memory cgroup besides guest memory: the VMM's own memory.
+pub const MICROVM_OVERHEAD_MIB: i64 = cgroup::MICROVM_OVERHEAD_MIB as i64;
+
+/// The memory cgroup limit of a sandbox, in MiB, and so what admission reserves for it:
+/// whatever the cgroup is charged must be in the budget ([`Limits::for_sandbox`], which
+/// `dsec run` uses too). On a disk image a microVM's upper disk is charged as well.
+pub fn memory_limit_mib(kind: BackendKind, memory_mib: i64, disk_mib: i64, on_disk: bool) -> i64 {
+    let charged_disk = match kind {
+        BackendKind::Container => disk_mib,
+        BackendKind::MicroVm if on_disk => disk_mib,
+        BackendKind::MicroVm => 0,
+    };
+    let limits = Limits::for_sandbox(
+        kind,
+        memory_mib.max(0) as u64,
+        charged_disk.max(0) as u64,
+        1,
+        0,
+    );
+    (limits.memory_bytes >> 20) as i64
+}
+
 /// Resources a sandbox reserves at admission.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Demand {
@@ -183,10 +251,15 @@ impl Budgets {
         if !force {
             for (i, (name, unit, budget, _)) in self.all().into_iter().enumerate() {
                 if budget.reserved + wants[i] > budget.limit {
+                    let why = if i == 0 {
+                        " (its memory cgroup limit: memory plus a container's disk, a tmpfs charged to its memory, or a microVM's VMM overhead)"
+                    } else {
+                        ""
+                    };
                     return Err((
                         i,
                         format!(
-                            "node {name} budget spent: {} of {} {unit} reserved, this sandbox needs {}; delete sandboxes, ask for less, or start the daemon with a larger budget/overcommit ratio",
+                            "node {name} budget spent: {} of {} {unit} reserved, this sandbox needs {}{why}; delete sandboxes, ask for less, or start the daemon with a larger budget/overcommit ratio",
                             budget.reserved, budget.limit, wants[i]
                         ),
                     ));
@@ -205,6 +278,104 @@ impl Budgets {
             budget.reserved = (budget.reserved - wants[i]).max(0);
         }
     }
+}
+
+/// The outcome of a Create, as waiting retries see it: the sandbox id, or the error.
+pub type CreateOutcome = Option<Result<String, (tonic::Code, String)>>;
+
+/// What the node knows about a Create request_id.
+enum RequestState {
+    /// Being created; the receiver yields the outcome.
+    InFlight {
+        fingerprint: String,
+        done: tokio::sync::watch::Receiver<CreateOutcome>,
+    },
+    /// Made this sandbox (which still exists).
+    Done { fingerprint: String, id: String },
+}
+
+/// What a Create with a request_id has to do.
+pub enum Claim {
+    /// Nobody has this request_id: create, then report through the sender.
+    Create(tokio::sync::watch::Sender<CreateOutcome>),
+    /// An earlier attempt made this sandbox.
+    Existing(Arc<Entry>),
+    /// An earlier attempt is still running: wait for its outcome.
+    Wait(tokio::sync::watch::Receiver<CreateOutcome>),
+}
+
+/// How long a dead sandbox's tombstone (state, reason, log tails) is kept.
+pub const TOMBSTONE_KEEP: Duration = Duration::from_secs(600);
+/// Most tombstones kept (the oldest go first).
+pub const MAX_TOMBSTONES: usize = 1000;
+/// Bytes kept of the end of each of a dead sandbox's logs.
+pub const TOMBSTONE_LOG_BYTES: u64 = 16 << 10;
+
+/// What is left of a sandbox whose agent or VMM died, for Get and Logs.
+pub struct Tombstone {
+    pub record: Record,
+    pub reason: String,
+    pub died_at_ms: i64,
+    pub last_activity_ms: i64,
+    /// (source, tail of its log), as Logs names them.
+    pub logs: Vec<(&'static str, Vec<u8>)>,
+}
+
+/// The log files of a sandbox directory, by the source names of the Logs call.
+pub const LOG_SOURCES: [(&str, &str); 4] = [
+    ("events", "events.log"),
+    ("agent", "agent.log"),
+    ("vmm", "vmm.log"),
+    ("serial", "serial.log"),
+];
+
+/// The last `max` bytes of a file (empty if it is missing).
+fn tail_bytes(path: &Path, max: u64) -> Vec<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(max)));
+    let mut out = Vec::new();
+    let _ = file.take(max).read_to_end(&mut out);
+    out
+}
+
+/// Why a sandbox's process is gone: its exit status when this daemon is its parent (reaping
+/// it), and whether the memory cgroup's OOM killer struck.
+fn describe_death(record: &Record) -> String {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let container = record.handle.backend == BackendKind::Container.as_str();
+    let mut reason = if container {
+        let pid = nix::unistd::Pid::from_raw(record.handle.pid);
+        // A dying multi-threaded leader shows as a zombie before its other threads are gone,
+        // and waitpid reports it only then: give it a moment.
+        let mut status = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+        for _ in 0..200 {
+            if !matches!(status, Ok(WaitStatus::StillAlive)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+            status = waitpid(pid, Some(WaitPidFlag::WNOHANG));
+        }
+        match status {
+            Ok(WaitStatus::Exited(_, code)) => format!("the agent exited with code {code}"),
+            Ok(WaitStatus::Signaled(_, signal, _)) => {
+                format!("the agent was killed by {}", signal.as_str())
+            }
+            _ => "the agent process is gone (exit status unknown: it is not this daemon's child, e.g. adopted after a restart)".to_string(),
+        }
+    } else {
+        "the VMM process exited".to_string()
+    };
+    if let Some(kills) = cgroup::oom_kills(&record.cgroups).filter(|n| *n > 0) {
+        reason.push_str(&format!(
+            " (out of memory: the memory cgroup's oom_kill count rose to {kills}; its limit is {} MiB, memory plus the disk: give the sandbox more memory_mib or write less to its disk and tmpfs)",
+            record.demand().memory_mib
+        ));
+    }
+    reason
 }
 
 /// Why a sandbox was removed by the node itself.
@@ -230,13 +401,55 @@ impl ReapReason {
 pub struct Plan {
     pub kind: BackendKind,
     pub image: String,
+    /// What was asked (`demand.memory_mib` is the guest's / container's memory).
     pub demand: Demand,
+    /// The memory cgroup limit (see [`memory_limit_mib`]); filled in by the node.
+    pub memory_limit_mib: i64,
     pub env: BTreeMap<String, String>,
     pub labels: BTreeMap<String, String>,
     pub ttl_s: i64,
     pub idle_timeout_s: i64,
     pub allow_internet: bool,
     pub allow: Vec<String>,
+    /// The client's idempotency key ("" = none).
+    pub request_id: String,
+    /// Ports open without the access token.
+    pub public_ports: std::collections::BTreeSet<u16>,
+}
+
+impl Plan {
+    /// A stable digest of what the Create asked for (defaults filled in), to tell a retry
+    /// from a different request that reuses a request_id.
+    pub fn fingerprint(&self) -> String {
+        let spec = serde_json::json!({
+            "kind": self.kind.as_str(),
+            "image": self.image,
+            "memory_mib": self.demand.memory_mib,
+            "vcpus": self.demand.vcpus,
+            "pids": self.demand.pids,
+            "disk_mib": self.demand.disk_mib,
+            "env": self.env,
+            "labels": self.labels,
+            "ttl_s": self.ttl_s,
+            "idle_timeout_s": self.idle_timeout_s,
+            "public_ports": self.public_ports,
+        });
+        // FNV-1a: stable across builds (records outlive the daemon binary).
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in spec.to_string().bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{hash:016x}")
+    }
+
+    /// What admission reserves: the memory cgroup's limit, not only the asked memory.
+    fn reserved(&self) -> Demand {
+        Demand {
+            memory_mib: self.memory_limit_mib,
+            ..self.demand
+        }
+    }
 }
 
 pub struct Node {
@@ -254,6 +467,18 @@ pub struct Node {
     pub catalog: Catalog,
     /// Shared FUSE mounts of layer-store images.
     pub images: ImageMounts,
+    /// Create request_ids: in flight, or the sandbox they made.
+    requests: Mutex<HashMap<String, RequestState>>,
+    /// Sandboxes that died, oldest first.
+    tombstones: Mutex<std::collections::VecDeque<Arc<Tombstone>>>,
+}
+
+/// What calls to a dead sandbox get.
+pub fn dead_status(id: &str, reason: &str) -> Status {
+    Status::failed_precondition(format!(
+        "sandbox {id} is dead: {reason}. Get and Logs (`dsec logs {id}`) still show it for {} minutes; create a new sandbox",
+        TOMBSTONE_KEEP.as_secs() / 60
+    ))
 }
 
 /// Maps a library error to a status whose message says what to do.
@@ -355,6 +580,8 @@ impl Node {
             next_cid: AtomicU64::new(3 + (now_ms() as u64 % 1_000_000) * 16),
             catalog: Catalog::new(&config.artifacts.home),
             images: ImageMounts::new(&config.state_dir, &config.invocation),
+            requests: Mutex::new(HashMap::new()),
+            tombstones: Mutex::new(std::collections::VecDeque::new()),
             config,
         });
         node.adopt().await;
@@ -377,7 +604,7 @@ impl Node {
                 .ok()
                 .and_then(|d| serde_json::from_slice(&d).ok());
             match record {
-                Some(record)
+                Some(mut record)
                     if record.handle.is_alive()
                         && record
                             .image_mount
@@ -394,12 +621,28 @@ impl Node {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .reserve(record.demand(), true);
+                    if record.access_token.is_empty() {
+                        // A record of a daemon from before access tokens.
+                        record.access_token = new_access_token();
+                        let _ = record.persist();
+                    }
+                    if !record.request_id.is_empty() {
+                        self.requests().insert(
+                            record.request_id.clone(),
+                            RequestState::Done {
+                                fingerprint: record.request_fingerprint.clone(),
+                                id: id.clone(),
+                            },
+                        );
+                    }
                     append_event(&record.handle.dir, "adopted by a restarted daemon");
                     tracing::info!(sandbox = %id, pid = record.handle.pid, "adopted");
                     let entry = Arc::new(Entry {
                         record: Mutex::new(record),
                         client,
                         last_activity_ms: AtomicI64::new(now_ms()),
+                        claims: AtomicU64::new(0),
+                        death: std::sync::OnceLock::new(),
                     });
                     kept.insert(id.clone());
                     self.lock().insert(id, entry);
@@ -455,6 +698,97 @@ impl Node {
         self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn requests(&self) -> std::sync::MutexGuard<'_, HashMap<String, RequestState>> {
+        self.requests.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Decides what a Create with `request_id` does: the sandbox an earlier attempt made, a
+    /// wait for one in flight, or a new create. The same request_id with another spec is
+    /// ALREADY_EXISTS.
+    pub fn claim(&self, request_id: &str, fingerprint: &str) -> Result<Claim, Status> {
+        let mismatch = |what: &str| {
+            Status::already_exists(format!(
+                "request_id {request_id:?} was already used by a Create with a different spec ({what}): a retry must repeat the request unchanged; use a fresh request_id for a new sandbox"
+            ))
+        };
+        let mut requests = self.requests();
+        match requests.get(request_id) {
+            // A create task that ended without reporting (it panicked): forget it.
+            Some(RequestState::InFlight { done, .. }) if done.has_changed().is_err() => {
+                requests.remove(request_id);
+                self.claim_new(&mut requests, request_id, fingerprint)
+            }
+            Some(RequestState::InFlight {
+                fingerprint: f,
+                done,
+            }) => {
+                if f != fingerprint {
+                    return Err(mismatch("still being created"));
+                }
+                Ok(Claim::Wait(done.clone()))
+            }
+            Some(RequestState::Done { fingerprint: f, id }) => {
+                if let Some(entry) = self.lock().get(id).cloned() {
+                    if f != fingerprint {
+                        return Err(mismatch(&format!("sandbox {id}")));
+                    }
+                    entry.claims.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Claim::Existing(entry));
+                }
+                // Deleted since: a retry creates afresh.
+                requests.remove(request_id);
+                self.claim_new(&mut requests, request_id, fingerprint)
+            }
+            None => self.claim_new(&mut requests, request_id, fingerprint),
+        }
+    }
+
+    fn claim_new(
+        &self,
+        requests: &mut HashMap<String, RequestState>,
+        request_id: &str,
+        fingerprint: &str,
+    ) -> Result<Claim, Status> {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        requests.insert(
+            request_id.to_string(),
+            RequestState::InFlight {
+                fingerprint: fingerprint.to_string(),
+                done: rx,
+            },
+        );
+        Ok(Claim::Create(tx))
+    }
+
+    /// Records the outcome of a claimed Create and wakes the retries waiting for it. A failed
+    /// attempt forgets the request_id (a retry may create afresh).
+    pub fn finish_claim(
+        &self,
+        request_id: &str,
+        fingerprint: &str,
+        result: &Result<Arc<Entry>, Status>,
+        tx: tokio::sync::watch::Sender<CreateOutcome>,
+    ) {
+        let outcome = match result {
+            Ok(entry) => {
+                let id = entry.id();
+                self.requests().insert(
+                    request_id.to_string(),
+                    RequestState::Done {
+                        fingerprint: fingerprint.to_string(),
+                        id: id.clone(),
+                    },
+                );
+                Ok(id)
+            }
+            Err(status) => {
+                self.requests().remove(request_id);
+                Err((status.code(), status.message().to_string()))
+            }
+        };
+        let _ = tx.send(Some(outcome));
+    }
+
     pub fn list(&self) -> Vec<Arc<Entry>> {
         let mut all: Vec<_> = self.lock().values().cloned().collect();
         all.sort_by_key(|e| e.record().created_at_ms);
@@ -472,16 +806,118 @@ impl Node {
                 "sandbox_id is empty: give the id Create returned (see List)",
             ));
         }
-        self.lock().get(id).cloned().ok_or_else(|| {
-            Status::not_found(format!(
-                "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
-            ))
-        })
+        if id.len() > super::limits::MAX_SANDBOX_ID {
+            return Err(Status::invalid_argument(format!(
+                "sandbox_id is {} bytes, at most {} are allowed: give the id Create returned (like sb-0123456789ab)",
+                id.len(),
+                super::limits::MAX_SANDBOX_ID
+            )));
+        }
+        if let Some(entry) = self.lock().get(id).cloned() {
+            return Ok(entry);
+        }
+        if let Some(t) = self.tombstone(id) {
+            return Err(dead_status(id, &t.reason));
+        }
+        Err(Status::not_found(format!(
+            "no sandbox {id:?} on this node (never created, deleted, or expired): list them with `dsec ls`"
+        )))
     }
 
-    /// The sandbox if it can run commands now (not paused).
+    /// The tombstone of a sandbox that died (within the last 10 minutes).
+    pub fn tombstone(&self, id: &str) -> Option<Arc<Tombstone>> {
+        self.tombstones
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .rev()
+            .find(|t| t.record.handle.id == id)
+            .cloned()
+    }
+
+    /// Forgets a tombstone (Delete of a dead sandbox); whether there was one.
+    pub fn remove_tombstone(&self, id: &str) -> bool {
+        let mut all = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
+        let before = all.len();
+        all.retain(|t| t.record.handle.id != id);
+        all.len() != before
+    }
+
+    fn bury(&self, tombstone: Tombstone) {
+        let mut all = self.tombstones.lock().unwrap_or_else(|e| e.into_inner());
+        all.push_back(Arc::new(tombstone));
+        let cutoff = now_ms() - TOMBSTONE_KEEP.as_millis() as i64;
+        while all
+            .front()
+            .is_some_and(|t| all.len() > MAX_TOMBSTONES || t.died_at_ms < cutoff)
+        {
+            all.pop_front();
+        }
+    }
+
+    /// Why the sandbox's agent / VMM is dead, or None while it runs.
+    pub fn death_reason(&self, entry: &Entry) -> Option<String> {
+        if let Some(reason) = entry.death.get() {
+            return Some(reason.clone());
+        }
+        let record = entry.record();
+        if record.handle.is_alive() {
+            return None;
+        }
+        Some(entry.death.get_or_init(|| describe_death(&record)).clone())
+    }
+
+    /// [`agent_error`](Self::agent_error) for a sandbox named by id (a status as is when the
+    /// sandbox is gone).
+    pub fn call_error(&self, id: &str, status: Status) -> Status {
+        match self.lock().get(id).cloned() {
+            Some(entry) => self.agent_error(&entry, status),
+            None => status,
+        }
+    }
+
+    /// An agent call's error in terms of the sandbox: FAILED_PRECONDITION naming why it died
+    /// when it did (instead of a transport error), else the agent's status.
+    pub fn agent_error(&self, entry: &Entry, status: Status) -> Status {
+        let id = entry.id();
+        let text = status.message();
+        let broken = matches!(
+            status.code(),
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal
+        ) && ["h2 protocol", "transport", "connect", "broken pipe"]
+            .iter()
+            .any(|w| text.contains(w));
+        if broken && entry.death.get().is_none() {
+            // The connection broke first; the dying process may take a moment to show as
+            // dead (its namespace is torn down before it becomes a zombie).
+            let dead = || !entry.record().handle.is_alive();
+            let wait = || {
+                for _ in 0..100 {
+                    if dead() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                    tokio::task::block_in_place(wait)
+                }
+                _ => wait(),
+            }
+        }
+        match self.death_reason(entry) {
+            Some(reason) => dead_status(&id, &reason),
+            None => super::grpc::agent_status(&id, status),
+        }
+    }
+
+    /// The sandbox if it can run commands now (not paused, not dead).
     pub fn running(&self, id: &str) -> Result<Arc<Entry>, Status> {
         let entry = self.get(id)?;
+        if let Some(reason) = self.death_reason(&entry) {
+            return Err(dead_status(id, &reason));
+        }
         if entry.record().paused {
             return Err(Status::failed_precondition(format!(
                 "sandbox {id} is paused: resume it first"
@@ -571,26 +1007,15 @@ impl Node {
     }
 
     fn make_cgroups(&self, plan: &Plan, id: &str) -> Result<Vec<PathBuf>, Status> {
-        // A container's disk is a tmpfs charged to its memory cgroup.
-        let memory_mib = match plan.kind {
-            BackendKind::Container => plan.demand.memory_mib + plan.demand.disk_mib,
-            // The VMM maps guest memory plus its own overhead, and the pages it writes to
-            // the upper disk of a disk image are charged to it (all of them on a tmpfs).
-            BackendKind::MicroVm => {
-                let upper = match self.image_root_disk(plan) {
-                    Some(_) => plan.demand.disk_mib,
-                    None => 0,
-                };
-                plan.demand.memory_mib + 64 + upper
-            }
-        };
         let limits = Limits {
-            memory_bytes: memory_mib as u64 * 1024 * 1024,
-            pids: match plan.kind {
-                BackendKind::Container => plan.demand.pids as u64,
-                BackendKind::MicroVm => 64 + plan.demand.vcpus as u64,
-            },
-            vcpus: plan.demand.vcpus as u32,
+            memory_bytes: plan.memory_limit_mib as u64 * 1024 * 1024,
+            ..Limits::for_sandbox(
+                plan.kind,
+                0,
+                0,
+                plan.demand.vcpus as u32,
+                plan.demand.pids as u64,
+            )
         };
         self.cgroups
             .create(id, limits)
@@ -598,8 +1023,14 @@ impl Node {
     }
 
     /// Admits, creates, persists and registers a sandbox.
-    pub async fn create(self: &Arc<Self>, plan: Plan) -> Result<Arc<Entry>, Status> {
+    pub async fn create(self: &Arc<Self>, mut plan: Plan) -> Result<Arc<Entry>, Status> {
         let started = Instant::now();
+        plan.memory_limit_mib = memory_limit_mib(
+            plan.kind,
+            plan.demand.memory_mib,
+            plan.demand.disk_mib,
+            self.image_root_disk(&plan).is_some(),
+        );
         if plan.kind == BackendKind::MicroVm {
             if let Some(reason) = &self.microvm_unavailable {
                 return Err(Status::failed_precondition(format!(
@@ -608,7 +1039,7 @@ impl Node {
             }
         }
         let source = self.check_image(plan.kind, &plan.image)?;
-        self.reserve(plan.demand)?;
+        self.reserve(plan.reserved())?;
         let id = self.new_id();
         let result = self.create_admitted(&plan, &id, source).await;
         match &result {
@@ -617,7 +1048,7 @@ impl Node {
                 self.metrics.observe_create(started.elapsed());
             }
             Err(status) => {
-                self.release(plan.demand);
+                self.release(plan.reserved());
                 self.metrics
                     .create_failures_total
                     .fetch_add(1, Ordering::Relaxed);
@@ -685,6 +1116,15 @@ impl Node {
             paused: false,
             parent_id: String::new(),
             cgroups,
+            memory_limit_mib: plan.memory_limit_mib,
+            request_fingerprint: if plan.request_id.is_empty() {
+                String::new()
+            } else {
+                plan.fingerprint()
+            },
+            request_id: plan.request_id.clone(),
+            access_token: new_access_token(),
+            public_ports: plan.public_ports.clone(),
             image_mount,
         };
         self.register(record, client).await
@@ -718,6 +1158,8 @@ impl Node {
             record: Mutex::new(record),
             client,
             last_activity_ms: AtomicI64::new(now_ms()),
+            claims: AtomicU64::new(0),
+            death: std::sync::OnceLock::new(),
         });
         self.lock().insert(id, entry.clone());
         Ok(entry)
@@ -747,6 +1189,13 @@ impl Node {
         }
         self.release(record.demand());
         self.metrics.deletes_total.fetch_add(1, Ordering::Relaxed);
+        if !record.request_id.is_empty() {
+            let mut requests = self.requests();
+            if matches!(requests.get(&record.request_id), Some(RequestState::Done { id: done, .. }) if done == id)
+            {
+                requests.remove(&record.request_id);
+            }
+        }
         tracing::info!(sandbox = %id, reason, "deleted");
         result.map_err(|e| Status::internal(format!("sandbox {id} teardown: {e}")))
     }
@@ -779,16 +1228,42 @@ impl Node {
         Ok(entry)
     }
 
+    /// Opens `port` to everyone or makes it private again; returns the public ports.
+    pub fn set_port_public(&self, id: &str, port: u16, public: bool) -> Result<Vec<u32>, Status> {
+        let entry = self.get(id)?;
+        let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+        if public && !r.public_ports.contains(&port) && r.public_ports.len() >= MAX_PUBLIC_PORTS {
+            return Err(Status::invalid_argument(format!(
+                "sandbox {id} already has {MAX_PUBLIC_PORTS} public ports, the most allowed: make one private first"
+            )));
+        }
+        let changed = if public {
+            r.public_ports.insert(port)
+        } else {
+            r.public_ports.remove(&port)
+        };
+        if changed {
+            r.persist().map_err(|e| Status::internal(e.to_string()))?;
+            append_event(
+                &r.handle.dir,
+                &format!(
+                    "port {port} made {}",
+                    if public { "public" } else { "private" }
+                ),
+            );
+        }
+        Ok(r.public_ports.iter().map(|p| u32::from(*p)).collect())
+    }
+
     pub fn set_timeout(
         &self,
         id: &str,
         ttl_s: i64,
         idle_s: Option<i64>,
     ) -> Result<Arc<Entry>, Status> {
-        if ttl_s < 0 || idle_s.is_some_and(|s| s < 0) {
-            return Err(Status::invalid_argument(
-                "ttl_seconds and idle_timeout_seconds must be >= 0 (0 removes the timeout)",
-            ));
+        super::limits::check_lifetime_s("ttl_seconds", ttl_s)?;
+        if let Some(idle) = idle_s {
+            super::limits::check_lifetime_s("idle_timeout_seconds", idle)?;
         }
         let entry = self.get(id)?;
         {
@@ -844,6 +1319,15 @@ impl Node {
         labels: BTreeMap<String, String>,
     ) -> Result<Vec<Arc<Entry>>, Status> {
         let parent = self.get(id)?.record();
+        let mut merged = parent.labels.clone();
+        merged.extend(labels.clone());
+        if merged.len() > super::limits::MAX_LABELS {
+            return Err(Status::invalid_argument(format!(
+                "the children would carry {} labels (the parent's and these), at most {} are allowed",
+                merged.len(),
+                super::limits::MAX_LABELS
+            )));
+        }
         if parent.handle.backend != BackendKind::MicroVm.as_str() {
             return Err(Status::unimplemented(
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
@@ -905,20 +1389,26 @@ impl Node {
             let plan = Plan {
                 kind: BackendKind::MicroVm,
                 image: parent.image.clone(),
-                demand: parent.demand(),
+                demand: Demand {
+                    memory_mib: parent.memory_mib,
+                    ..parent.demand()
+                },
+                memory_limit_mib: parent.demand().memory_mib,
                 env: parent.env.clone(),
                 labels: all_labels,
                 ttl_s: 0,
                 idle_timeout_s: parent.idle_timeout_s,
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
+                request_id: String::new(),
+                public_ports: parent.public_ports.clone(),
             };
-            self.reserve(plan.demand)?;
+            self.reserve(plan.reserved())?;
             let child_id = self.new_id();
             let cgroups = match self.make_cgroups(&plan, &child_id) {
                 Ok(c) => c,
                 Err(e) => {
-                    self.release(plan.demand);
+                    self.release(plan.reserved());
                     return Err(e);
                 }
             };
@@ -937,7 +1427,7 @@ impl Node {
                 Ok(s) => s,
                 Err(err) => {
                     cgroup::remove(&cgroups);
-                    self.release(plan.demand);
+                    self.release(plan.reserved());
                     uppers.for_each(|u| drop(std::fs::remove_file(u)));
                     let _ = std::fs::remove_dir_all(&snapshot);
                     return Err(edge_status(err));
@@ -962,6 +1452,11 @@ impl Node {
                 paused: false,
                 parent_id: id.to_string(),
                 cgroups,
+                memory_limit_mib: plan.memory_limit_mib,
+                request_id: String::new(),
+                request_fingerprint: String::new(),
+                access_token: new_access_token(),
+                public_ports: plan.public_ports.clone(),
                 image_mount: None,
             };
             children.push(self.register(record, client).await?);
@@ -998,8 +1493,48 @@ impl Node {
             }
         }
         for (id, reason) in doomed {
-            if self.delete(&id, reason.as_str()).await.is_ok() {
+            let mut why = reason.as_str().to_string();
+            let mut tombstone = None;
+            if let (ReapReason::Died, Ok(entry)) = (reason, self.get(&id)) {
+                let record = entry.record();
+                let image_gone = record
+                    .image_mount
+                    .as_ref()
+                    .is_some_and(|m| dead_images.contains(m));
+                let cause = match self.death_reason(&entry) {
+                    Some(cause) => cause,
+                    None if image_gone => {
+                        "its image server died (the layer-store mount under its root is gone)"
+                            .to_string()
+                    }
+                    None => "its process is gone".to_string(),
+                };
+                why = format!("died: {cause}");
+                entry.event(&why);
+                let logs = LOG_SOURCES
+                    .iter()
+                    .map(|(source, file)| {
+                        (
+                            *source,
+                            tail_bytes(&record.handle.dir.join(file), TOMBSTONE_LOG_BYTES),
+                        )
+                    })
+                    .filter(|(_, data)| !data.is_empty())
+                    .collect();
+                tombstone = Some(Tombstone {
+                    record,
+                    reason: cause,
+                    died_at_ms: now_ms(),
+                    last_activity_ms: entry.last_activity_ms.load(Ordering::Relaxed),
+                    logs,
+                });
+            }
+            if self.delete(&id, &why).await.is_ok() {
                 self.metrics.reaped[reason as usize].fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = tombstone {
+                    tracing::warn!(sandbox = %id, reason = %t.reason, "sandbox died");
+                    self.bury(t);
+                }
             }
         }
     }

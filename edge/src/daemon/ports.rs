@@ -5,6 +5,11 @@
 //! `PORT-SANDBOXID.<anything>`, then pipes the whole TCP connection to the sandbox port, so
 //! keep-alive, streaming bodies and WebSocket upgrades work unchanged. Every later request on
 //! a kept-alive connection goes to the same sandbox port as the first.
+//!
+//! Ports are private by default: a request must carry the sandbox's access token (header
+//! `X-Dsec-Access-Token`, or the host `PORT-ID-TOKEN.<domain>`), compared in constant time,
+//! unless the owner made the port public. Without it the answer is 401 whether or not the
+//! sandbox exists.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,7 +17,10 @@ use std::time::Duration;
 
 use dsec_api::agent::v1 as agent;
 use dsec_api::transcode;
-use dsec_api::v1::{ports_server, PortRequest, PortResponse, PortUrl, PortUrlRequest};
+use dsec_api::v1::{
+    ports_server, PortRequest, PortResponse, PortUrl, PortUrlRequest, SetPortPublicRequest,
+    SetPortPublicResponse,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -35,6 +43,32 @@ pub fn check_port(port: u32) -> Result<u16, Status> {
     u16::try_from(port).ok().filter(|p| *p != 0).ok_or_else(|| {
         Status::invalid_argument(format!("port {port} is not a TCP port: give 1-65535"))
     })
+}
+
+/// The header that carries a sandbox's access token through the HTTP entry point.
+pub const TOKEN_HEADER: &str = "X-Dsec-Access-Token";
+
+/// Equality that takes the same time wherever the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// Whether a request with `token` may reach `port` of the sandbox.
+pub fn allowed(entry: &Entry, port: u16, token: Option<&str>) -> bool {
+    let r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+    if r.public_ports.contains(&port) {
+        return true;
+    }
+    match token {
+        Some(t) if !r.access_token.is_empty() => {
+            constant_time_eq(t.as_bytes(), r.access_token.as_bytes())
+        }
+        _ => false,
+    }
 }
 
 /// Agent errors in terms of the sandbox: the agent does not know its id.
@@ -90,11 +124,18 @@ pub struct PortsService {
     pub node: Arc<Node>,
     /// Where the HTTP entry point listens, if it does.
     pub http: Option<SocketAddr>,
+    /// Open needs the sandbox's access token (for private ports): set on the TCP API, not on
+    /// the root-only Unix socket.
+    pub require_token: bool,
 }
 
-/// `PORT-ID.localhost`, the Host that routes to a sandbox port.
-pub fn host_for(id: &str, port: u16) -> String {
-    format!("{port}-{id}.localhost")
+/// `PORT-ID.localhost` (public port) or `PORT-ID-TOKEN.localhost`, the Host that routes to a
+/// sandbox port.
+pub fn host_for(id: &str, port: u16, token: Option<&str>) -> String {
+    match token {
+        Some(token) => format!("{port}-{id}-{token}.localhost"),
+        None => format!("{port}-{id}.localhost"),
+    }
 }
 
 #[tonic::async_trait]
@@ -121,6 +162,15 @@ impl ports_server::Ports for PortsService {
         };
         let port = check_port(open.port)?;
         let id = open.sandbox_id;
+        if self.require_token {
+            let entry = self.node.get(&id)?;
+            let token = (!open.access_token.is_empty()).then_some(open.access_token.as_str());
+            if !allowed(&entry, port, token) {
+                return Err(Status::permission_denied(format!(
+                    "port {port} of sandbox {id} is private: send the sandbox's access_token (from Create or Get) in PortOpen, or make the port public with Ports.SetPublic"
+                )));
+            }
+        }
         let (tx, responses) = open_agent(&self.node, &id, port).await?;
         // Data, eof and protocol errors have the same wire layout in both APIs; the agent
         // checks order and sizes. Ending this stream half-closes the agent's.
@@ -143,18 +193,31 @@ impl ports_server::Ports for PortsService {
     async fn url(&self, request: Request<PortUrlRequest>) -> Result<Response<PortUrl>, Status> {
         let r = request.into_inner();
         let port = check_port(r.port)?;
-        self.node.get(&r.sandbox_id)?;
+        let entry = self.node.get(&r.sandbox_id)?;
         let Some(address) = self.http else {
             return Err(Status::failed_precondition(
                 "this node serves no HTTP entry point (dsec-edge runs with --http off): restart it with --http ADDR, or use Ports.Open / `dsec port-forward`",
             ));
         };
-        let host = host_for(&r.sandbox_id, port);
+        let record = entry.record();
+        let token = (!record.public_ports.contains(&port)).then_some(record.access_token);
+        let host = host_for(&r.sandbox_id, port, token.as_deref());
         Ok(Response::new(PortUrl {
             url: format!("http://{host}:{}/", address.port()),
             host,
             address: address.to_string(),
+            access_token: token.unwrap_or_default(),
         }))
+    }
+
+    async fn set_public(
+        &self,
+        request: Request<SetPortPublicRequest>,
+    ) -> Result<Response<SetPortPublicResponse>, Status> {
+        let r = request.into_inner();
+        let port = check_port(r.port)?;
+        let public_ports = self.node.set_port_public(&r.sandbox_id, port, r.public)?;
+        Ok(Response::new(SetPortPublicResponse { public_ports }))
     }
 }
 
@@ -173,6 +236,8 @@ enum RouteError {
     NoHost,
     #[error("Host {0:?} does not name a sandbox port: use PORT-SANDBOXID.<domain>, e.g. 8080-sb-0123456789ab.localhost")]
     BadHost(String),
+    #[error("this sandbox port is private (or there is no such sandbox): send the sandbox's access token in the header `{TOKEN_HEADER}: TOKEN`, or in the host name as PORT-SANDBOXID-TOKEN.<domain>; `dsec url SANDBOXID PORT` prints a URL that carries it, and the sandbox's owner can open the port to everyone with `dsec port-public SANDBOXID PORT`")]
+    Unauthorized,
     #[error("{}", .0.message())]
     Sandbox(Status),
     #[error("the node already serves {0} HTTP connections to sandboxes: retry later")]
@@ -186,6 +251,7 @@ impl RouteError {
             RouteError::HeadTimeout => "408 Request Timeout",
             RouteError::Closed => "400 Bad Request",
             RouteError::NoHost | RouteError::BadHost(_) => "400 Bad Request",
+            RouteError::Unauthorized => "401 Unauthorized",
             RouteError::TooMany(_) => "503 Service Unavailable",
             RouteError::Sandbox(status) => match status.code() {
                 tonic::Code::NotFound => "404 Not Found",
@@ -197,8 +263,12 @@ impl RouteError {
     }
 }
 
-/// `PORT-ID` from the first label of a Host value (`8080-sb-0123.localhost:7080`).
-fn route(host: &str) -> Result<(u16, String), RouteError> {
+/// Length of an access token in hex.
+const TOKEN_HEX: usize = 32;
+
+/// Port, sandbox id and access token (if any) from the first label of a Host value
+/// (`8080-sb-0123.localhost:7080`, `8080-sb-0123-<32 hex>.localhost`).
+fn route(host: &str) -> Result<(u16, String, Option<String>), RouteError> {
     let bad = || RouteError::BadHost(host.to_string());
     let label = host
         .split(['.', ':'])
@@ -211,18 +281,33 @@ fn route(host: &str) -> Result<(u16, String), RouteError> {
         return Err(bad());
     }
     let port = check_port(port).map_err(RouteError::Sandbox)?;
-    Ok((port, id.to_string()))
+    let (id, token) = match id.rsplit_once('-') {
+        Some((id, token))
+            if !id.is_empty()
+                && token.len() == TOKEN_HEX
+                && token.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            (id, Some(token.to_string()))
+        }
+        _ => (id, None),
+    };
+    Ok((port, id.to_string(), token))
+}
+
+/// A header's value from a request head (`name` case-insensitive).
+fn header(head: &[u8], name: &str) -> Option<String> {
+    let text = String::from_utf8_lossy(head);
+    text.split("\r\n").skip(1).find_map(|line| {
+        let (n, value) = line.split_once(':')?;
+        n.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| value.trim().to_string())
+    })
 }
 
 /// The Host header's value from a request head.
 fn host_header(head: &[u8]) -> Option<String> {
-    let text = String::from_utf8_lossy(head);
-    text.split("\r\n").skip(1).find_map(|line| {
-        let (name, value) = line.split_once(':')?;
-        name.trim()
-            .eq_ignore_ascii_case("host")
-            .then(|| value.trim().to_string())
-    })
+    header(head, "host")
 }
 
 /// Reads until the end of the request head; returns everything read (head and any body bytes
@@ -255,8 +340,13 @@ async fn read_head(socket: &mut TcpStream) -> Result<Vec<u8>, RouteError> {
 
 async fn respond_error(socket: &mut TcpStream, err: &RouteError) {
     let body = format!("dsec: {err}\n");
+    let challenge = if matches!(err, RouteError::Unauthorized) {
+        format!("WWW-Authenticate: {TOKEN_HEADER} realm=\"dsec sandbox port\"\r\n")
+    } else {
+        String::new()
+    };
     let response = format!(
-        "HTTP/1.1 {}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {}\r\n{challenge}Content-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         err.http_status(),
         body.len()
     );
@@ -330,11 +420,18 @@ async fn serve_connection(node: Arc<Node>, mut socket: TcpStream) {
             .await
             .map_err(|_| RouteError::HeadTimeout)??;
         let host = host_header(&head).ok_or(RouteError::NoHost)?;
-        let (port, id) = route(&host)?;
+        let (port, id, host_token) = route(&host)?;
+        let token = header(&head, TOKEN_HEADER)
+            .map(|t| t.to_ascii_lowercase())
+            .or(host_token);
+        // Unknown sandbox and wrong token look the same to whoever has no token.
+        let entry = node.get(&id).map_err(|_| RouteError::Unauthorized)?;
+        if !allowed(&entry, port, token.as_deref()) {
+            return Err(RouteError::Unauthorized);
+        }
         let (tx, responses) = open_agent(&node, &id, port)
             .await
             .map_err(RouteError::Sandbox)?;
-        let entry = node.get(&id).map_err(RouteError::Sandbox)?;
         Ok::<_, RouteError>((head, tx, responses, entry))
     }
     .await;
@@ -382,11 +479,25 @@ mod tests {
     fn hosts_route_to_port_and_sandbox() {
         assert_eq!(
             route("8080-sb-0123456789ab.localhost:7080").unwrap(),
-            (8080, "sb-0123456789ab".to_string())
+            (8080, "sb-0123456789ab".to_string(), None)
         );
         assert_eq!(
             route("80-SB-AB.example.com").unwrap(),
-            (80, "sb-ab".to_string())
+            (80, "sb-ab".to_string(), None)
+        );
+        let token = "0123456789abcdef0123456789ABCDEF";
+        assert_eq!(
+            route(&format!("8080-sb-0123456789ab-{token}.localhost:7080")).unwrap(),
+            (
+                8080,
+                "sb-0123456789ab".to_string(),
+                Some(token.to_ascii_lowercase())
+            )
+        );
+        // Not 32 hex digits: part of the id.
+        assert_eq!(
+            route("8080-sb-0123456789ab-xyz.localhost").unwrap(),
+            (8080, "sb-0123456789ab-xyz".to_string(), None)
         );
         for bad in [
             "localhost:7080",
@@ -407,5 +518,15 @@ mod tests {
         let head = b"GET / HTTP/1.1\r\nUser-Agent: x\r\nhOsT:  8080-sb-1.localhost \r\n\r\n";
         assert_eq!(host_header(head).as_deref(), Some("8080-sb-1.localhost"));
         assert_eq!(host_header(b"GET / HTTP/1.1\r\n\r\n"), None);
+        let head = b"GET / HTTP/1.1\r\nx-dsec-access-token: abc \r\n\r\n";
+        assert_eq!(header(head, TOKEN_HEADER).as_deref(), Some("abc"));
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"abcd", b"abcd"));
+        assert!(!constant_time_eq(b"abcd", b"abce"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
+        assert!(!constant_time_eq(b"", b"a"));
     }
 }

@@ -197,7 +197,7 @@ class ApiTest(NodeTest):
         target = self.client.target
 
         async def one(client, i):
-            sb = await client.create(memory_mib=64, labels={"batch": "100"})
+            sb = await client.create(memory_mib=64, disk_mib=16, labels={"batch": "100"})
             r = await sb.exec(f"echo sandbox-{i}; hostname")
             return sb, i, r
 
@@ -218,6 +218,41 @@ class ApiTest(NodeTest):
         took = asyncio.run(main())
         print(f"\n100 concurrent creates + exec: {took:.2f} s ({100 / took:.0f}/s)")
         self.assertClean()
+
+    def test_list_pages_through_everything(self):
+        """list() pages through the node's List transparently, in the order of the ids."""
+        sbs = [self.client.create(memory_mib=64, disk_mib=16, labels={"paged": "yes"})
+               for _ in range(5)]
+        ids = sorted(sb.id for sb in sbs)
+        self.assertEqual([sb.id for sb in self.client.list({"paged": "yes"}, page_size=2)], ids)
+        first = self.client._sandboxes.List(dsec.dsec_pb2.ListSandboxesRequest(page_size=2))
+        self.assertEqual(len(first.sandboxes), 2)
+        self.assertEqual(first.next_page_token, first.sandboxes[-1].id)
+
+        async def listed():
+            async with dsec.AsyncClient(self.client.target) as c:
+                return [sb.id for sb in await c.list({"paged": "yes"}, page_size=2)]
+
+        self.assertEqual(asyncio.run(listed()), ids)
+        for sb in sbs:
+            sb.delete()
+
+    def test_create_is_idempotent_with_a_request_id(self):
+        a = self.client.create(memory_mib=64, disk_mib=16, request_id="py-req-1")
+        b = self.client.create(memory_mib=64, disk_mib=16, request_id="py-req-1")
+        self.assertEqual(a.id, b.id)
+        self.assertEqual(a.info.request_id, "py-req-1")
+        with self.assertRaises(dsec.DsecError) as e:
+            self.client.create(memory_mib=128, disk_mib=16, request_id="py-req-1")
+        self.assertEqual(e.exception.code.name, "ALREADY_EXISTS")
+        self.assertIn("different spec", e.exception.details)
+        # Without one, each call gets a fresh random request_id: two sandboxes.
+        c = self.client.create(memory_mib=64, disk_mib=16)
+        d = self.client.create(memory_mib=64, disk_mib=16)
+        self.assertNotEqual(c.id, d.id)
+        self.assertNotEqual(c.info.request_id, d.info.request_id)
+        for sb in (a, c, d):
+            sb.delete()
 
     def test_files_sessions_pause(self):
         with self.client.create(memory_mib=64, env={"GREETING": "hi"}) as sb:
@@ -309,6 +344,21 @@ class ApiTest(NodeTest):
                 sb.write_file("relative/path", b"x")
             with self.assertRaises(dsec.NotFound):
                 sb.read_file("/does/not/exist")
+            # A negative timeout is refused by the SDK before the call, clearly (it used to
+            # surface as gRPC's opaque "Exception iterating requests").
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                sb.exec("true", timeout=-1)
+            self.assertIsInstance(e.exception, ValueError)
+            self.assertIn("timeout must be >= 0", e.exception.details)
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                sb.exec("true", timeout=8 * 24 * 3600)
+            self.assertIn("more than 7 days", e.exception.details)
+            with self.assertRaises(dsec.InvalidArgument) as e:
+                c.create(labels={"k": "v" * 257})
+            self.assertIn("at most 256", e.exception.details)
+            with self.assertRaises(dsec.Unimplemented) as e:
+                c.create(allow_internet=True)
+            self.assertIn("loopback only", e.exception.details)
 
             def two_gib():
                 chunk = b"\0" * (1 << 20)
@@ -440,13 +490,15 @@ class AdmissionTest(NodeTest):
     extra_args = ("--memory-mib", "600", "--overcommit-memory", "1")
 
     def test_memory_budget_refuses_with_resource_exhausted(self):
-        a = self.client.create(memory_mib=256)
-        b = self.client.create(memory_mib=256)
+        # A container reserves memory + its disk (a tmpfs charged to its memory): 272 MiB.
+        a = self.client.create(memory_mib=256, disk_mib=16)
+        self.assertEqual(a.info.memory_limit_bytes, 272 << 20)
+        b = self.client.create(memory_mib=256, disk_mib=16)
         with self.assertRaises(dsec.ResourceExhausted) as e:
-            self.client.create(memory_mib=256)
-        self.assertIn("memory budget spent", e.exception.details)
+            self.client.create(memory_mib=256, disk_mib=16)
+        self.assertIn("memory budget spent: 544 of 600", e.exception.details)
         a.delete()
-        c = self.client.create(memory_mib=256)
+        c = self.client.create(memory_mib=256, disk_mib=16)
         for sb in (b, c):
             sb.delete()
 
@@ -584,7 +636,9 @@ class PortsTest(NodeTest):
 
             # The URL helper and a real HTTP client on the entry point.
             u = a.port_url(8080)
-            self.assertEqual(u.host, f"8080-{a.id}.localhost")
+            self.assertEqual(len(a.info.access_token), 32)
+            self.assertEqual(u.access_token, a.info.access_token)
+            self.assertEqual(u.host, f"8080-{a.id}-{a.info.access_token}.localhost")
             self.assertEqual(a.url(8080), u.url)
             self.assertTrue(u.url.startswith(f"http://{u.host}:"), u.url)
             host, port = u.address.rsplit(":", 1)
@@ -600,12 +654,31 @@ class PortsTest(NodeTest):
             self.assertEqual(r.status, 200)
             self.assertTrue(r.read() == big, "1 MiB body through the entry point differs")
             conn.close()
-            conn = http.client.HTTPConnection(host, int(port), timeout=20)
-            conn.request("GET", "/", headers={"Host": "8080-sb-000000000000.localhost"})
-            r = conn.getresponse()
-            self.assertEqual(r.status, 404)
-            self.assertIn(b"no sandbox", r.read())
-            conn.close()
+            # Private by default: no token, or another sandbox's, is 401 like an unknown
+            # sandbox; the header works as well as the host name; public ports need none.
+            def status(host_header, token=None):
+                conn = http.client.HTTPConnection(host, int(port), timeout=20)
+                headers = {"Host": host_header}
+                if token:
+                    headers["X-Dsec-Access-Token"] = token
+                conn.request("GET", "/index.html", headers=headers)
+                r = conn.getresponse()
+                out = (r.status, r.read())
+                conn.close()
+                return out
+
+            code, body = status(f"8080-{a.id}.localhost")
+            self.assertEqual(code, 401)
+            self.assertIn(b"X-Dsec-Access-Token", body)
+            self.assertEqual(status(f"8080-{a.id}.localhost", b.info.access_token)[0], 401)
+            self.assertEqual(status("8080-sb-000000000000.localhost"), (code, body))
+            self.assertEqual(status(f"8080-{a.id}.localhost", a.info.access_token),
+                             (200, b"page of A\n"))
+            self.assertEqual(a.set_port_public(8080), [8080])
+            self.assertEqual(status(f"8080-{a.id}.localhost"), (200, b"page of A\n"))
+            self.assertEqual(a.port_url(8080).host, f"8080-{a.id}.localhost")
+            self.assertEqual(a.set_port_public(8080, False), [])
+            self.assertEqual(status(f"8080-{a.id}.localhost")[0], 401)
 
             # asyncio: the same through AsyncSandbox.
             async def main():

@@ -34,6 +34,29 @@ pub fn default_target() -> String {
         .unwrap_or_else(|| DEFAULT_TARGET.to_string())
 }
 
+/// How often [`Client::create`] tries when the node is unreachable.
+pub const CREATE_ATTEMPTS: u32 = 3;
+
+/// A random Create request_id (128 bits, hex).
+pub fn new_request_id() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if random.is_err() {
+        // No /dev/urandom: time, pid and a counter are unique enough for one client.
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        bytes[..8].copy_from_slice(&nanos.to_le_bytes());
+        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        bytes[12..].copy_from_slice(&(n as u32).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Errors of the SDK.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -281,6 +304,8 @@ impl ExecSession {
 #[derive(Clone, Debug)]
 pub struct Client {
     channel: Channel,
+    /// Connected over TCP: port streams need the sandbox's access token there.
+    tcp: bool,
 }
 
 impl Client {
@@ -311,7 +336,10 @@ impl Client {
                 .await
                 .map_err(|e| err(e.to_string()))?
         };
-        Ok(Self { channel })
+        Ok(Self {
+            channel,
+            tcp: !target.starts_with("unix:"),
+        })
     }
 
     fn sandboxes(&self) -> SandboxesClient<Channel> {
@@ -326,8 +354,26 @@ impl Client {
         SessionsClient::new(self.channel.clone())
     }
 
-    pub async fn create(&self, request: CreateSandboxRequest) -> Result<Sandbox> {
-        Ok(self.sandboxes().create(request).await?.into_inner())
+    /// Creates a sandbox. Without a `request_id` the SDK picks a fresh random one; the call is
+    /// retried (with the same request_id, so the node never makes two sandboxes of it) when
+    /// the node is unreachable, up to [`CREATE_ATTEMPTS`] times.
+    pub async fn create(&self, mut request: CreateSandboxRequest) -> Result<Sandbox> {
+        if request.request_id.is_empty() {
+            request.request_id = new_request_id();
+        }
+        let mut attempt = 1;
+        loop {
+            match self.sandboxes().create(request.clone()).await {
+                Ok(sandbox) => return Ok(sandbox.into_inner()),
+                Err(status)
+                    if status.code() == tonic::Code::Unavailable && attempt < CREATE_ATTEMPTS =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(200 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(status) => return Err(status.into()),
+            }
+        }
     }
 
     pub async fn get(&self, id: &str) -> Result<Sandbox> {
@@ -340,16 +386,34 @@ impl Client {
             .into_inner())
     }
 
+    /// Every sandbox carrying all of `labels` (all when empty), in the order of their ids:
+    /// pages through the node's List until its last page.
     pub async fn list(
         &self,
         labels: std::collections::HashMap<String, String>,
     ) -> Result<Vec<Sandbox>> {
-        Ok(self
-            .sandboxes()
-            .list(ListSandboxesRequest { labels })
-            .await?
-            .into_inner()
-            .sandboxes)
+        let mut all = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let page = self
+                .list_page(ListSandboxesRequest {
+                    labels: labels.clone(),
+                    page_size: 0,
+                    page_token: page_token.clone(),
+                })
+                .await?;
+            all.extend(page.sandboxes);
+            // A token that does not advance would loop for ever: the node never sends one.
+            if page.next_page_token.is_empty() || page.next_page_token == page_token {
+                return Ok(all);
+            }
+            page_token = page.next_page_token;
+        }
+    }
+
+    /// One page of List (`page_size` 0 means the node's default of 500, at most 1000).
+    pub async fn list_page(&self, request: ListSandboxesRequest) -> Result<ListSandboxesResponse> {
+        Ok(self.sandboxes().list(request).await?.into_inner())
     }
 
     pub async fn delete(&self, id: &str) -> Result<()> {
@@ -577,13 +641,31 @@ impl Client {
     /// A TCP connection to 127.0.0.1:`port` inside the sandbox (a server an agent started
     /// there). Errors: NOT_FOUND (unknown sandbox), INVALID_ARGUMENT (port 0 or > 65535),
     /// FAILED_PRECONDITION (paused), UNAVAILABLE (nothing listens on the port).
+    /// Over TCP the node wants the sandbox's access token for a private port: it is fetched
+    /// with Get (use [`open_port_with_token`](Self::open_port_with_token) to pass it).
     pub async fn open_port(&self, id: &str, port: u32) -> Result<PortStream> {
+        let token = if self.tcp {
+            self.get(id).await?.access_token
+        } else {
+            String::new()
+        };
+        self.open_port_with_token(id, port, &token).await
+    }
+
+    /// [`open_port`](Self::open_port) with the sandbox's access token given (empty: none).
+    pub async fn open_port_with_token(
+        &self,
+        id: &str,
+        port: u32,
+        access_token: &str,
+    ) -> Result<PortStream> {
         let (tx, rx) = mpsc::channel(8);
         let _ = tx
             .send(PortRequest {
                 kind: Some(port_request::Kind::Open(PortOpen {
                     sandbox_id: id.into(),
                     port,
+                    access_token: access_token.into(),
                 })),
             })
             .await;
@@ -604,8 +686,9 @@ impl Client {
     }
 
     /// The URL of a sandbox port on the node's HTTP entry point
-    /// (`http://8080-sb-0123456789ab.localhost:7080/`), with the Host header that routes to
-    /// it. FAILED_PRECONDITION when the node serves no HTTP entry point.
+    /// (`http://8080-sb-0123456789ab-TOKEN.localhost:7080/`, without the token for a public
+    /// port), with the Host header that routes to it. FAILED_PRECONDITION when the node
+    /// serves no HTTP entry point.
     pub async fn port_url(&self, id: &str, port: u32) -> Result<PortUrl> {
         Ok(PortsClient::new(self.channel.clone())
             .url(PortUrlRequest {
@@ -614,6 +697,20 @@ impl Client {
             })
             .await?
             .into_inner())
+    }
+
+    /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns
+    /// the sandbox's public ports.
+    pub async fn set_port_public(&self, id: &str, port: u32, public: bool) -> Result<Vec<u32>> {
+        Ok(PortsClient::new(self.channel.clone())
+            .set_public(SetPortPublicRequest {
+                sandbox_id: id.into(),
+                port,
+                public,
+            })
+            .await?
+            .into_inner()
+            .public_ports)
     }
 
     /// Starts a command and returns a handle to drive it live: send stdin, signals and

@@ -289,7 +289,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// What `dsec run` records of its sandbox (`<state dir>/<id>/run.json`): `dsec inspect ID`
+/// shows it, since a `dsec run` sandbox is not the node daemon's.
+const RUN_RECORD: &str = "run.json";
+
 fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, CliError> {
+    if let Command::Inspect { id } = &command {
+        let record = EdgeConfig::default().state_dir.join(id).join(RUN_RECORD);
+        if let Some(text) = (!id.contains('/'))
+            .then(|| std::fs::read_to_string(&record).ok())
+            .flatten()
+        {
+            println!("{}", text.trim_end());
+            return Ok(0);
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -445,6 +459,35 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
     Ok(code)
 }
 
+fn cgroups_of(cgroups: &RemoveCgroups) -> Vec<PathBuf> {
+    cgroups.0.clone()
+}
+
+/// Records the sandbox's limits for `dsec inspect` (best effort: the run goes on without).
+fn write_run_record(sandbox: &Sandbox, spec: &SandboxSpec, limits: &Limits, cgroups: &[PathBuf]) {
+    let range = dsec_edge::idpool::recorded(sandbox.dir());
+    let record = serde_json::json!({
+        "id": sandbox.id(),
+        "backend": sandbox.kind().as_str(),
+        "runner": "dsec run",
+        "vcpus": spec.vcpus,
+        "memory_mib": spec.mem_mib,
+        "disk_mib": spec.disk_mib,
+        "pids_limit": limits.pids,
+        "memory_limit_bytes": limits.memory_bytes,
+        "cpu_quota_vcpus": limits.vcpus,
+        "host_id_range": range.map(|r| serde_json::json!({"base": r.base, "count": r.count})),
+        "cgroups": cgroups,
+    });
+    let path = sandbox.dir().join(RUN_RECORD);
+    if let Err(err) = std::fs::write(&path, format!("{record:#}\n")) {
+        eprintln!(
+            "dsec: cannot record the sandbox's limits in {}: {err}",
+            path.display()
+        );
+    }
+}
+
 /// Removes a `dsec run` sandbox's cgroups (after the sandbox is gone) when dropped.
 struct RemoveCgroups(Vec<PathBuf>);
 
@@ -527,6 +570,7 @@ async fn run_in_sandbox(
         created = Sandbox::create(kind, &config, &spec) => created?,
         _ = tokio::signal::ctrl_c() => return Ok(130),
     };
+    write_run_record(&sandbox, &spec, &limits, &cgroups_of(&_cgroups));
     let stdin = (!std::io::stdin().is_terminal()).then(tokio::io::stdin);
     let mut stdout = tokio::io::stdout();
     let mut stderr = tokio::io::stderr();

@@ -150,6 +150,47 @@ fn run_containers_get_memory_and_pid_limits() {
     let out = sleepers("16");
     assert_ne!(out.status.code(), Some(0), "40 processes under --pids 16");
     assert!(stderr_of(&out).contains("fork"), "{}", stderr_of(&out));
+    // `dsec inspect` shows a running `dsec run` sandbox's limits.
+    let mut running = run
+        .dsec()
+        .args([
+            "run",
+            "--backend",
+            "container",
+            "--mem",
+            "96",
+            "--disk",
+            "32",
+        ])
+        .args(["--pids", "77", "--", "sleep", "30"])
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let record = loop {
+        let id = std::fs::read_dir(run.0.join("sandboxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .next();
+        if let Some(id) = id {
+            let out = run.dsec().args(["inspect", &id]).output().unwrap();
+            if out.status.success() {
+                break serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap();
+            }
+        }
+        assert!(Instant::now() < deadline, "no run record");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // SAFETY: kill(2) on the child we spawned; ^C makes `dsec run` tear its sandbox down.
+    unsafe { libc::kill(running.id() as i32, libc::SIGINT) };
+    running.wait().unwrap();
+    assert_eq!(record["pids_limit"], 77, "{record}");
+    assert_eq!(record["memory_limit_bytes"], (96 + 32) << 20, "{record}");
+    assert!(
+        record["host_id_range"]["base"].as_u64().unwrap() >= 65536,
+        "{record}"
+    );
     assert_eq!(run.leftovers(), 0);
 }
 

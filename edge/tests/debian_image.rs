@@ -77,15 +77,12 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
         "repo not in {}",
         upper.display()
     );
-    // Written by sandbox root (an unprivileged host uid) through the idmapped layer: stored
-    // as uid 0, as the image's own files are, so a packed diff keeps the image's owners.
+    // Written by sandbox root: stored as its host uid (the first of the sandbox's range),
+    // never as host root.
     use std::os::unix::fs::MetadataExt;
+    let range = dsec_edge::idpool::recorded(sandbox.dir()).expect("the sandbox's id range");
     let head = std::fs::metadata(upper.join("work/.git/HEAD")).unwrap();
-    assert_eq!(
-        (head.uid(), head.gid()),
-        (0, 0),
-        "upper files stored shifted"
-    );
+    assert_eq!((head.uid(), head.gid()), (range.base, range.base));
     assert!(upper.join("etc/debian_version").is_file());
     assert!(!rootfs.join("work").exists(), "write reached the image");
     let version = std::fs::read_to_string(rootfs.join("etc/debian_version")).unwrap();

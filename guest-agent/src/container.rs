@@ -5,24 +5,21 @@
 //! namespace, so the sandbox can never reconfigure them), the agent:
 //! 1. makes its mounts private and takes a cgroup namespace rooted at the sandbox's cgroup;
 //! 2. creates the sandbox's user namespace (host ids `id_base..` become 0..);
-//! 3. mounts the writable layer and an idmapped, read-only view of the image: files keep
-//!    their owners as the sandbox sees them and are stored unshifted;
-//! 4. has a child inside the user namespace mount the overlay of both (its copy-ups and new
-//!    files then carry the sandbox's ids) and create the mount points in it;
-//! 5. mounts /proc (with /proc/sys and friends read-only, kcore, keys, ... masked), a
+//! 3. mounts the writable layer and an idmapped, read-only view of the image (files keep
+//!    their owners as the sandbox sees them), and the overlay of both;
+//! 4. mounts /proc (with /proc/sys and friends read-only, kcore, keys, ... masked), a
 //!    read-only /sys, a minimal /dev, a capped /dev/shm and /run, and pivots into the root;
-//! 6. protects itself from the OOM killer where the host allows it, joins the user
+//! 5. protects itself from the OOM killer where the host allows it, joins the user
 //!    namespace as its root and turns non-dumpable. Everything it serves afterwards runs with the sandbox's own ids.
 
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::{symlink, DirBuilderExt};
+use std::os::unix::fs::{symlink, DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use dsec_api::agent::v1::ContainerLaunch;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::CloneFlags;
 
-use crate::mountapi::{self, FsContext};
+use crate::mountapi;
 use crate::userns::UserNamespace;
 use crate::AgentError;
 
@@ -72,12 +69,6 @@ fn bind(source: &Path, target: &Path, flags: MsFlags) -> Result<(), AgentError> 
     .map_err(|e| setup_err(format!("remount {} read-only", target.display()), e))
 }
 
-fn bind_file(host: &str, target: &Path) -> Result<(), AgentError> {
-    std::fs::File::create(target)
-        .map_err(|e| setup_err(format!("create {}", target.display()), e))?;
-    bind(Path::new(host), target, MsFlags::empty())
-}
-
 /// /proc entries the sandbox may read but not write (as the established runtimes do):
 /// sysctls, sysrq, IRQ affinity, bus and filesystem knobs are the host kernel's.
 const READ_ONLY_PROC: &[&str] = &["sys", "sysrq-trigger", "irq", "bus", "fs"];
@@ -100,11 +91,9 @@ const MASKED: &[&str] = &[
     "proc/scsi",
     "sys/firmware",
     "sys/devices/virtual/powercap",
-    "sys/kernel/debug",
-    "sys/kernel/security",
 ];
 
-/// Mount points every root gets (created inside the user namespace, so with its ids).
+/// Mount points every root gets.
 const MOUNT_POINTS: &[&str] = &["proc", "sys", "dev", "run", "tmp"];
 
 /// Reads the launch description the edge wrote into descriptor `fd`.
@@ -182,28 +171,64 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
             Some(&format!("size={}m,mode=0755", launch.disk_mib)),
         )?;
     }
-    for sub in ["upper", "work"] {
-        mkdir(&disk.join(sub))?;
+    let (upper, work) = (disk.join("upper"), disk.join("work"));
+    for d in [&upper, &work] {
+        mkdir(d)?;
     }
-    idmapped(
-        &disk,
-        &dir.join("rw"),
-        &userns,
-        mountapi::MOUNT_ATTR_NOSUID | mountapi::MOUNT_ATTR_NODEV,
-    )?;
+    // The upper layer holds the sandbox's ids as host ids (id_base + N): the image root's
+    // owner and mode carry over to its root, so "/" belongs to sandbox root.
+    let image_root =
+        std::fs::metadata(&lower).map_err(|e| setup_err(format!("stat {}", lower.display()), e))?;
+    let shift = |id: u32| {
+        launch
+            .id_base
+            .checked_add(id)
+            .filter(|_| id < launch.id_count)
+    };
+    let (Some(uid), Some(gid)) = (shift(image_root.uid()), shift(image_root.gid())) else {
+        return Err(AgentError::Setup(format!(
+            "the image root {} is owned by {}:{}, outside the sandbox's {} ids",
+            lower.display(),
+            image_root.uid(),
+            image_root.gid(),
+            launch.id_count
+        )));
+    };
+    std::os::unix::fs::chown(&upper, Some(uid), Some(gid))
+        .map_err(|e| setup_err(format!("chown {}", upper.display()), e))?;
+    std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(image_root.mode()))
+        .map_err(|e| setup_err(format!("chmod {}", upper.display()), e))?;
     idmapped(
         &lower,
         &dir.join("lower"),
         &userns,
         mountapi::MOUNT_ATTR_RDONLY | mountapi::MOUNT_ATTR_NODEV,
     )?;
+    step("layers idmapped");
     let root = dir.join("root");
     mkdir(&root)?;
-    step("layers idmapped");
-    let overlay = mount_overlay_as_sandbox(&userns)?;
+    // Mounted by host root (so no user-namespace restrictions on overlayfs features), over
+    // the idmapped image: copy-ups keep the owners the sandbox sees, new files get the
+    // creator's (shifted) ids.
+    mount_at(
+        "overlay",
+        &root,
+        "overlay",
+        MsFlags::empty(),
+        Some("lowerdir=lower,upperdir=disk/upper,workdir=disk/work"),
+    )?;
+    for name in MOUNT_POINTS {
+        let path = root.join(name);
+        if !path.is_dir() {
+            mkdir(&path)?;
+        }
+    }
+    let tmp = root.join("tmp");
+    std::os::unix::fs::chown(&tmp, Some(launch.id_base), Some(launch.id_base))
+        .map_err(|e| setup_err("chown /tmp", e))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777))
+        .map_err(|e| setup_err("chmod 1777 /tmp", e))?;
     step("overlay mounted");
-    mountapi::attach(&overlay, &root).map_err(|e| setup_err("attach the overlay", e))?;
-    drop(overlay);
 
     mount_system(&root, launch)?;
     step("/proc, /sys, /dev mounted");
@@ -261,129 +286,6 @@ fn idmapped(
         .map_err(|e| setup_err(format!("attach idmapped {}", target.display()), e))
 }
 
-/// Mounts the overlay of `lower` and `rw/{upper,work}` (relative to the current directory)
-/// from a child that is root of the sandbox's user namespace, and returns the detached
-/// mount. The child also creates the root's mount points, with the sandbox's ids.
-fn mount_overlay_as_sandbox(userns: &UserNamespace) -> Result<OwnedFd, AgentError> {
-    use nix::sys::socket::{
-        recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
-        SockFlag, SockType,
-    };
-    let (ours, theirs) = socketpair(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(|e| setup_err("socketpair", e))?;
-    // SAFETY: single-threaded (before tokio); the child does its work and _exits without
-    // returning into the caller.
-    match unsafe { nix::unistd::fork() }.map_err(|e| setup_err("fork", e))? {
-        nix::unistd::ForkResult::Child => {
-            drop(ours);
-            let mounted = overlay_child(userns);
-            let (fds, message) = match &mounted {
-                Ok(fd) => (vec![fd.as_raw_fd()], String::from("ok")),
-                Err(err) => (Vec::new(), err.to_string()),
-            };
-            let cmsg = [ControlMessage::ScmRights(&fds)];
-            let iov = [std::io::IoSlice::new(message.as_bytes())];
-            let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
-            if let Err(e) = sendmsg::<()>(theirs.as_raw_fd(), &iov, cmsgs, MsgFlags::empty(), None)
-            {
-                eprintln!("dsec-agent: overlay helper: send the mount: {e} ({message})");
-            }
-            // SAFETY: ends the forked child without running the parent's destructors.
-            unsafe { libc::_exit(0) }
-        }
-        nix::unistd::ForkResult::Parent { child } => {
-            drop(theirs);
-            let mut buf = vec![0u8; 4096];
-            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-            let received = {
-                let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-                recvmsg::<()>(
-                    ours.as_raw_fd(),
-                    &mut iov,
-                    Some(&mut space),
-                    MsgFlags::MSG_CMSG_CLOEXEC,
-                )
-                .map(|msg| {
-                    let fd = msg.cmsgs().ok().and_then(|mut c| {
-                        c.find_map(|m| match m {
-                            ControlMessageOwned::ScmRights(fds) => fds.first().copied(),
-                            _ => None,
-                        })
-                    });
-                    (fd, msg.bytes)
-                })
-            };
-            let status = nix::sys::wait::waitpid(child, None);
-            match received {
-                Ok((Some(fd), _)) => Ok(crate::userns::owned(fd)),
-                Ok((None, len)) if len > 0 => Err(AgentError::Setup(format!(
-                    "mount the overlay inside the user namespace: {}",
-                    String::from_utf8_lossy(&buf[..len])
-                ))),
-                Ok((None, _)) => Err(AgentError::Setup(format!(
-                    "the overlay mount helper ended without an answer ({status:?})"
-                ))),
-                Err(e) => Err(setup_err("receive the overlay mount", e)),
-            }
-        }
-    }
-}
-
-/// In the forked child: become the sandbox's root, take a mount namespace of our own (the
-/// overlay's superblock must belong to the sandbox's user namespace for its copy-ups to run
-/// with the sandbox's ids), mount the overlay detached and create the mount points.
-fn overlay_child(userns: &UserNamespace) -> Result<OwnedFd, AgentError> {
-    // The agent is what must survive an out-of-memory sandbox. Lowering the score needs
-    // CAP_SYS_RESOURCE, which some hosts withhold even from root: then the OOM killer still
-    // picks the largest process, which the agent (a few MiB) rarely is.
-    if let Err(err) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
-        tracing::warn!(%err, "cannot protect the agent from the OOM killer (no CAP_SYS_RESOURCE?)");
-    }
-    userns.enter()?;
-    nix::sched::unshare(CloneFlags::CLONE_NEWNS)
-        .map_err(|e| setup_err("unshare the mount namespace", e))?;
-    let ctx = FsContext::open("overlay").map_err(|e| setup_err("fsopen overlay", e))?;
-    for (key, value) in [
-        ("lowerdir", "lower"),
-        ("upperdir", "rw/upper"),
-        ("workdir", "rw/work"),
-    ] {
-        ctx.set_string(key, value)
-            .map_err(|e| setup_err(format!("overlay option {key}={value}"), e))?;
-    }
-    // Metadata in user.overlay.* xattrs: trusted.* needs host root.
-    ctx.set_flag("userxattr")
-        .map_err(|e| setup_err("overlay option userxattr", e))?;
-    let mount = ctx
-        .mount()
-        .map_err(|e| setup_err("create the overlay", e))?;
-    for name in MOUNT_POINTS {
-        let c = std::ffi::CString::new(*name).expect("static name");
-        // SAFETY: mkdirat on the mount's root directory fd with a NUL-terminated name.
-        let rc = unsafe { libc::mkdirat(mount.as_raw_fd(), c.as_ptr(), 0o755) };
-        if rc != 0 && nix::errno::Errno::last() != nix::errno::Errno::EEXIST {
-            return Err(setup_err(
-                format!("mkdir /{name} in the root"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-    }
-    let tmp = c"tmp";
-    // SAFETY: fchmodat on the mount's root directory fd with a static name.
-    if unsafe { libc::fchmodat(mount.as_raw_fd(), tmp.as_ptr(), 0o1777, 0) } != 0 {
-        return Err(setup_err(
-            "chmod 1777 /tmp",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(mount)
-}
-
 /// /proc, /sys, /dev and /run of the root, hardened.
 fn mount_system(root: &Path, launch: &ContainerLaunch) -> Result<(), AgentError> {
     let nosuid_nodev = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
@@ -411,7 +313,10 @@ fn mount_system(root: &Path, launch: &ContainerLaunch) -> Result<(), AgentError>
     )?;
     for rel in MASKED {
         let path = root.join(rel);
+        // Sandbox root is "other" to these host-root-owned entries: what others cannot read
+        // needs no mask (each mount costs every create and delete a global lock).
         match std::fs::symlink_metadata(&path) {
+            Ok(meta) if meta.mode() & 0o004 == 0 => {}
             Ok(meta) if meta.is_dir() => mount_at("tmpfs", &path, "tmpfs", ro, Some("size=0"))?,
             Ok(_) => bind(Path::new("/dev/null"), &path, MsFlags::empty())?,
             Err(_) => {}
@@ -426,8 +331,28 @@ fn mount_system(root: &Path, launch: &ContainerLaunch) -> Result<(), AgentError>
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
         Some("mode=0755,size=64k"),
     )?;
-    for name in ["null", "zero", "full", "random", "urandom", "tty"] {
-        bind_file(&format!("/dev/{name}"), &dev.join(name))?;
+    // Device nodes made here (we are still host root, and this tmpfs belongs to the host's
+    // user namespace, so they work for the sandbox): a mknod is not a mount, and every mount
+    // costs each create and delete the kernel's global namespace lock.
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let path = dev.join(name);
+        nix::sys::stat::mknod(
+            &path,
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o666),
+            nix::sys::stat::makedev(major, minor),
+        )
+        .map_err(|e| setup_err(format!("mknod {}", path.display()), e))?;
+        // The umask took bits off the mode.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666))
+            .map_err(|e| setup_err(format!("chmod {}", path.display()), e))?;
     }
     for sub in ["pts", "shm"] {
         mkdir(&dev.join(sub))?;

@@ -1,6 +1,5 @@
-//! The new mount API (open_tree, mount_setattr, move_mount, fsopen, fsconfig, fsmount), which
-//! nix does not wrap: idmapped mounts and mounts built in one namespace and attached in
-//! another need it.
+//! The parts of the new mount API that nix does not wrap (open_tree, mount_setattr,
+//! move_mount): idmapped mounts need them.
 
 use std::ffi::CString;
 use std::io;
@@ -9,14 +8,8 @@ use std::path::Path;
 
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-const FSOPEN_CLOEXEC: libc::c_uint = 1;
-const FSCONFIG_SET_FLAG: libc::c_uint = 0;
-const FSCONFIG_SET_STRING: libc::c_uint = 1;
-const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
-const FSMOUNT_CLOEXEC: libc::c_uint = 1;
 
 pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
-pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 pub const MOUNT_ATTR_NODEV: u64 = 0x4;
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
@@ -103,55 +96,4 @@ pub fn attach(mount: &OwnedFd, target: &Path) -> io::Result<()> {
             MOVE_MOUNT_F_EMPTY_PATH,
         )
     })
-}
-
-/// A filesystem context being configured (fsopen .. fsmount).
-pub struct FsContext(OwnedFd);
-
-impl FsContext {
-    pub fn open(fstype: &str) -> io::Result<Self> {
-        let c = CString::new(fstype)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in fs type"))?;
-        // SAFETY: `c` is NUL-terminated and outlives the call.
-        fd_result(unsafe { libc::syscall(libc::SYS_fsopen, c.as_ptr(), FSOPEN_CLOEXEC) }).map(Self)
-    }
-
-    fn config(&self, cmd: libc::c_uint, key: Option<&str>, value: Option<&str>) -> io::Result<()> {
-        let key = key
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in option"))?;
-        let value = value
-            .map(CString::new)
-            .transpose()
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in option"))?;
-        // SAFETY: key and value are NUL-terminated strings (or NULL) that outlive the call.
-        unit_result(unsafe {
-            libc::syscall(
-                libc::SYS_fsconfig,
-                self.0.as_raw_fd(),
-                cmd,
-                key.as_ref().map_or(std::ptr::null(), |k| k.as_ptr()),
-                value.as_ref().map_or(std::ptr::null(), |v| v.as_ptr()),
-                0,
-            )
-        })
-    }
-
-    pub fn set_string(&self, key: &str, value: &str) -> io::Result<()> {
-        self.config(FSCONFIG_SET_STRING, Some(key), Some(value))
-    }
-
-    pub fn set_flag(&self, key: &str) -> io::Result<()> {
-        self.config(FSCONFIG_SET_FLAG, Some(key), None)
-    }
-
-    /// Creates the superblock and returns a detached mount of it.
-    pub fn mount(self) -> io::Result<OwnedFd> {
-        self.config(FSCONFIG_CMD_CREATE, None, None)?;
-        // SAFETY: fsmount takes the context fd and flags; no memory is passed.
-        fd_result(unsafe {
-            libc::syscall(libc::SYS_fsmount, self.0.as_raw_fd(), FSMOUNT_CLOEXEC, 0)
-        })
-    }
 }

@@ -659,6 +659,7 @@ impl Node {
                 let _ = record.handle.teardown();
                 cgroup::remove(&record.cgroups);
             }
+            crate::idpool::release(path);
             let _ = std::fs::remove_dir_all(path);
         }
         // Jail roots of sandboxes that are gone (their VMMs were killed above); empty

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, Union)
@@ -42,8 +44,9 @@ class DsecError(Exception):
         self.details = details
 
 
-class InvalidArgument(DsecError):
-    pass
+class InvalidArgument(DsecError, ValueError):
+    """The request is malformed (also raised by the SDK itself before a call, e.g. for a
+    negative timeout); a ValueError too."""
 
 
 class NotFound(DsecError):
@@ -164,6 +167,17 @@ class SandboxInfo:
     memory_bytes: int = 0
     cpu_usage_ns: int = 0
     pids: int = 0
+    #: The memory cgroup's limit (memory + a container's tmpfs disk): what admission reserved.
+    memory_limit_bytes: int = 0
+    #: The request_id of the Create that made it.
+    request_id: str = ""
+    #: Secret for the sandbox's private ports (HTTP entry point, Ports.Open over TCP); set in
+    #: what Create and Get return, empty in list() results.
+    access_token: str = ""
+    #: Ports open to everyone.
+    public_ports: Tuple[int, ...] = ()
+    #: State "dead": why its agent / VMM died (Get keeps showing it for 10 minutes).
+    death_reason: str = ""
 
     @classmethod
     def _from(cls, s: pb.Sandbox) -> "SandboxInfo":
@@ -171,7 +185,9 @@ class SandboxInfo:
                    pb.SandboxState.Name(s.state).removeprefix("SANDBOX_STATE_").lower(),
                    s.vcpus, s.memory_mib, s.disk_mib, s.pids_limit, dict(s.labels),
                    s.created_at_unix_ms, s.expires_at_unix_ms, s.idle_timeout_seconds, s.pid,
-                   s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids)
+                   s.parent_id, s.usage.memory_bytes, s.usage.cpu_usage_ns, s.usage.pids,
+                   s.memory_limit_bytes, s.request_id, s.access_token, tuple(s.public_ports),
+                   s.death_reason)
 
 
 @dataclass
@@ -200,12 +216,16 @@ ExecEvent = Tuple[str, bytes]
 class PortUrl:
     """Where a sandbox port is served over plain HTTP by the node's HTTP entry point."""
 
-    #: ``http://8080-sb-0123456789ab.localhost:7080/`` (``*.localhost`` is 127.0.0.1).
+    #: ``http://8080-sb-0123456789ab-TOKEN.localhost:7080/`` (``*.localhost`` is 127.0.0.1;
+    #: no token for a public port).
     url: str
     #: The Host header that routes to the port (any domain suffix works).
     host: str
     #: Address the entry point listens on (``127.0.0.1:7080``).
     address: str
+    #: The sandbox's access token, also for the ``X-Dsec-Access-Token`` header ("" for a
+    #: public port).
+    access_token: str = ""
 
 
 def _check_port(port: int) -> None:
@@ -215,9 +235,10 @@ def _check_port(port: int) -> None:
                               f"port {port!r} is not a TCP port: give 1-65535")
 
 
-def _port_open(sandbox_id: str, port: int) -> pb.PortRequest:
+def _port_open(sandbox_id: str, port: int, token: str = "") -> pb.PortRequest:
     _check_port(port)
-    return pb.PortRequest(open=pb.PortOpen(sandbox_id=sandbox_id, port=port))
+    return pb.PortRequest(open=pb.PortOpen(sandbox_id=sandbox_id, port=port,
+                                           access_token=token))
 
 
 def _port_data(data: bytes) -> Iterator[pb.PortRequest]:
@@ -246,28 +267,53 @@ _BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
 def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_mib: int,
                     env: Optional[Mapping[str, str]], ttl: int, idle_timeout: int,
                     labels: Optional[Mapping[str, str]], pids_limit: int,
-                    allow_internet: bool) -> pb.CreateSandboxRequest:
+                    allow_internet: bool, request_id: Optional[str],
+                    public_ports: Iterable[int] = ()) -> pb.CreateSandboxRequest:
     if backend not in _BACKENDS:
         raise ValueError(f"backend {backend!r}: use 'container', 'microvm' or 'auto'")
     return pb.CreateSandboxRequest(
         backend=_BACKENDS[backend], image=image, vcpus=vcpus, memory_mib=memory_mib,
         disk_mib=disk_mib, env=dict(env or {}), ttl_seconds=ttl,
         idle_timeout_seconds=idle_timeout, labels=dict(labels or {}), pids_limit=pids_limit,
-        network=pb.NetworkPolicy(allow_internet=allow_internet))
+        network=pb.NetworkPolicy(allow_internet=allow_internet),
+        request_id=request_id or uuid.uuid4().hex, public_ports=list(public_ports))
+
+
+#: How often ``create`` tries when the node is unreachable (with the same request_id, so the
+#: node never makes two sandboxes of one call).
+CREATE_ATTEMPTS = 3
+
+
+def _timeout_ms(timeout: Optional[float]) -> int:
+    """Seconds -> the API's milliseconds; a negative timeout is refused here, before the call
+    (the field is unsigned: it would fail while the request is encoded)."""
+    if not timeout:
+        return 0
+    if timeout < 0:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"timeout must be >= 0 seconds (None or 0 for none), got {timeout}")
+    return int(timeout * 1000)
 
 
 def _exec_start(sandbox_id: str, command: Command, env, workdir, timeout, stdin: bool,
                 pty: Optional[Pty]) -> pb.ExecStart:
     return pb.ExecStart(sandbox_id=sandbox_id, argv=_argv(command), env=dict(env or {}),
                         workdir=workdir or "",
-                        timeout_ms=int(timeout * 1000) if timeout else 0,
+                        timeout_ms=_timeout_ms(timeout),
                         stdin=stdin, pty=pty._pb() if pty is not None else None)
 
 
 def _exec_requests(sandbox_id: str, command: Command, env, workdir, timeout,
                    stdin: Optional[bytes], pty: Optional[Pty] = None) -> Iterator[pb.ExecRequest]:
-    yield pb.ExecRequest(start=_exec_start(sandbox_id, command, env, workdir, timeout,
-                                           stdin is not None, pty))
+    # Built now, not in the generator: bad arguments raise here instead of inside gRPC's
+    # request iteration (which reports only "Exception iterating requests").
+    start = _exec_start(sandbox_id, command, env, workdir, timeout, stdin is not None, pty)
+    return _exec_stream_requests(start, stdin)
+
+
+def _exec_stream_requests(start: pb.ExecStart,
+                          stdin: Optional[bytes]) -> Iterator[pb.ExecRequest]:
+    yield pb.ExecRequest(start=start)
     if stdin is not None:
         for i in range(0, len(stdin), _CHUNK):
             yield pb.ExecRequest(stdin=stdin[i:i + _CHUNK])
@@ -595,19 +641,43 @@ class Client:
     def create(self, *, backend: str = "", image: str = "", vcpus: int = 0, memory_mib: int = 0,
                disk_mib: int = 0, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
-               pids_limit: int = 0, allow_internet: bool = False) -> "Sandbox":
-        """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults."""
+               pids_limit: int = 0, allow_internet: bool = False,
+               request_id: Optional[str] = None,
+               public_ports: Iterable[int] = ()) -> "Sandbox":
+        """Creates a sandbox; returns when it is ready. 0 / "" mean node defaults.
+        ``request_id`` (default: a fresh random one) makes the call idempotent: a Create
+        repeating it returns the sandbox the first one made; retries reuse it.
+        ``public_ports`` are served to everyone without the access token."""
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet)
-        return Sandbox(self, SandboxInfo._from(self._call(self._sandboxes.Create, req)))
+                              idle_timeout, labels, pids_limit, allow_internet, request_id,
+                              public_ports)
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                s = self._call(self._sandboxes.Create, req)
+                return Sandbox(self, SandboxInfo._from(s))
+            except Unavailable:
+                if attempt == CREATE_ATTEMPTS:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     def get(self, sandbox_id: str) -> "Sandbox":
         s = self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return Sandbox(self, SandboxInfo._from(s))
 
-    def list(self, labels: Optional[Mapping[str, str]] = None) -> List["Sandbox"]:
-        r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
-        return [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+    def list(self, labels: Optional[Mapping[str, str]] = None, *,
+             page_size: int = 0) -> List["Sandbox"]:
+        """Every sandbox carrying all of ``labels``, in the order of their ids: pages through
+        the node's List (``page_size`` per call; 0 means the node's default of 500)."""
+        out: List[Sandbox] = []
+        token = ""
+        while True:
+            r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(
+                labels=dict(labels or {}), page_size=page_size, page_token=token))
+            out += [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+            if not r.next_page_token or r.next_page_token == token:
+                return out
+            token = r.next_page_token
 
     def node_status(self) -> pb.NodeStatusResponse:
         return self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
@@ -754,18 +824,29 @@ class Sandbox:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox. Raises
         :class:`Unavailable` when nothing listens there, :class:`InvalidArgument` for a port
         outside 1-65535, :class:`FailedPrecondition` when the sandbox is paused."""
-        return PortStream(self.id, port, self.client._ports)
+        if not self.info.access_token and not self.client.target.startswith("unix:"):
+            self.refresh()  # over TCP a private port needs the token (List omits it)
+        return PortStream(self.id, port, self.client._ports, self.info.access_token)
 
     def port_url(self, port: int) -> PortUrl:
         """Where the node's HTTP entry point serves ``port``; :class:`FailedPrecondition`
         when the node runs without one."""
         _check_port(port)
         r = self._call(self.client._ports.Url, pb.PortUrlRequest(sandbox_id=self.id, port=port))
-        return PortUrl(r.url, r.host, r.address)
+        return PortUrl(r.url, r.host, r.address, r.access_token)
 
     def url(self, port: int) -> str:
-        """``http://PORT-ID.localhost:7080/``: fetch it with any HTTP client on the node."""
+        """``http://PORT-ID-TOKEN.localhost:7080/``: fetch it with any HTTP client on the
+        node (the token is in the host name; none for a public port)."""
         return self.port_url(port).url
+
+    def set_port_public(self, port: int, public: bool = True) -> List[int]:
+        """Opens ``port`` to everyone through the HTTP entry point (no token needed), or
+        with ``public=False`` makes it private again; returns the public ports."""
+        _check_port(port)
+        r = self._call(self.client._ports.SetPublic,
+                       pb.SetPortPublicRequest(sandbox_id=self.id, port=port, public=public))
+        return list(r.public_ports)
 
     def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
@@ -815,9 +896,9 @@ class PortStream:
 
     _END = object()
 
-    def __init__(self, sandbox_id: str, port: int, stub: rpc.PortsStub):
+    def __init__(self, sandbox_id: str, port: int, stub: rpc.PortsStub, token: str = ""):
         self._requests: "queue.Queue" = queue.Queue()
-        self._requests.put(_port_open(sandbox_id, port))
+        self._requests.put(_port_open(sandbox_id, port, token))
         self._write_closed = False
         self._read_closed = False
         self._call = stub.Open(iter(self._requests.get, self._END))
@@ -897,7 +978,7 @@ class Session:
             output_limit: int = 0) -> CommandResult:
         r = self.sandbox._call(self.sandbox.client._sessions.Run, pb.RunInSessionRequest(
             sandbox_id=self.sandbox.id, session_id=self.id, command=command,
-            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            timeout_ms=_timeout_ms(timeout), wait=wait,
             output_limit=output_limit))
         return CommandResult._from(r)
 
@@ -936,18 +1017,38 @@ class AsyncClient:
                      memory_mib: int = 0, disk_mib: int = 0,
                      env: Optional[Mapping[str, str]] = None, ttl: int = 0,
                      idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
-                     pids_limit: int = 0, allow_internet: bool = False) -> "AsyncSandbox":
+                     pids_limit: int = 0, allow_internet: bool = False,
+                     request_id: Optional[str] = None,
+                     public_ports: Iterable[int] = ()) -> "AsyncSandbox":
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
-                              idle_timeout, labels, pids_limit, allow_internet)
-        return AsyncSandbox(self, SandboxInfo._from(await self._call(self._sandboxes.Create, req)))
+                              idle_timeout, labels, pids_limit, allow_internet, request_id,
+                              public_ports)
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                s = await self._call(self._sandboxes.Create, req)
+                return AsyncSandbox(self, SandboxInfo._from(s))
+            except Unavailable:
+                if attempt == CREATE_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return AsyncSandbox(self, SandboxInfo._from(s))
 
-    async def list(self, labels: Optional[Mapping[str, str]] = None) -> List["AsyncSandbox"]:
-        r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(labels=dict(labels or {})))
-        return [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+    async def list(self, labels: Optional[Mapping[str, str]] = None, *,
+                   page_size: int = 0) -> List["AsyncSandbox"]:
+        """Every sandbox carrying all of ``labels``, paging through the node's List."""
+        out: List[AsyncSandbox] = []
+        token = ""
+        while True:
+            r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(
+                labels=dict(labels or {}), page_size=page_size, page_token=token))
+            out += [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
+            if not r.next_page_token or r.next_page_token == token:
+                return out
+            token = r.next_page_token
 
     async def node_status(self) -> pb.NodeStatusResponse:
         return await self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
@@ -1064,13 +1165,18 @@ class AsyncSandbox:
     async def open_port(self, port: int) -> AsyncPortStream:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox (see
         :meth:`Sandbox.open_port`)."""
-        return await AsyncPortStream._open(self.id, port, self.client._ports)
+        if not self.info.access_token and not self.client.target.startswith("unix:"):
+            s = await self.client._call(self.client._sandboxes.Get,
+                                        pb.GetSandboxRequest(sandbox_id=self.id))
+            self.info = SandboxInfo._from(s)
+        return await AsyncPortStream._open(self.id, port, self.client._ports,
+                                           self.info.access_token)
 
     async def port_url(self, port: int) -> PortUrl:
         _check_port(port)
         r = await self.client._call(self.client._ports.Url,
                                     pb.PortUrlRequest(sandbox_id=self.id, port=port))
-        return PortUrl(r.url, r.host, r.address)
+        return PortUrl(r.url, r.host, r.address, r.access_token)
 
     async def url(self, port: int) -> str:
         return (await self.port_url(port)).url
@@ -1104,8 +1210,9 @@ class AsyncPortStream:
         self._read_closed = False
 
     @classmethod
-    async def _open(cls, sandbox_id: str, port: int, stub: rpc.PortsStub) -> "AsyncPortStream":
-        request = _port_open(sandbox_id, port)
+    async def _open(cls, sandbox_id: str, port: int, stub: rpc.PortsStub,
+                    token: str = "") -> "AsyncPortStream":
+        request = _port_open(sandbox_id, port, token)
         call = stub.Open()
         try:
             await call.write(request)
@@ -1183,7 +1290,7 @@ class AsyncSession:
         r = await self.sandbox.client._call(self.sandbox.client._sessions.Run,
                                             pb.RunInSessionRequest(
             sandbox_id=self.sandbox.id, session_id=self.id, command=command,
-            timeout_ms=int(timeout * 1000) if timeout else 0, wait=wait,
+            timeout_ms=_timeout_ms(timeout), wait=wait,
             output_limit=output_limit))
         return CommandResult._from(r)
 

@@ -20,6 +20,7 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_RUNNING: _ClassVar[SandboxState]
     SANDBOX_STATE_PAUSED: _ClassVar[SandboxState]
     SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
+    SANDBOX_STATE_DEAD: _ClassVar[SandboxState]
 
 class FileType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ SANDBOX_STATE_CREATING: SandboxState
 SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_PAUSED: SandboxState
 SANDBOX_STATE_STOPPING: SandboxState
+SANDBOX_STATE_DEAD: SandboxState
 FILE_TYPE_UNSPECIFIED: FileType
 FILE_TYPE_FILE: FileType
 FILE_TYPE_DIR: FileType
@@ -51,7 +53,7 @@ class NetworkPolicy(_message.Message):
     def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit")
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,8 @@ class CreateSandboxRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     image: str
     vcpus: int
@@ -88,7 +92,9 @@ class CreateSandboxRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     network: NetworkPolicy
     pids_limit: int
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ...) -> None: ...
+    request_id: str
+    public_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")
@@ -101,7 +107,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class Sandbox(_message.Message):
-    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network")
+    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports", "death_reason", "died_at_unix_ms")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +132,12 @@ class Sandbox(_message.Message):
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
+    DEATH_REASON_FIELD_NUMBER: _ClassVar[int]
+    DIED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     id: str
     backend: Backend
     image: str
@@ -143,7 +155,13 @@ class Sandbox(_message.Message):
     parent_id: str
     usage: ResourceUsage
     network: NetworkPolicy
-    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
+    memory_limit_bytes: int
+    request_id: str
+    access_token: str
+    public_ports: _containers.RepeatedScalarFieldContainer[int]
+    death_reason: str
+    died_at_unix_ms: int
+    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., access_token: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., death_reason: _Optional[str] = ..., died_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -152,7 +170,7 @@ class GetSandboxRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
 
 class ListSandboxesRequest(_message.Message):
-    __slots__ = ("labels",)
+    __slots__ = ("labels", "page_size", "page_token")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -161,14 +179,20 @@ class ListSandboxesRequest(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListSandboxesResponse(_message.Message):
-    __slots__ = ("sandboxes",)
+    __slots__ = ("sandboxes", "next_page_token")
     SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sandboxes: _containers.RepeatedCompositeFieldContainer[Sandbox]
-    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -620,13 +644,31 @@ class ListSessionsResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
 
-class PortOpen(_message.Message):
-    __slots__ = ("sandbox_id", "port")
+class SetPortPublicRequest(_message.Message):
+    __slots__ = ("sandbox_id", "port", "public")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     port: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    public: bool
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., public: _Optional[bool] = ...) -> None: ...
+
+class SetPortPublicResponse(_message.Message):
+    __slots__ = ("public_ports",)
+    PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
+    public_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, public_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PortOpen(_message.Message):
+    __slots__ = ("sandbox_id", "port", "access_token")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    port: int
+    access_token: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access_token: _Optional[str] = ...) -> None: ...
 
 class PortEof(_message.Message):
     __slots__ = ()
@@ -665,11 +707,13 @@ class PortUrlRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class PortUrl(_message.Message):
-    __slots__ = ("url", "host", "address")
+    __slots__ = ("url", "host", "address", "access_token")
     URL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     url: str
     host: str
     address: str
-    def __init__(self, url: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    access_token: str
+    def __init__(self, url: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., access_token: _Optional[str] = ...) -> None: ...

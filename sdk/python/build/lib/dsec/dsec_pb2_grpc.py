@@ -112,14 +112,17 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def List(self, request, context):
-        """All sandboxes of this node, optionally only those carrying all the given labels.
+        """The sandboxes of this node, optionally only those carrying all the given labels, one page
+        at a time in the order of their ids (pass next_page_token back until it is empty; the
+        SDKs' list does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Stops the sandbox and frees everything it held. Deleting an unknown id is NOT_FOUND.
+        """Stops the sandbox and frees everything it held (of a dead one: forgets its tombstone).
+        Deleting an unknown id is NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,7 +163,8 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Logs(self, request, context):
-        """The sandbox's logs (daemon events, agent or VMM log, serial console).
+        """The sandbox's logs (daemon events, agent or VMM log, serial console). Of a dead sandbox
+        the last 16 KiB of each, for 10 minutes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1251,6 +1255,11 @@ class PortsStub:
                 request_serializer=dsec__pb2.PortUrlRequest.SerializeToString,
                 response_deserializer=dsec__pb2.PortUrl.FromString,
                 _registered_method=True)
+        self.SetPublic = channel.unary_unary(
+                '/dsec.v1.Ports/SetPublic',
+                request_serializer=dsec__pb2.SetPortPublicRequest.SerializeToString,
+                response_deserializer=dsec__pb2.SetPortPublicResponse.FromString,
+                _registered_method=True)
 
 
 class PortsServicer:
@@ -1274,8 +1283,17 @@ class PortsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Url(self, request, context):
-        """The HTTP address of a sandbox port on this node's HTTP entry point. FAILED_PRECONDITION
-        when the daemon serves no HTTP entry point.
+        """The HTTP address of a sandbox port on this node's HTTP entry point, with the sandbox's
+        access token in it unless the port is public. FAILED_PRECONDITION when the daemon serves
+        no HTTP entry point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPublic(self, request, context):
+        """Opens a port to everyone (public = true) or makes it private again; takes effect for new
+        connections at once. Returns the sandbox's public ports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1293,6 +1311,11 @@ def add_PortsServicer_to_server(servicer, server):
                     servicer.Url,
                     request_deserializer=dsec__pb2.PortUrlRequest.FromString,
                     response_serializer=dsec__pb2.PortUrl.SerializeToString,
+            ),
+            'SetPublic': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPublic,
+                    request_deserializer=dsec__pb2.SetPortPublicRequest.FromString,
+                    response_serializer=dsec__pb2.SetPortPublicResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1353,6 +1376,33 @@ class Ports:
             '/dsec.v1.Ports/Url',
             dsec__pb2.PortUrlRequest.SerializeToString,
             dsec__pb2.PortUrl.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPublic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Ports/SetPublic',
+            dsec__pb2.SetPortPublicRequest.SerializeToString,
+            dsec__pb2.SetPortPublicResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -163,7 +163,7 @@ impl Daemon {
 
     /// Deletes every sandbox, checks that none of their directories is left, then stops
     /// the daemon (drop).
-    pub async fn stop(self, client: Client) {
+    pub async fn stop(mut self, client: Client) {
         for sb in client.list(Default::default()).await.unwrap() {
             client.delete(&sb.id).await.unwrap();
         }
@@ -172,6 +172,18 @@ impl Daemon {
             .map(|d| d.flatten().map(|e| e.file_name()).collect())
             .unwrap_or_default();
         assert!(left.is_empty(), "sandboxes left: {left:?}");
+        // Stop it here, waiting asynchronously: the dropped client's connection closes on
+        // this runtime, and the daemon finishes once its connections are closed.
+        // SAFETY: kill(2) on the daemon we spawned; no memory is involved.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait().ok().flatten().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "dsec-edge did not stop on SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn log(&self) -> String {

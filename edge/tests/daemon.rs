@@ -192,24 +192,12 @@ impl Daemon {
 
     /// `curl` against the HTTP entry point: (HTTP status, body).
     pub fn curl(&self, host: &str, path: &str, extra: &[&str]) -> (u32, Vec<u8>) {
-        let out = Command::new("curl")
-            .args(["-sS", "--max-time", "20", "-o", "-", "-w", "\n%{http_code}"])
-            .args(["-H", &format!("Host: {host}")])
-            .args(extra)
-            .arg(format!("http://{}{path}", self.http))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "curl {host}{path}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
-        let code = std::str::from_utf8(&out.stdout[split + 1..])
-            .unwrap()
-            .parse()
-            .unwrap();
-        (code, out.stdout[..split].to_vec())
+        curl(None, self.http, host, path, extra)
+    }
+
+    /// The same request as host user `user` (e.g. nobody: any local user).
+    pub fn curl_as(&self, user: &str, host: &str, path: &str) -> (u32, Vec<u8>) {
+        curl(Some(user), self.http, host, path, &[])
     }
 }
 
@@ -256,6 +244,42 @@ impl Drop for Daemon {
         let _ = std::fs::remove_dir_all(&self.state);
         let _ = std::fs::remove_file(self.state.with_extension("log"));
     }
+}
+
+/// GET `http://{http}{path}` with `Host: host` (as `user` when given): status and body.
+fn curl(
+    user: Option<&str>,
+    http: SocketAddr,
+    host: &str,
+    path: &str,
+    extra: &[&str],
+) -> (u32, Vec<u8>) {
+    let mut command = match user {
+        Some(user) => {
+            let mut c = Command::new("runuser");
+            c.args(["-u", user, "--", "curl"]);
+            c
+        }
+        None => Command::new("curl"),
+    };
+    let out = command
+        .args(["-sS", "--max-time", "20", "-o", "-", "-w", "\n%{http_code}"])
+        .args(["-H", &format!("Host: {host}")])
+        .args(extra)
+        .arg(format!("http://{http}{path}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "curl {host}{path}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
+    let code = std::str::from_utf8(&out.stdout[split + 1..])
+        .unwrap()
+        .parse()
+        .unwrap();
+    (code, out.stdout[..split].to_vec())
 }
 
 /// Removes (bottom-up) every cgroup directory called `name` below `dir`.

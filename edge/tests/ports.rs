@@ -441,29 +441,6 @@ async fn http_connections_are_capped() {
     drop(daemon);
 }
 
-/// `curl` as uid nobody (a local user who is not root): (HTTP status, body).
-fn curl_as_nobody(http: SocketAddr, host: &str, extra: &[&str]) -> (u32, Vec<u8>) {
-    let out = Command::new("runuser")
-        .args(["-u", "nobody", "--", "curl", "-sS", "--max-time", "20"])
-        .args(["-o", "-", "-w", "\n%{http_code}"])
-        .args(["-H", &format!("Host: {host}")])
-        .args(extra)
-        .arg(format!("http://{http}/index.html"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "curl as nobody: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let split = out.stdout.iter().rposition(|b| *b == b'\n').unwrap();
-    let code = std::str::from_utf8(&out.stdout[split + 1..])
-        .unwrap()
-        .parse()
-        .unwrap();
-    (code, out.stdout[..split].to_vec())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_ports_are_private_unless_made_public() {
     let api = std::net::TcpListener::bind("127.0.0.1:0")
@@ -530,8 +507,8 @@ async fn sandbox_ports_are_private_unless_made_public() {
         (200, b"page of B\n".to_vec())
     );
     // A local user who is not root: refused without the token, served on a public port.
-    assert_eq!(curl_as_nobody(daemon.http, &plain_a, &[]).0, 401);
-    assert_eq!(curl_as_nobody(daemon.http, &plain_b, &[]).0, 200);
+    assert_eq!(daemon.curl_as("nobody", &plain_a, "/index.html").0, 401);
+    assert_eq!(daemon.curl_as("nobody", &plain_b, "/index.html").0, 200);
 
     // Ports.Url hands out what works: the token in the host, none for a public port.
     let url = client.port_url(&a.id, 8080).await.unwrap();
@@ -551,7 +528,7 @@ async fn sandbox_ports_are_private_unless_made_public() {
         [8080]
     );
     assert_eq!(daemon.curl(&plain_a, "/index.html", &[]), page_a);
-    assert_eq!(curl_as_nobody(daemon.http, &plain_a, &[]).0, 200);
+    assert_eq!(daemon.curl_as("nobody", &plain_a, "/index.html").0, 200);
     assert!(client
         .set_port_public(&a.id, 8080, false)
         .await

@@ -14,7 +14,7 @@
 #                   host-built image, two VMs sharing its host pages, flush of a writable one
 #   8. node-microvm: `dsec up` in L1 with microVM sandboxes, driven through the CLI's gRPC
 #                   client: create, exec, cp both ways, a session, pause/resume, the HTTP entry
-#                   point, fork, adoption by a restarted daemon, delete with nothing left;
+#                   point (with the sandbox's token; refused without), fork, adoption by a restarted daemon, delete with nothing left;
 #                   every VMM jailed (checked)
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);

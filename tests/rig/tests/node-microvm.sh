@@ -60,8 +60,13 @@ timeout $T dsec resume $id >/dev/null && timeout $T dsec exec $id -- true && ok 
 
 # A server inside, reached through the daemon's HTTP entry point.
 timeout $T dsec exec $id -- sh -c 'mkdir -p /www && echo served-from-the-vm >/www/index.html && httpd -p 127.0.0.1:8080 -h /www' >/dev/null
+# Private by default: the sandbox's access token (in the host name `dsec url` prints) is needed.
+url=$(timeout $T dsec url $id 8080)
+host=${url#http://}; host=${host%%/*}; host=${host%%:*}
+got=$(timeout 60 wget -q -O - --header "Host: $host" http://127.0.0.1:7080/index.html 2>&1)
+[ "$got" = served-from-the-vm ] && ok http-entry-point || bad http-entry-point "got '$got' for $url"
 got=$(timeout 60 wget -q -O - --header "Host: 8080-$id.localhost" http://127.0.0.1:7080/index.html 2>&1)
-[ "$got" = served-from-the-vm ] && ok http-entry-point || bad http-entry-point "got '$got'"
+case $got in *401*) ok http-entry-point-private ;; *) bad http-entry-point-private "no token, got '$got'" ;; esac
 
 # Fork: two children answer and write privately.
 timeout $T dsec exec $id -- sh -c 'echo parent >/root/who'

@@ -1424,6 +1424,19 @@ impl Node {
                 upper.as_deref(),
             )
             .await;
+            // Every child restores the parent's RNG state and its clock as of the snapshot:
+            // without fresh entropy, children would produce the same "random" keys, UUIDs
+            // and nonces. A child that cannot be refreshed is not handed out.
+            let restored = match restored {
+                Ok(sandbox) => match refresh_child(&sandbox).await {
+                    Ok(()) => Ok(sandbox),
+                    Err(err) => {
+                        let _ = sandbox.destroy().await;
+                        Err(err)
+                    }
+                },
+                Err(err) => Err(err),
+            };
             let sandbox = match restored {
                 Ok(s) => s,
                 Err(err) => {
@@ -1657,6 +1670,33 @@ fn snapshot_path(
             }
         }
         (false, None) => Ok(PathBuf::from(requested)),
+    }
+}
+
+/// Gives a forked child fresh host entropy and the host's clock (see `fork`).
+async fn refresh_child(sandbox: &crate::Sandbox) -> Result<(), EdgeError> {
+    use std::io::Read;
+    let mut entropy = vec![0u8; 64];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(|e| EdgeError::io("read host entropy for a fork child", e))?;
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        sandbox.agent().refresh(entropy, None),
+    )
+    .await
+    {
+        Ok(result) => result.map(|skew| {
+            tracing::info!(
+                sandbox = %sandbox.id(),
+                clock_skew_ms = skew.as_millis() as u64,
+                "fork child refreshed (fresh entropy, host clock)"
+            );
+        }),
+        Err(_) => Err(EdgeError::Protocol(format!(
+            "fork child {} did not take fresh entropy within 10 s; it was removed",
+            sandbox.id()
+        ))),
     }
 }
 

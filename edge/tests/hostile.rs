@@ -498,6 +498,17 @@ async fn fork_and_memory_bombs_are_contained() {
         },
     )
     .await;
+    // Commands are the OOM killer's first choice, not the agent (read by the shell itself,
+    // after the agent's post-exec write).
+    let (_, adj, _) = sh(
+        c,
+        &id,
+        "sleep 0.2; read v < /proc/self/oom_score_adj; echo $v; read a < /proc/1/oom_score_adj; echo $a",
+    )
+    .await;
+    let adj: Vec<i32> = adj.lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(adj[0], 1000, "a command's oom_score_adj");
+    assert!(adj[1] <= 0, "the agent's oom_score_adj is {}", adj[1]);
     // A fork bomb hits the pid limit; a timeout kills it.
     let started = Instant::now();
     let mut start = dsec_sdk::ExecStart {

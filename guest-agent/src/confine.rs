@@ -155,6 +155,21 @@ impl Confinement {
     }
 }
 
+impl Confinement {
+    /// Runs once a confined command has exec'd: makes it (and what it starts later) the OOM
+    /// killer's first choice over the agent (oom_score_adj 1000), so an out-of-memory
+    /// sandbox loses the offending process, not its agent. Needed where the agent cannot
+    /// lower its own score (no CAP_SYS_RESOURCE); done after exec because before it the
+    /// child is as undumpable as the agent and its /proc entries are not ours to write.
+    /// A command can lower itself back to the agent's 0 at most. Best effort: the command
+    /// may already be gone.
+    pub fn after_spawn(&self, pid: nix::unistd::Pid) {
+        if self.container {
+            let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "1000");
+        }
+    }
+}
+
 fn filter_err(err: impl std::fmt::Display) -> AgentError {
     AgentError::Setup(format!("build the container seccomp filter: {err}"))
 }

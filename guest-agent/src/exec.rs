@@ -262,6 +262,7 @@ fn spawn_command(
         }
     };
     let with_pty = pty.is_some();
+    let spawned = confinement.clone();
     // SAFETY: the closure runs between fork and exec and only makes raw syscalls (setsid,
     // ioctl, seccomp, prctl), which are async-signal-safe; it reads `confinement`, built
     // before fork. A new session makes the command a process-group leader, so a timeout can
@@ -286,6 +287,7 @@ fn spawn_command(
         )),
         _ => Status::failed_precondition(format!("cannot start {program}: {err}")),
     })?;
+    spawned.after_spawn(pid);
     // The write ends given to the child were moved into `command`; drop it so our copies
     // close and EOF arrives when the command (and its children) exit.
     drop(command);

@@ -355,6 +355,7 @@ impl SessionsService {
                 }
                 _ => Status::failed_precondition(format!("cannot start shell {shell}: {err}")),
             })?;
+        self.confinement.after_spawn(pid);
         drop(command);
         drop(ctl_w);
         let n = self.counter.fetch_add(1, Ordering::Relaxed);

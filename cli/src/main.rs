@@ -263,6 +263,21 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // Commands that only print die quietly when their reader goes away (`dsec inspect ID |
+    // grep -q`), as Unix tools do; the streaming ones (run, exec, cp, logs, shell, ports)
+    // handle a closed stdout themselves, tearing down what they started.
+    if matches!(
+        cli.command,
+        Command::Info
+            | Command::Ls { .. }
+            | Command::Inspect { .. }
+            | Command::Top { .. }
+            | Command::Url { .. }
+            | Command::Create { .. }
+    ) {
+        // SAFETY: restores the default disposition of SIGPIPE before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let json = cli.json;
     let endpoint = cli
         .endpoint

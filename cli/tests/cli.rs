@@ -347,6 +347,24 @@ fn info_json_describes_the_host() {
 }
 
 #[test]
+fn printing_commands_end_quietly_when_their_reader_goes_away() {
+    use std::os::unix::process::ExitStatusExt;
+    let run = RunDir::new("sigpipe");
+    // stdout is a pipe whose read end is already closed: the first write hits EPIPE.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = run
+        .dsec()
+        .args(["info", "--json"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}", out.status);
+    assert!(out.stderr.is_empty(), "{}", stderr_of(&out));
+}
+
+#[test]
 fn closed_stdout_ends_the_run_quietly() {
     let run = RunDir::new("epipe");
     let mut child = run

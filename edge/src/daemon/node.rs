@@ -1543,12 +1543,16 @@ impl Node {
                     logs,
                 });
             }
+            // Buried before the record goes, so a Get never falls between the two (it sees
+            // the record, then the tombstone); taken back if the delete fails.
+            let died = tombstone.map(|t| {
+                tracing::warn!(sandbox = %id, reason = %t.reason, "sandbox died");
+                self.bury(t);
+            });
             if self.delete(&id, &why).await.is_ok() {
                 self.metrics.reaped[reason as usize].fetch_add(1, Ordering::Relaxed);
-                if let Some(t) = tombstone {
-                    tracing::warn!(sandbox = %id, reason = %t.reason, "sandbox died");
-                    self.bury(t);
-                }
+            } else if died.is_some() {
+                self.remove_tombstone(&id);
             }
         }
     }

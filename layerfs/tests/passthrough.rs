@@ -149,11 +149,15 @@ fn warm_files_pass_through_and_the_daemon_sees_no_reads() {
     assert!(s1.daemon_reads > s0.daemon_reads);
     f.wait_flat("multi");
     let s2 = f.stats();
-    assert_eq!(s2.flat_builds, s1.flat_builds + 1);
+    // The background flat copy may already be done when s1 is read (its count and bytes
+    // are updated together).
+    let built_before_s1 = s1.flat_builds - s0.flat_builds;
+    assert!(built_before_s1 <= 1);
+    assert_eq!(s2.flat_builds, s0.flat_builds + 1);
     assert_eq!(s2.flat_files, 1);
     assert_eq!(
         s2.used_bytes,
-        s1.used_bytes + f.multi.len() as u64,
+        s1.used_bytes + (1 - built_before_s1) * f.multi.len() as u64,
         "flat bytes are accounted"
     );
     let flat = f

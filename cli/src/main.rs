@@ -474,10 +474,6 @@ fn run(args: RunArgs) -> Result<i32, CliError> {
     Ok(code)
 }
 
-fn cgroups_of(cgroups: &RemoveCgroups) -> Vec<PathBuf> {
-    cgroups.0.clone()
-}
-
 /// Records the sandbox's limits for `dsec inspect` (best effort: the run goes on without).
 fn write_run_record(sandbox: &Sandbox, spec: &SandboxSpec, limits: &Limits, cgroups: &[PathBuf]) {
     let range = dsec_edge::idpool::recorded(sandbox.dir());
@@ -580,12 +576,12 @@ async fn run_in_sandbox(
         .map_err(CliError::Edge)?;
     spec.id = Some(id);
     spec.cgroup_procs = cgroup::procs_files(&cgroups);
-    let _cgroups = RemoveCgroups(cgroups);
+    let cgroups = RemoveCgroups(cgroups);
     let sandbox = tokio::select! {
         created = Sandbox::create(kind, &config, &spec) => created?,
         _ = tokio::signal::ctrl_c() => return Ok(130),
     };
-    write_run_record(&sandbox, &spec, &limits, &cgroups_of(&_cgroups));
+    write_run_record(&sandbox, &spec, &limits, &cgroups.0);
     let stdin = (!std::io::stdin().is_terminal()).then(tokio::io::stdin);
     let mut stdout = tokio::io::stdout();
     let mut stderr = tokio::io::stderr();

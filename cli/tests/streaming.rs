@@ -5,42 +5,13 @@
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::dsec_home;
 
 /// Peak RSS allowed to the CLI while it moves hundreds of MB.
 const RSS_BOUND_KIB: i64 = 64 << 10;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// DSEC_HOME with the busybox image; the agent is built next to `dsec`.
-fn dsec_home() -> &'static Path {
-    static HOME: OnceLock<PathBuf> = OnceLock::new();
-    HOME.get_or_init(|| {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-q", "-p", "dsec-agent"])
-            .current_dir(workspace_root())
-            .status()
-            .unwrap();
-        assert!(status.success(), "cargo build -p dsec-agent failed");
-        let agent = Path::new(env!("CARGO_BIN_EXE_dsec")).with_file_name("dsec-agent");
-        let home = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("streaming-home");
-        let status = Command::new(workspace_root().join("guest-agent/mkinitramfs.sh"))
-            .arg("--agent")
-            .arg(&agent)
-            .arg(home.join("images/busybox"))
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success(), "mkinitramfs.sh failed");
-        home
-    })
-}
 
 /// `dsec up` on a private run directory and cgroup name, with one container sandbox; on
 /// drop the sandbox is deleted, the daemon stopped, its cgroups and directories removed.

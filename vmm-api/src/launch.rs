@@ -639,22 +639,6 @@ impl VmmLaunch {
         a.0
     }
 
-    /// The command line as one shell-quoted line (for reports and logs).
-    pub fn shell_line(&self, program: &Path) -> String {
-        std::iter::once(program.as_os_str().to_owned())
-            .chain(self.to_args())
-            .map(|a| {
-                let s = a.to_string_lossy();
-                if s.is_empty() || s.contains([' ', '"', '\'']) {
-                    format!("'{}'", s.replace('\'', "'\\''"))
-                } else {
-                    s.into_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(" ")
-    }
-
     /// The snapshot overrides of a restore or prewarm launch.
     pub fn snapshot_overrides_mut(&mut self) -> Option<&mut SnapshotOverrides> {
         match &mut self.mode {

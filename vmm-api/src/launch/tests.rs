@@ -199,14 +199,3 @@ fn bad_command_lines_are_refused() {
         );
     }
 }
-
-#[test]
-fn shell_line_quotes_what_needs_it() {
-    let mut c = VmConfig::new("/k");
-    c.cmdline = "a b".into();
-    let line = VmmLaunch::boot(c).shell_line(Path::new("/bin/dsec-vmm"));
-    assert!(
-        line.starts_with("/bin/dsec-vmm --kernel /k --cmdline 'a b' --vcpus 1"),
-        "{line}"
-    );
-}

@@ -5,14 +5,14 @@
 //! A VM lives in a directory: `api.sock` (the VMM's control socket), `vsock.sock` (its
 //! agent), `serial.log`, `vmm.log` and `pid`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dsec_edge::{find_binary, AgentAddr, AgentClient, Artifacts, ExecSpec};
+use dsec_edge::microvm::{control_call, random_mac, MicroVmDir, SpawnOptions, StartingMicroVm};
+use dsec_edge::{AgentClient, Artifacts, ExecSpec, MicroVm};
+use dsec_vmm_api::control::{BalloonReply, Done, Request, SnapshotReply};
+use dsec_vmm_api::{LazyLaunch, NetConfig, RestoreLaunch, VmConfig, VmmLaunch, VsockConfig};
 
 /// Guest command line for the default image: quiet console (every byte is a VM exit).
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
@@ -35,7 +35,7 @@ pub enum VmCommand {
         cid: u64,
         /// Attach a virtio-net device on this tap (the VMM creates it if it does not exist).
         #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
-        net: Option<String>,
+        net: Option<NetConfig>,
         /// Seconds to wait for the agent.
         #[arg(long, default_value_t = 120.0)]
         boot_timeout: f64,
@@ -135,8 +135,6 @@ pub enum VmError {
         what: String,
         source: std::io::Error,
     },
-    #[error("the VMM refused: {0}")]
-    Vmm(String),
     #[error(transparent)]
     Edge(#[from] dsec_edge::EdgeError),
     #[error("the agent refused: {}: {}", .0.code(), .0.message())]
@@ -148,43 +146,22 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
     move |source| VmError::Io { what, source }
 }
 
-/// One request on the VMM's control socket.
-fn control(dir: &Path, request: serde_json::Value) -> Result<serde_json::Value, VmError> {
-    let path = dir.join("api.sock");
-    let mut stream = UnixStream::connect(&path).map_err(io(format!(
-        "connect to {} (is the VM running?)",
-        path.display()
-    )))?;
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .map_err(io("send to the VMM"))?;
-    let mut line = String::new();
-    BufReader::new(stream)
-        .read_line(&mut line)
-        .map_err(io("read the VMM's answer"))?;
-    let reply: serde_json::Value = serde_json::from_str(&line)
-        .map_err(|e| VmError::Vmm(format!("unreadable answer {line:?}: {e}")))?;
-    if reply["ok"] != true {
-        return Err(VmError::Vmm(
-            reply["error"]
-                .as_str()
-                .unwrap_or("unknown error")
-                .to_string(),
-        ));
-    }
-    Ok(reply)
+/// One request on the VM's control socket.
+async fn control<T: serde::de::DeserializeOwned + Send + 'static>(
+    dir: &Path,
+    request: Request,
+) -> Result<T, VmError> {
+    Ok(control_call(MicroVmDir::new(dir).control(), request).await?)
 }
 
 fn agent(dir: &Path) -> AgentClient {
-    AgentClient::connect_lazy(AgentAddr::VsockUds {
-        uds: dir.join("vsock.sock"),
-        port: dsec_api::AGENT_VSOCK_PORT,
-    })
+    AgentClient::connect_lazy(MicroVmDir::new(dir).agent_addr())
 }
 
-/// Starts `dsec-vmm` detached (own process group: it outlives this command).
-fn spawn_vmm(dir: &Path, args: &[String]) -> Result<std::process::Child, VmError> {
-    let vmm = find_binary("dsec-vmm").ok_or_else(|| {
+/// Starts `dsec-vmm` for `launch` in the new directory `dir`; it runs in its own session, so
+/// it outlives this command once detached.
+fn start(dir: &Path, launch: VmmLaunch) -> Result<StartingMicroVm, VmError> {
+    let options = SpawnOptions::find(None).map_err(|_| {
         VmError::Usage("dsec-vmm not found next to dsec, in $DSEC_HOME/bin or on PATH".into())
     })?;
     if dir.exists() {
@@ -194,118 +171,33 @@ fn spawn_vmm(dir: &Path, args: &[String]) -> Result<std::process::Child, VmError
         )));
     }
     std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
-    let log = std::fs::File::create(dir.join("vmm.log")).map_err(io("create vmm.log"))?;
-    let child = Command::new(vmm)
-        .args(args)
-        .arg("--api-sock")
-        .arg(dir.join("api.sock"))
-        .arg("--vsock-uds")
-        .arg(dir.join("vsock.sock"))
-        .arg("--serial-log")
-        .arg(dir.join("serial.log"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .map_err(io("start dsec-vmm"))?;
-    std::fs::write(dir.join("pid"), child.id().to_string()).map_err(io("write pid"))?;
-    Ok(child)
+    Ok(MicroVm::spawn(&options, &MicroVmDir::new(dir), launch)?)
 }
 
-/// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot: give it
-/// fresh host entropy, the host's time and (on a new tap) its new MAC. Returns the clock skew
-/// that was corrected.
-async fn refresh(dir: &Path, mac: Option<&str>) -> Result<Duration, VmError> {
-    use std::io::Read;
-    let mut entropy = vec![0u8; 64];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut entropy))
-        .map_err(io("read host entropy"))?;
-    match tokio::time::timeout(
-        REFRESH_TIMEOUT,
-        agent(dir).refresh(entropy, mac.map(str::to_owned)),
-    )
-    .await
-    {
-        Ok(result) => Ok(result?),
-        Err(_) => Err(VmError::Vmm(format!(
-            "the restored guest did not answer the refresh call within {} s; see {}",
-            REFRESH_TIMEOUT.as_secs(),
-            dir.join("serial.log").display()
-        ))),
-    }
-}
-
-/// A restored VM that could not be given fresh entropy must not be used: stop it.
-async fn refresh_or_remove(dir: &Path, mac: Option<&str>) -> Result<Duration, VmError> {
-    match refresh(dir, mac).await {
-        Ok(skew) => Ok(skew),
-        Err(e) => {
-            let _ = control(dir, serde_json::json!({"op": "stop"}));
-            Err(e)
-        }
-    }
-}
-
-/// A random locally administered unicast MAC (`06:xx:xx:xx:xx:xx`).
-fn random_mac() -> Result<String, VmError> {
-    use std::io::Read;
-    let mut bytes = [0u8; 5];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .map_err(io("read host entropy"))?;
-    Ok(std::iter::once(0x06)
-        .chain(bytes)
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":"))
-}
-
-/// Bounds of one readiness attempt (connect + Info).
-const ATTEMPT_MIN: Duration = Duration::from_millis(100);
-const ATTEMPT_MAX: Duration = Duration::from_secs(5);
-/// How long a restored guest may take to accept fresh entropy and time.
-const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Waits until the agent of the VM that `vmm` runs answers, or the VMM exits.
-async fn wait_agent(
-    dir: &Path,
-    vmm: &mut std::process::Child,
-    timeout: f64,
-) -> Result<Duration, VmError> {
-    let started = Instant::now();
-    let deadline = started + Duration::from_secs_f64(timeout.max(0.1));
-    loop {
-        // A guest that accepts the connection but never answers must not hang us: bound
-        // every attempt, not just the loop.
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let attempt = tokio::time::timeout(remaining.clamp(ATTEMPT_MIN, ATTEMPT_MAX), async {
-            let client = AgentClient::connect(AgentAddr::VsockUds {
-                uds: dir.join("vsock.sock"),
-                port: dsec_api::AGENT_VSOCK_PORT,
+/// A restore of `snapshot`, with the guest CID `cid` and, on `tap`, a network device with a
+/// new random MAC (which the agent also gives the guest interface).
+fn restore_launch(
+    snapshot: &Path,
+    cid: Option<u64>,
+    tap: Option<String>,
+    lazy: Option<LazyLaunch>,
+) -> Result<VmmLaunch, VmError> {
+    let mut restore = RestoreLaunch::new(snapshot);
+    restore.lazy = lazy;
+    restore.overrides.vsock_cid = cid;
+    restore.overrides.net = tap
+        .map(|tap| {
+            random_mac().map(|mac| NetConfig {
+                tap,
+                mac: Some(mac),
             })
-            .await?;
-            client.info().await
-        });
-        if let Ok(Ok(_)) = attempt.await {
-            return Ok(started.elapsed());
-        }
-        if let Ok(Some(status)) = vmm.try_wait() {
-            let log = std::fs::read_to_string(dir.join("vmm.log")).unwrap_or_default();
-            return Err(VmError::Vmm(format!(
-                "VMM exited ({status}): {}",
-                log.trim()
-            )));
-        }
-        if Instant::now() > deadline {
-            return Err(VmError::Vmm(format!(
-                "agent did not answer within {timeout} s; see {}",
-                dir.join("serial.log").display()
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        })
+        .transpose()?;
+    Ok(VmmLaunch::restore(restore))
+}
+
+fn timeout(seconds: f64) -> Duration {
+    Duration::from_secs_f64(seconds.max(0.1))
 }
 
 pub async fn run(command: VmCommand) -> Result<i32, VmError> {
@@ -321,33 +213,27 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             boot_timeout,
         } => {
             let artifacts = Artifacts::from_env();
-            let kernel = kernel.unwrap_or(artifacts.kernel);
-            let initrd = initrd.unwrap_or(artifacts.initramfs);
-            let mut args: Vec<String> = vec![
-                "--kernel".into(),
-                kernel.display().to_string(),
-                "--initrd".into(),
-                initrd.display().to_string(),
-                "--cmdline".into(),
-                CMDLINE.into(),
-                "--vcpus".into(),
-                vcpus.to_string(),
-                "--mem-mib".into(),
-                mem_mib.to_string(),
-                "--vsock-cid".into(),
-                cid.to_string(),
-            ];
-            if let Some(net) = net {
-                args.extend(["--net".into(), net]);
-            }
-            let mut vmm = spawn_vmm(&dir, &args)?;
-            let pid = vmm.id();
-            let ready = wait_agent(&dir, &mut vmm, boot_timeout).await?;
+            let mut config = VmConfig::new(kernel.unwrap_or(artifacts.kernel));
+            config.initrd = Some(initrd.unwrap_or(artifacts.initramfs));
+            config.cmdline = CMDLINE.into();
+            config.vcpus = vcpus;
+            config.mem_mib = mem_mib;
+            // The socket path is the VM directory's; the CID is ours to pick.
+            config.vsock = Some(VsockConfig {
+                uds_path: PathBuf::new(),
+                guest_cid: cid,
+            });
+            config.net = net;
+            let vm = start(&dir, VmmLaunch::boot(config))?
+                .ready(timeout(boot_timeout))
+                .await?;
             println!(
-                "booted {} (pid {pid}): agent ready after {:.0} ms",
+                "booted {} (pid {}): agent ready after {:.0} ms",
                 dir.display(),
-                ready.as_secs_f64() * 1e3
+                vm.pid(),
+                vm.ready_after().as_secs_f64() * 1e3
             );
+            vm.detach();
             Ok(0)
         }
         VmCommand::Exec { dir, argv } => {
@@ -391,24 +277,23 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             Ok(result.exit_code.unwrap_or(1))
         }
         VmCommand::Pause { dir } => {
-            control(&dir, serde_json::json!({"op": "pause"}))?;
+            control::<Done>(&dir, Request::Pause).await?;
             println!("paused {}", dir.display());
             Ok(0)
         }
         VmCommand::Balloon { dir, target_mib } => {
-            let mut request = serde_json::json!({"op": "balloon"});
-            if let Some(mib) = target_mib {
-                request["target_mib"] = mib.into();
-            }
-            let mut reply = control(&dir, request)?;
-            if let Some(map) = reply.as_object_mut() {
-                map.remove("ok");
-            }
-            println!("{reply}");
+            let reply: BalloonReply = control(&dir, Request::Balloon { target_mib }).await?;
+            println!(
+                "{}",
+                serde_json::to_string(&reply).map_err(|e| VmError::Io {
+                    what: "print the balloon reply".into(),
+                    source: e.into()
+                })?
+            );
             Ok(0)
         }
         VmCommand::Resume { dir } => {
-            control(&dir, serde_json::json!({"op": "resume"}))?;
+            control::<Done>(&dir, Request::Resume).await?;
             println!("resumed {}", dir.display());
             Ok(0)
         }
@@ -418,16 +303,20 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             diff,
         } => {
             let snapshot = std::path::absolute(&snapshot).map_err(io("resolve snapshot path"))?;
-            let r = control(
+            let r: SnapshotReply = control(
                 &dir,
-                serde_json::json!({"op": "snapshot", "path": snapshot, "diff": diff}),
-            )?;
+                Request::Snapshot {
+                    path: snapshot.clone(),
+                    diff,
+                },
+            )
+            .await?;
             println!(
                 "snapshot {} ({}): {} pages written, VM paused {:.1} ms",
                 snapshot.display(),
                 if diff { "diff" } else { "full" },
-                r["pages_written"],
-                r["paused_ms"].as_f64().unwrap_or(0.0)
+                r.pages_written,
+                r.paused_ms
             );
             Ok(0)
         }
@@ -441,38 +330,26 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             tap,
             boot_timeout,
         } => {
-            let mut args = vec!["--restore".to_string(), snapshot.display().to_string()];
-            if let Some(cid) = cid {
-                args.push("--vsock-cid".into());
-                args.push(cid.to_string());
-            }
-            if lazy {
-                args.push("--lazy".into());
-            }
-            if prefetch {
-                args.push("--prefetch".into());
-            }
-            if let Some(ms) = record_working_set {
-                args.extend(["--record-working-set".into(), ms.to_string()]);
-            }
-            let mac = tap.as_ref().map(|_| random_mac()).transpose()?;
-            if let (Some(tap), Some(mac)) = (&tap, &mac) {
-                args.extend(["--net".into(), format!("tap={tap},mac={mac}")]);
-            }
-            let mut vmm = spawn_vmm(&dir, &args)?;
-            let pid = vmm.id();
-            let ready = wait_agent(&dir, &mut vmm, boot_timeout).await?;
-            let skew = refresh_or_remove(&dir, mac.as_deref()).await?;
+            let lazy = lazy.then_some(LazyLaunch {
+                prefetch,
+                record_working_set_ms: record_working_set,
+            });
+            let launch = restore_launch(&snapshot, cid, tap, lazy)?;
+            let mac = launch_mac(&launch);
+            // Refreshed (entropy, clock, MAC) before it counts as ready.
+            let vm = start(&dir, launch)?.ready(timeout(boot_timeout)).await?;
             if let Some(mac) = &mac {
                 println!("{} has MAC {mac}", dir.display());
             }
             println!(
-                "restored {} into {} (pid {pid}): agent ready after {:.1} ms; RNG reseeded, clock corrected by {:.1} s",
+                "restored {} into {} (pid {}): agent ready after {:.1} ms; RNG reseeded, clock corrected by {:.1} s",
                 snapshot.display(),
                 dir.display(),
-                ready.as_secs_f64() * 1e3,
-                skew.as_secs_f64()
+                vm.pid(),
+                vm.ready_after().as_secs_f64() * 1e3,
+                vm.clock_skew().unwrap_or_default().as_secs_f64()
             );
+            vm.detach();
             Ok(0)
         }
         VmCommand::Fork {
@@ -484,16 +361,20 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             boot_timeout,
         } => {
             let started = Instant::now();
-            let snapshot = if source.join("api.sock").exists() {
+            let snapshot = if MicroVmDir::new(&source).api_sock().exists() {
                 // A running VM: pause, snapshot, resume (the VMM does all three).
                 let mut name = prefix.clone().into_os_string();
                 name.push(".snapshot");
                 let snapshot = std::path::absolute(PathBuf::from(name))
                     .map_err(io("resolve snapshot path"))?;
-                control(
+                control::<SnapshotReply>(
                     &source,
-                    serde_json::json!({"op": "snapshot", "path": snapshot}),
-                )?;
+                    Request::Snapshot {
+                        path: snapshot.clone(),
+                        diff: false,
+                    },
+                )
+                .await?;
                 eprintln!(
                     "snapshotted {} into {}",
                     source.display(),
@@ -508,22 +389,19 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                 let mut name = prefix.clone().into_os_string();
                 name.push(format!("-{i}"));
                 let dir = PathBuf::from(name);
-                let mut args = vec!["--restore".to_string(), snapshot.display().to_string()];
-                if let Some(first) = first_cid {
-                    args.push("--vsock-cid".into());
-                    args.push((first + u64::from(i)).to_string());
-                }
-                let mac = tap_prefix.as_ref().map(|_| random_mac()).transpose()?;
-                if let (Some(tap), Some(mac)) = (&tap_prefix, &mac) {
-                    args.extend(["--net".into(), format!("tap={tap}{i},mac={mac}")]);
-                }
-                let vmm = spawn_vmm(&dir, &args)?;
-                children.push((dir, mac, vmm));
+                let launch = restore_launch(
+                    &snapshot,
+                    first_cid.map(|first| first + u64::from(i)),
+                    tap_prefix.as_ref().map(|tap| format!("{tap}{i}")),
+                    None,
+                )?;
+                let mac = launch_mac(&launch);
+                children.push((dir.clone(), mac, start(&dir, launch)?));
             }
-            for (dir, mac, vmm) in &mut children {
-                wait_agent(dir, vmm, boot_timeout).await?;
-                // Each child gets its own entropy: forks must not share random streams.
-                refresh_or_remove(dir, mac.as_deref()).await?;
+            for (dir, mac, child) in children {
+                // Each child gets its own entropy before it is ready: forks must not share
+                // random streams.
+                child.ready(timeout(boot_timeout)).await?.detach();
                 match mac {
                     Some(mac) => println!("{} {mac}", dir.display()),
                     None => println!("{}", dir.display()),
@@ -538,17 +416,25 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             Ok(0)
         }
         VmCommand::Rm { dir } => {
-            if let Err(e) = control(&dir, serde_json::json!({"op": "stop"})) {
+            if let Err(e) = control::<Done>(&dir, Request::Stop).await {
                 eprintln!("dsec: {e}; removing the directory anyway");
             }
             // The VMM removes its sockets as it exits; give it a moment before the rest.
             let deadline = Instant::now() + Duration::from_secs(5);
-            while dir.join("api.sock").exists() && Instant::now() < deadline {
+            while MicroVmDir::new(&dir).api_sock().exists() && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             std::fs::remove_dir_all(&dir).map_err(io(format!("remove {}", dir.display())))?;
             println!("removed {}", dir.display());
             Ok(0)
         }
+    }
+}
+
+/// The MAC a restore gives the snapshot's network device (and the guest interface).
+fn launch_mac(launch: &VmmLaunch) -> Option<String> {
+    match &launch.mode {
+        dsec_vmm_api::LaunchMode::Restore(r) => r.overrides.net.as_ref()?.mac.clone(),
+        _ => None,
     }
 }

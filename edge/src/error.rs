@@ -53,6 +53,8 @@ pub enum EdgeError {
     },
     #[error("{0}")]
     Protocol(String),
+    #[error(transparent)]
+    Vmm(#[from] dsec_vmm_api::ControlError),
     #[error("backend `{backend}` cannot run here: {reason}")]
     BackendUnavailable {
         backend: &'static str,

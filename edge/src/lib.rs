@@ -7,11 +7,13 @@ pub mod error;
 pub mod idpool;
 pub mod images;
 pub mod kvm;
+pub mod microvm;
 pub mod paths;
 pub mod sandbox;
 
 pub use client::{AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec};
 pub use error::{EdgeError, Result};
 pub use kvm::KvmStatus;
+pub use microvm::{MicroVm, MicroVmDir, SpawnOptions, StartingMicroVm};
 pub use paths::{find_binary, Artifacts, ImagePaths};
 pub use sandbox::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};

@@ -7,6 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dsec_edge::client::vsock_connect;
+use dsec_vmm_api::{SerialOutput, VmConfig, VmmLaunch, VsockConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn workspace_root() -> PathBuf {
@@ -72,19 +73,18 @@ async fn connect_handshake_reaches_the_guest_port() {
     let dir = std::env::temp_dir().join(format!("dsec-vsock-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let uds = dir.join("vsock.sock");
+    let mut config = VmConfig::new(&guest);
+    // The guest powers off after `streams` echo connections; keep it up for all of ours.
+    config.cmdline = "guest_connect=0 bulk=0 streams=100 expect_cid=3".into();
+    config.vcpus = 1;
+    config.mem_mib = 64;
+    config.vsock = Some(VsockConfig {
+        uds_path: uds.clone(),
+        guest_cid: 3,
+    });
+    config.serial = SerialOutput::File(dir.join("serial.log"));
     let child = Command::new(&vmm)
-        .arg("--kernel")
-        .arg(&guest)
-        // The guest powers off after `streams` echo connections; keep it up for all of ours.
-        .args([
-            "--cmdline",
-            "guest_connect=0 bulk=0 streams=100 expect_cid=3",
-        ])
-        .args(["--vcpus", "1", "--mem-mib", "64"])
-        .arg("--vsock-uds")
-        .arg(&uds)
-        .arg("--serial-log")
-        .arg(dir.join("serial.log"))
+        .args(VmmLaunch::boot(config).to_args())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()

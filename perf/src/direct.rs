@@ -112,11 +112,13 @@ pub fn shell_words(program: &Path, args: &[OsString]) -> String {
 
 fn plans(o: &DirectOpts) -> Vec<Plan> {
     let mem = o.mem_mib.to_string();
-    let metrics_path = o.workdir.join("vmm-metrics.json");
-    let mut ours_args = vec![OsString::from("--kernel"), o.guest.clone().into()];
-    ours_args.extend(os(&["--mem-mib", &mem, "--vcpus", "1", "--serial-stdout"]));
-    ours_args.push("--metrics-json".into());
-    ours_args.push(metrics_path.into());
+    let mut config = dsec_vmm_api::VmConfig::new(&o.guest);
+    config.mem_mib = u64::from(o.mem_mib);
+    config.vcpus = 1;
+    config.serial = dsec_vmm_api::SerialOutput::Stdout;
+    let mut ours = dsec_vmm_api::VmmLaunch::boot(config);
+    ours.metrics_json = Some(o.workdir.join("vmm-metrics.json"));
+    let ours_args = ours.to_args();
     let mut v = vec![Plan {
         contender: Contender {
             name: "ours".into(),

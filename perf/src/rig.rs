@@ -7,6 +7,7 @@
 //! clock with the same pipe method as the direct scenario and prints one `PERF-RIG` line
 //! per boot; the outer half parses those lines.
 
+use dsec_vmm_api::{DriveConfig, SerialOutput, VmConfig, VmmLaunch, VsockConfig};
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
@@ -142,21 +143,29 @@ pub fn inner_command(
     let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
     match contender {
         "ours" => {
-            let uds = o.workdir.join(format!("vsock-{index}.sock"));
-            push(&["--kernel"]);
-            a.push(o.kernel.clone().into());
-            a.push("--initrd".into());
-            a.push(o.initrd.clone().into());
-            let mut push = |v: &[&str]| a.extend(v.iter().map(OsString::from));
-            push(&["--mem-mib", &mem, "--vcpus", "1", "--cmdline", &cmdline]);
-            push(&["--serial-stdout", "--vsock-uds"]);
-            a.push(uds.into());
+            let mut config = VmConfig::new(&o.kernel);
+            config.initrd = Some(o.initrd.clone());
+            config.mem_mib = u64::from(o.mem_mib);
+            config.vcpus = 1;
+            config.cmdline = cmdline;
+            config.serial = SerialOutput::Stdout;
+            config.vsock = Some(VsockConfig {
+                uds_path: o.workdir.join(format!("vsock-{index}.sock")),
+                guest_cid: dsec_vmm_api::config::MIN_GUEST_CID,
+            });
             if let Some(root) = &o.root_disk {
-                let mut ro = root.image.clone().into_os_string();
-                ro.push(",ro");
-                a.extend(["--drive".into(), ro, "--drive".into(), upper.into()]);
+                config.drives = vec![
+                    DriveConfig {
+                        path: root.image.clone(),
+                        read_only: true,
+                    },
+                    DriveConfig {
+                        path: upper,
+                        read_only: false,
+                    },
+                ];
             }
-            Ok((o.vmm.clone(), a))
+            Ok((o.vmm.clone(), VmmLaunch::boot(config).to_args()))
         }
         "qemu" => {
             push(&[
@@ -836,7 +845,7 @@ mod tests {
             .iter()
             .position(|w| w == "/guest/rootfs.img,ro")
             .unwrap();
-        assert_eq!(ours[i + 2], "/tmp/upper-0.ext4");
+        assert_eq!(ours[i + 2], "/tmp/upper-0.ext4,rw");
         let qemu = words("qemu", &o);
         assert!(qemu.contains(&cmdline), "{qemu:?}");
         let root = qemu

@@ -6,11 +6,15 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use dsec_vmm_api::control::RestoreRequest;
+use dsec_vmm_api::{
+    ControlClient, LaunchMode, LazyLaunch, PrewarmLaunch, RestoreLaunch, SerialOutput, VmConfig,
+    VmmLaunch, VsockConfig,
+};
 
 use crate::direct::{ms, shell_words};
 use crate::fleet::{self, Fleet, Ready};
@@ -42,30 +46,47 @@ pub struct SnapOpts {
 
 const GIVE_UP_AFTER: usize = 3;
 
-fn os(v: &[&str]) -> Vec<OsString> {
-    v.iter().map(OsString::from).collect()
+/// The control socket of the VM in `dir`.
+fn control(dir: &Path) -> ControlClient {
+    ControlClient::new(dir.join("api.sock"))
 }
 
-fn p(path: &Path) -> OsString {
-    path.as_os_str().to_owned()
+/// A boot of the benchmark guest with `mem_mib` MiB.
+fn cold_boot(guest: &Path, mem_mib: u32, serial: SerialOutput) -> VmmLaunch {
+    let mut config = VmConfig::new(guest);
+    config.mem_mib = u64::from(mem_mib);
+    config.serial = serial;
+    VmmLaunch::boot(config)
 }
 
-/// One request on a VMM control socket.
-fn control(api: &Path, req: &serde_json::Value) -> Result<serde_json::Value, String> {
-    let mut s = UnixStream::connect(api).map_err(|e| format!("connect {}: {e}", api.display()))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))
-        .map_err(|e| e.to_string())?;
-    s.write_all(format!("{req}\n").as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(s)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let r: serde_json::Value = serde_json::from_str(&line).map_err(|e| format!("{e}: {line}"))?;
-    if r["ok"] != true {
-        return Err(format!("{req} -> {r}"));
+/// A restore of `snap` with its console at `serial`.
+fn restore_of(snap: &Path, lazy: Option<LazyLaunch>, serial: SerialOutput) -> VmmLaunch {
+    let mut restore = RestoreLaunch::new(snap);
+    restore.lazy = lazy;
+    restore.overrides.serial = Some(serial);
+    VmmLaunch::restore(restore)
+}
+
+/// Places a VM's vsock socket (guest CID `cid`), control socket and metrics in `dir`.
+fn in_dir(mut launch: VmmLaunch, dir: &Path, cid: u64) -> VmmLaunch {
+    let uds_path = dir.join("vsock.sock");
+    match &mut launch.mode {
+        LaunchMode::Boot(config) => {
+            config.vsock = Some(VsockConfig {
+                uds_path,
+                guest_cid: cid,
+            })
+        }
+        _ => {
+            if let Some(o) = launch.snapshot_overrides_mut() {
+                o.vsock_uds = Some(uds_path);
+                o.vsock_cid = Some(cid);
+            }
+        }
     }
-    Ok(r)
+    launch.api_sock = Some(dir.join("api.sock"));
+    launch.metrics_json = Some(dir.join("metrics.json"));
+    launch
 }
 
 /// Bytes of data (not holes) in a file.
@@ -90,25 +111,13 @@ fn prepare(o: &SnapOpts) -> Result<Prepared, String> {
     std::fs::create_dir_all(&base).map_err(|e| e.to_string())?;
     let serial = base.join("serial.log");
     let api = base.join("api.sock");
-    let mut args = vec!["--kernel".into(), p(&guest)];
-    args.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
-    args.extend([
-        "--serial-log".into(),
-        p(&serial),
-        "--vsock-uds".into(),
-        p(&base.join("vsock.sock")),
-        "--vsock-cid".into(),
-        guest::BASE_CID.to_string().into(),
-        "--api-sock".into(),
-        p(&api),
-        "--metrics-json".into(),
-        p(&base.join("metrics.json")),
-    ]);
+    let launch = cold_boot(&guest, o.mem_mib, SerialOutput::File(serial.clone()));
+    let launch = in_dir(launch, &base, u64::from(guest::BASE_CID));
     let mut f = Fleet::default();
     f.spawn(
         "base".into(),
         &o.vmm,
-        &args,
+        &launch.to_args(),
         base.join("metrics.json"),
         base.join("stderr"),
         Ready::LineIn(serial.clone(), guest::READY_LINE.into()),
@@ -123,25 +132,26 @@ fn prepare(o: &SnapOpts) -> Result<Prepared, String> {
         ));
     }
     let snap = o.workdir.join("snap");
-    control(&api, &serde_json::json!({"op": "snapshot", "path": snap}))?;
+    control(&base)
+        .snapshot(&snap, false)
+        .map_err(|e| e.to_string())?;
     f.terminate(Duration::from_secs(10));
     drop(f);
 
     // One lazy restore that records the working set, for --prefetch.
     let rec = o.workdir.join("record");
     std::fs::create_dir_all(&rec).map_err(|e| e.to_string())?;
-    let mut args = vec!["--restore".into(), p(&snap)];
-    args.extend(os(&[
-        "--lazy",
-        "--record-working-set",
-        &o.record_ms.to_string(),
-    ]));
-    args.extend(vsock_api_metrics(&rec, 4));
+    let mut record = RestoreLaunch::new(&snap);
+    record.lazy = Some(LazyLaunch {
+        prefetch: false,
+        record_working_set_ms: Some(o.record_ms),
+    });
+    let launch = in_dir(VmmLaunch::restore(record), &rec, 4);
     let mut f = Fleet::default();
     f.spawn(
         "record".into(),
         &o.vmm,
-        &args,
+        &launch.to_args(),
         rec.join("metrics.json"),
         rec.join("stderr"),
         Ready::Path(rec.join("api.sock")),
@@ -178,20 +188,6 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
     true
 }
 
-/// `--vsock-uds DIR/vsock.sock --vsock-cid CID --api-sock DIR/api.sock --metrics-json DIR/metrics.json`
-fn vsock_api_metrics(dir: &Path, cid: u64) -> Vec<OsString> {
-    vec![
-        "--vsock-uds".into(),
-        p(&dir.join("vsock.sock")),
-        "--vsock-cid".into(),
-        cid.to_string().into(),
-        "--api-sock".into(),
-        p(&dir.join("api.sock")),
-        "--metrics-json".into(),
-        p(&dir.join("metrics.json")),
-    ]
-}
-
 // ---------------------------------------------------------------- restore latency
 
 struct RestorePlan {
@@ -201,18 +197,14 @@ struct RestorePlan {
 }
 
 fn restore_plans(o: &SnapOpts, pr: &Prepared) -> Vec<RestorePlan> {
-    let mk = |name: &str, desc: &str, extra: &[&str], cold: bool| {
+    let mk = |name: &str, desc: &str, lazy: Option<LazyLaunch>, cold: bool| {
         let dir = o.workdir.join(format!("restore-{name}"));
-        let mut args: Vec<OsString> = if cold {
-            let mut a = vec!["--kernel".into(), p(&pr.guest)];
-            a.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
-            a
+        let launch = if cold {
+            cold_boot(&pr.guest, o.mem_mib, SerialOutput::Stdout)
         } else {
-            vec!["--restore".into(), p(&pr.snap)]
+            restore_of(&pr.snap, lazy, SerialOutput::Stdout)
         };
-        args.extend(os(extra));
-        args.push("--serial-stdout".into());
-        args.extend(vsock_api_metrics(&dir, 5));
+        let args = in_dir(launch, &dir, 5).to_args();
         RestorePlan {
             contender: Contender {
                 name: name.into(),
@@ -227,25 +219,28 @@ fn restore_plans(o: &SnapOpts, pr: &Prepared) -> Vec<RestorePlan> {
         mk(
             "private",
             "--restore (memory file mapped MAP_PRIVATE)",
-            &[],
+            None,
             false,
         ),
         mk(
             "lazy",
             "--restore --lazy (userfaultfd, pages on first touch)",
-            &["--lazy"],
+            Some(LazyLaunch::default()),
             false,
         ),
         mk(
             "prefetch",
             "--restore --lazy --prefetch (recorded working set loaded in the background)",
-            &["--lazy", "--prefetch"],
+            Some(LazyLaunch {
+                prefetch: true,
+                record_working_set_ms: None,
+            }),
             false,
         ),
         mk(
             "cold",
             "cold boot of the same guest (--kernel): touches its memory, then reads it",
-            &[],
+            None,
             true,
         ),
         prewarmed_plan(o, "prewarmed", false),
@@ -257,17 +252,14 @@ fn restore_plans(o: &SnapOpts, pr: &Prepared) -> Vec<RestorePlan> {
 /// restore; timed from the request.
 fn prewarmed_plan(o: &SnapOpts, name: &str, lazy: bool) -> RestorePlan {
     let dir = o.workdir.join(format!("restore-{name}"));
-    let mut args = os(&[
-        "--prewarm",
-        "--mem-mib",
-        &o.mem_mib.to_string(),
-        "--vcpus",
-        "1",
-    ]);
-    args.push("--api-sock".into());
-    args.push(p(&dir.join("api.sock")));
-    args.push("--metrics-json".into());
-    args.push(p(&dir.join("metrics.json")));
+    let mut launch = VmmLaunch::new(LaunchMode::Prewarm(PrewarmLaunch {
+        mem_mib: u64::from(o.mem_mib),
+        vcpus: 1,
+        overrides: Default::default(),
+    }));
+    launch.api_sock = Some(dir.join("api.sock"));
+    launch.metrics_json = Some(dir.join("metrics.json"));
+    let args = launch.to_args();
     RestorePlan {
         contender: Contender {
             name: name.into(),
@@ -303,14 +295,17 @@ fn one_prewarmed(plan: &RestorePlan, o: &SnapOpts, pr: &Prepared, index: usize) 
             }
             let requested = run::realtime_ns();
             let lazy = plan.contender.name.ends_with("lazy");
-            control(
-                &api,
-                &serde_json::json!({"op": "restore", "path": pr.snap, "lazy": lazy,
-                                    "vsock_uds": plan.dir.join("vsock.sock")}),
-            )?;
+            control(&plan.dir)
+                .restore(RestoreRequest {
+                    path: pr.snap.clone(),
+                    lazy,
+                    vsock_uds: Some(plan.dir.join("vsock.sock")),
+                    ..Default::default()
+                })
+                .map_err(|e| e.to_string())?;
             std::thread::sleep(Duration::from_millis(50));
             // The guest may already have stopped the VM; a refused stop is fine then.
-            let _ = control(&api, &serde_json::json!({"op": "stop"}));
+            let _ = control(&plan.dir).stop();
             Ok(requested)
         })();
         // Let it exit on its own (it writes its metrics on the way out), then make sure.
@@ -660,12 +655,7 @@ fn fork_batch(
             break;
         }
         let serial = cdir.join("serial.log");
-        let mut args = vec![
-            "--restore".into(),
-            p(&pr.snap),
-            "--serial-log".into(),
-            p(&serial),
-        ];
+        let launch = restore_of(&pr.snap, None, SerialOutput::File(serial.clone()));
         let (cid, ready) = if read_back {
             (
                 100 + i as u64,
@@ -677,7 +667,7 @@ fn fork_batch(
                 Ready::Path(cdir.join("api.sock")),
             )
         };
-        args.extend(vsock_api_metrics(&cdir, cid));
+        let args = in_dir(launch, &cdir, cid).to_args();
         if let Err(e) = f.spawn(
             format!("c{i}"),
             &o.vmm,
@@ -790,10 +780,8 @@ fn cold_fleet(o: &SnapOpts, pr: &Prepared, n: usize, round: usize) -> Sample {
             break;
         }
         let serial = vdir.join("serial.log");
-        let mut args = vec!["--kernel".into(), p(&pr.guest)];
-        args.extend(os(&["--mem-mib", &o.mem_mib.to_string()]));
-        args.extend(["--serial-log".into(), p(&serial)]);
-        args.extend(vsock_api_metrics(&vdir, 100 + i as u64));
+        let launch = cold_boot(&pr.guest, o.mem_mib, SerialOutput::File(serial.clone()));
+        let args = in_dir(launch, &vdir, 100 + i as u64).to_args();
         if let Err(e) = f.spawn(
             format!("v{i}"),
             &o.vmm,
@@ -837,10 +825,12 @@ fn cold_fleet(o: &SnapOpts, pr: &Prepared, n: usize, round: usize) -> Sample {
 
 fn fleet_bench(o: &SnapOpts, pr: &Prepared) -> (Scenario, Scenario) {
     let child_args = {
-        let mut a = vec!["--restore".into(), p(&pr.snap)];
-        a.extend(["--serial-log".into(), "DIR/cI/serial.log".into()]);
-        a.extend(vsock_api_metrics(Path::new("DIR/cI"), 1000));
-        shell_words(&o.vmm, &a)
+        let child = restore_of(
+            &pr.snap,
+            None,
+            SerialOutput::File("DIR/cI/serial.log".into()),
+        );
+        shell_words(&o.vmm, &in_dir(child, Path::new("DIR/cI"), 1000).to_args())
     };
     let mut fork = Scenario {
         name: "fork",
@@ -910,16 +900,16 @@ fn fleet_bench(o: &SnapOpts, pr: &Prepared) -> (Scenario, Scenario) {
                 description: format!("{n} independent boots"),
                 command: shell_words(
                     &o.vmm,
-                    &[
-                        "--kernel".into(),
-                        p(&pr.guest),
-                        "--mem-mib".into(),
-                        o.mem_mib.to_string().into(),
-                        "--serial-log".into(),
-                        "DIR/vI/serial.log".into(),
-                        "--vsock-uds".into(),
-                        "...".into(),
-                    ],
+                    &in_dir(
+                        cold_boot(
+                            &pr.guest,
+                            o.mem_mib,
+                            SerialOutput::File("DIR/vI/serial.log".into()),
+                        ),
+                        Path::new("DIR/vI"),
+                        100,
+                    )
+                    .to_args(),
                 ),
             },
         ],
@@ -1119,7 +1109,7 @@ mod tests {
         assert!(cmd[0].contains("--restore /w/snap") && !cmd[0].contains("--lazy"));
         assert!(cmd[1].contains("--lazy") && !cmd[1].contains("--prefetch"));
         assert!(cmd[2].contains("--lazy --prefetch"));
-        assert!(cmd[3].contains("--kernel /w/g.elf --mem-mib 64"));
+        assert!(cmd[3].contains("--kernel /w/g.elf") && cmd[3].contains("--mem-mib 64"));
         assert!(cmd
             .iter()
             .all(|c| c.contains("--metrics-json /w/restore-") && c.contains("--api-sock")));

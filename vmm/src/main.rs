@@ -3,177 +3,47 @@
 //! Exit status: 0 when the guest resets or powers off, 3 when the guest crashes
 //! (triple fault or a vCPU error), 1 when the VM cannot be built.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
-use dsec_vmm::config::{
-    BalloonConfig, DriveConfig, NetConfig, PmemConfig, SerialOutput, VmConfig, VsockConfig,
+use dsec_vmm::config::{ConfigError, SerialOutput, VmConfig};
+use dsec_vmm::jail::{Exposure, JailError};
+use dsec_vmm::seccomp::SeccompError;
+use dsec_vmm::snapshot::SnapshotError;
+use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmError, VmExitReason};
+use dsec_vmm_api::control::RestoreReply;
+use dsec_vmm_api::launch::{
+    BootOverrides, JailLaunch, LaunchError, LaunchMode, LazyLaunch, PrewarmLaunch,
+    SnapshotOverrides, VmmLaunch,
 };
-use dsec_vmm::jail::Exposure;
-use dsec_vmm::{RestoreOverrides, RunReport, Vm, VmExitReason};
 
-#[derive(Parser, Debug)]
-#[command(
-    name = "dsec-vmm",
-    version,
-    about = "DSec microVM monitor: one VM per process"
-)]
-struct Args {
-    /// JSON config file; flags given here override its fields.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Restore from a snapshot directory instead of booting (vsock, net and serial flags
-    /// override the snapshot's, giving a fork its own identity).
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initrd", "cmdline", "vcpus", "mem_mib", "rng", "balloon", "pmem"])]
-    restore: Option<PathBuf>,
-    /// Serve the control socket (pause, resume, snapshot, stop) here.
-    #[arg(long)]
-    api_sock: Option<PathBuf>,
-    /// With --restore: fill memory lazily through userfaultfd instead of MAP_PRIVATE.
-    #[arg(long, requires = "restore")]
-    lazy: bool,
-    /// With --lazy: load the snapshot's recorded working set in the background.
-    #[arg(long, requires = "lazy")]
-    prefetch: bool,
-    /// With --lazy: record the pages touched in the first MS milliseconds as the
-    /// snapshot's working set (for --prefetch next time).
-    #[arg(long, requires = "lazy", value_name = "MS")]
-    record_working_set: Option<u64>,
-    /// Create the VM (memory slots, irqchip, vCPUs) now, with --mem-mib/--vcpus, and wait on
-    /// --api-sock for `{"op":"restore","path":DIR[,"vsock_uds":P,"vsock_cid":N,"lazy":true]}`:
-    /// a pool of these restores snapshots without paying for KVM setup.
-    #[arg(long, requires = "api_sock", conflicts_with_all = ["restore", "kernel", "config"])]
-    prewarm: bool,
-    /// Do not start the vCPUs until a `resume` arrives on the control socket.
-    #[arg(long, requires = "api_sock")]
-    paused: bool,
-    /// Guest kernel: uncompressed ELF vmlinux (PVH) or bzImage.
-    #[arg(long)]
-    kernel: Option<PathBuf>,
-    /// Initramfs to load.
-    #[arg(long)]
-    initrd: Option<PathBuf>,
-    /// Kernel command line (the VMM appends its device declarations).
-    #[arg(long)]
-    cmdline: Option<String>,
-    /// Number of vCPUs (1-32).
-    #[arg(long)]
-    vcpus: Option<u8>,
-    /// Guest memory in MiB.
-    #[arg(long)]
-    mem_mib: Option<u64>,
-    /// Host Unix socket for the vsock device.
-    #[arg(long)]
-    vsock_uds: Option<PathBuf>,
-    /// Guest vsock context id (default 3).
-    #[arg(long)]
-    vsock_cid: Option<u64>,
-    /// Add a virtio-rng device (entropy from the host's getrandom).
-    #[arg(long)]
-    rng: bool,
-    /// Add a virtio-blk disk: raw image PATH, `,ro` for read-only. Repeat for more disks;
-    /// the guest sees them in this order. Replaces the config file's drives. With --restore:
-    /// replaces the snapshot's disks, one per disk in order, same ,ro flags and sizes (a
-    /// fork's own copy of a writable disk).
-    #[arg(long = "drive", value_name = "PATH[,ro]")]
-    drives: Vec<DriveConfig>,
-    /// Add a virtio-pmem device: host file PATH (size a multiple of 2 MiB) mapped into guest
-    /// memory (/dev/pmemN); `,ro` read-only (VMs share its pages), `,shared` writable by
-    /// several VMs at once. Repeat for more. Replaces the config file's pmem list.
-    #[arg(long = "pmem", value_name = "PATH[,ro|,shared]")]
-    pmem: Vec<PmemConfig>,
-    /// Add a virtio-net device on a tap: `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`.
-    #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
-    net: Option<NetConfig>,
-    /// Add a virtio-balloon device: `--balloon` or `--balloon deflate-on-oom,stats=SECS,reporting`
-    /// (any subset; the control socket's `balloon` op sets the target and reads statistics).
-    #[arg(long, value_name = "[deflate-on-oom][,stats=SECS][,reporting]", num_args = 0..=1, default_missing_value = "")]
-    balloon: Option<BalloonConfig>,
-    /// Append the serial console to this file.
-    #[arg(long, conflicts_with = "serial_stdout")]
-    serial_log: Option<PathBuf>,
-    /// Copy the serial console to standard output.
-    #[arg(long)]
-    serial_stdout: bool,
-    /// Run in a jail rooted at DIR (created if missing): new PID, mount, IPC, UTS and network
-    /// namespaces, only the VM's own files bind-mounted in at their usual paths, /dev/kvm
-    /// and /dev/net/tun, rlimits, and --jail-uid/--jail-gid once the VM is built.
-    #[arg(long, value_name = "DIR")]
-    jail: Option<PathBuf>,
-    /// Unprivileged uid the jailed VMM runs the guest as.
-    #[arg(long, default_value_t = 65534, requires = "jail")]
-    jail_uid: u32,
-    #[arg(long, default_value_t = 65534, requires = "jail")]
-    jail_gid: u32,
-    /// Join this network namespace (e.g. /run/netns/sb1) instead of a new, empty one.
-    #[arg(long, value_name = "PATH", requires = "jail")]
-    jail_netns: Option<PathBuf>,
-    /// Also make PATH visible in the jail (read-only; `,rw` for writable), e.g. where
-    /// snapshots are written or, for --prewarm, where they are read from.
-    #[arg(long = "jail-expose", value_name = "PATH[,rw]", requires = "jail")]
-    jail_expose: Vec<dsec_vmm::jail::Exposure>,
-    /// (Tests) once jailed and filtered, report whether PATH can be opened, then make a
-    /// forbidden system call.
-    #[arg(long, value_name = "PATH", requires = "jail", hide = true)]
-    jail_check: Option<PathBuf>,
-    /// Run without the per-thread seccomp filters (for debugging a filter that is too strict:
-    /// a forbidden call stops the VMM with exit status 159 and names the syscall).
-    #[arg(long)]
-    no_seccomp: bool,
-    /// Write run metrics (exit reason, VM exits, boot milestones) as JSON here on exit.
-    #[arg(long)]
-    metrics_json: Option<PathBuf>,
+/// Why the VMM could not start (or run) its VM; printed as `dsec-vmm: ...`, exit status 1.
+#[derive(Debug, thiserror::Error)]
+enum MainError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    Jail(#[from] JailError),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error("control socket: {0}")]
+    Control(std::io::Error),
+    #[error("cannot resolve {path} to an absolute path for the jail: {source}")]
+    Resolve {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
-fn build_config(args: &Args) -> Result<VmConfig, String> {
-    let mut config = match (&args.config, &args.kernel) {
-        (Some(path), _) => VmConfig::from_file(path).map_err(|e| e.to_string())?,
-        (None, Some(kernel)) => VmConfig::new(kernel),
-        (None, None) => return Err("no kernel given: pass --kernel PATH or --config FILE".into()),
-    };
-    if let Some(kernel) = &args.kernel {
-        config.kernel = kernel.clone();
-    }
-    if let Some(initrd) = &args.initrd {
-        config.initrd = Some(initrd.clone());
-    }
-    if let Some(cmdline) = &args.cmdline {
-        config.cmdline = cmdline.clone();
-    }
-    if let Some(vcpus) = args.vcpus {
-        config.vcpus = vcpus;
-    }
-    if let Some(mem) = args.mem_mib {
-        config.mem_mib = mem;
-    }
-    if let Some(uds) = &args.vsock_uds {
-        config.vsock = Some(VsockConfig {
-            uds_path: uds.clone(),
-            guest_cid: args.vsock_cid.unwrap_or(dsec_vmm::config::MIN_GUEST_CID),
-        });
-    }
-    if args.rng {
-        config.rng = true;
-    }
-    if !args.drives.is_empty() {
-        config.drives = args.drives.clone();
-    }
-    if let Some(net) = &args.net {
-        config.net = Some(net.clone());
-    }
-    if let Some(balloon) = &args.balloon {
-        config.balloon = Some(balloon.clone());
-    }
-    if !args.pmem.is_empty() {
-        config.pmem = args.pmem.clone();
-    }
-    if let Some(path) = &args.serial_log {
-        config.serial = SerialOutput::File(path.clone());
-    } else if args.serial_stdout {
-        config.serial = SerialOutput::Stdout;
-    }
+/// A config file with its flag overrides applied.
+fn file_config(path: &Path, overrides: &BootOverrides) -> Result<VmConfig, ConfigError> {
+    let mut config = VmConfig::from_file(path)?;
+    overrides.apply(&mut config);
     Ok(config)
 }
 
@@ -186,27 +56,34 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "warn".into()),
         )
         .init();
-    let args = Args::parse();
+    let launch = match VmmLaunch::parse_from(std::env::args_os()) {
+        Ok(launch) => launch,
+        Err(LaunchError::Usage(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("dsec-vmm: {e}");
+            return ExitCode::from(1);
+        }
+    };
     // Blocked here, before any thread exists, so every thread inherits the mask and only the
     // signal thread receives them: SIGTERM/SIGINT end the VM cleanly (sockets removed,
     // metrics written) instead of killing the process mid-write.
     let stop_signals = block_stop_signals();
-    if !args.no_seccomp {
+    if !launch.no_seccomp {
         if let Err(e) = dsec_vmm::seccomp::enable() {
             eprintln!("dsec-vmm: {e}");
             return ExitCode::from(1);
         }
     }
-    if let Some(root) = &args.jail {
-        if let Err(e) = enter_jail(&args, root) {
+    if let Some(jail) = &launch.jail {
+        if let Err(e) = enter_jail(&launch, jail) {
             eprintln!("dsec-vmm: {e}");
             return ExitCode::from(1);
         }
-        if let Some(path) = &args.jail_check {
-            return jail_check(&args, path);
+        if let Some(path) = &jail.check {
+            return jail_check(jail, path);
         }
     }
-    let (result, loaded_ns) = build_and_run(&args, stop_signals);
+    let (result, loaded_ns) = build_and_run(&launch, stop_signals);
     let report = match result {
         Ok(r) => r,
         Err(e) => {
@@ -214,7 +91,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    if let Some(path) = &args.metrics_json {
+    if let Some(path) = &launch.metrics_json {
         let metrics = serde_json::json!({
             "exit_reason": report.reason.to_string(),
             "vm_exits": report.exits,
@@ -236,28 +113,24 @@ fn main() -> ExitCode {
     }
 }
 
-fn overrides(args: &Args) -> RestoreOverrides {
+fn restore_overrides(o: &SnapshotOverrides, lazy: Option<&LazyLaunch>) -> RestoreOverrides {
     RestoreOverrides {
-        vsock_uds: args.vsock_uds.clone(),
-        vsock_cid: args.vsock_cid,
-        serial: match (&args.serial_log, args.serial_stdout) {
-            (Some(path), _) => Some(SerialOutput::File(path.clone())),
-            (None, true) => Some(SerialOutput::Stdout),
-            (None, false) => None,
-        },
-        net: args.net.clone(),
-        drives: args.drives.clone(),
-        lazy: args.lazy.then(|| dsec_vmm::LazyRestore {
-            prefetch: args.prefetch,
-            record: args
-                .record_working_set
+        vsock_uds: o.vsock_uds.clone(),
+        vsock_cid: o.vsock_cid,
+        serial: o.serial.clone(),
+        net: o.net.clone(),
+        drives: o.drives.clone(),
+        lazy: lazy.map(|l| dsec_vmm::LazyRestore {
+            prefetch: l.prefetch,
+            record: l
+                .record_working_set_ms
                 .map(std::time::Duration::from_millis),
         }),
     }
 }
 
 /// Everything the VM will open, made visible in the jail at the same paths.
-fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
+fn jail_exposures(launch: &VmmLaunch, jail: &JailLaunch) -> Result<Vec<Exposure>, MainError> {
     let mut expose = Vec::new();
     let parent_rw = |path: &Path| {
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
@@ -266,30 +139,14 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
     let mut drives = Vec::new();
     let mut pmem = Vec::new();
     let mut vsock = None;
-    match (&args.restore, args.prewarm) {
-        (Some(dir), _) => {
-            let state = dsec_vmm::snapshot::read_state(dir).map_err(|e| e.to_string())?;
-            expose.push(if args.record_working_set.is_some() {
-                Exposure::writable(dir)
-            } else {
-                Exposure::read_only(dir)
-            });
-            // A diff snapshot reads its parents too.
-            let mut parent = state.memory.parent.clone();
-            while let Some(p) = parent {
-                parent = dsec_vmm::snapshot::read_state(&p)
-                    .map_err(|e| e.to_string())?
-                    .memory
-                    .parent;
-                expose.push(Exposure::read_only(p));
-            }
-            drives = state.config.drives.clone();
-            pmem = state.config.pmem.clone();
-            vsock = state.config.vsock.as_ref().map(|v| v.uds_path.clone());
-        }
-        (None, true) => {}
-        (None, false) => {
-            let config = build_config(args)?;
+    let mut overrides = None;
+    let boot = match &launch.mode {
+        LaunchMode::Boot(config) => Some(config.clone()),
+        LaunchMode::BootFile { config, overrides } => Some(file_config(config, overrides)?),
+        LaunchMode::Restore(_) | LaunchMode::Prewarm(_) => None,
+    };
+    match (&launch.mode, boot) {
+        (_, Some(config)) => {
             expose.push(Exposure::read_only(&config.kernel));
             if let Some(initrd) = &config.initrd {
                 expose.push(Exposure::read_only(initrd));
@@ -301,9 +158,40 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
             pmem = config.pmem.clone();
             vsock = config.vsock.as_ref().map(|v| v.uds_path.clone());
         }
+        (LaunchMode::Restore(restore), None) => {
+            let dir = &restore.snapshot;
+            let state = dsec_vmm::snapshot::read_state(dir)?;
+            let records = restore
+                .lazy
+                .as_ref()
+                .is_some_and(|l| l.record_working_set_ms.is_some());
+            expose.push(if records {
+                Exposure::writable(dir)
+            } else {
+                Exposure::read_only(dir)
+            });
+            // A diff snapshot reads its parents too.
+            let mut parent = state.memory.parent.clone();
+            while let Some(p) = parent {
+                parent = dsec_vmm::snapshot::read_state(&p)?.memory.parent;
+                expose.push(Exposure::read_only(p));
+            }
+            drives = state.config.drives.clone();
+            pmem = state.config.pmem.clone();
+            vsock = state.config.vsock.as_ref().map(|v| v.uds_path.clone());
+            overrides = Some(&restore.overrides);
+        }
+        (LaunchMode::Prewarm(prewarm), None) => overrides = Some(&prewarm.overrides),
+        (LaunchMode::Boot(_) | LaunchMode::BootFile { .. }, None) => {}
     }
-    if !args.drives.is_empty() {
-        drives = args.drives.clone();
+    if let Some(o) = overrides {
+        if !o.drives.is_empty() {
+            drives = o.drives.clone();
+        }
+        vsock = o.vsock_uds.clone().or(vsock);
+        if let Some(SerialOutput::File(path)) = &o.serial {
+            expose.push(parent_rw(path));
+        }
     }
     for d in drives {
         expose.push(Exposure {
@@ -317,24 +205,24 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
             path: p.path,
         });
     }
-    for path in [
-        args.vsock_uds.clone().or(vsock),
-        args.api_sock.clone(),
-        args.serial_log.clone(),
-        args.metrics_json.clone(),
-    ]
-    .into_iter()
-    .flatten()
+    for path in [vsock, launch.api_sock.clone(), launch.metrics_json.clone()]
+        .into_iter()
+        .flatten()
     {
         expose.push(parent_rw(&path));
     }
-    expose.extend(args.jail_expose.iter().cloned());
+    expose.extend(jail.expose.iter().map(|e| Exposure {
+        path: e.path.clone(),
+        writable: e.writable,
+    }));
     // Absolute paths: the jail recreates them under its root. Each path once (the sockets
     // and logs often share a directory), writable if any use needs it.
     let mut unique: Vec<Exposure> = Vec::new();
     for e in expose {
-        let path = std::path::absolute(&e.path)
-            .map_err(|err| format!("resolve {}: {err}", e.path.display()))?;
+        let path = std::path::absolute(&e.path).map_err(|source| MainError::Resolve {
+            path: e.path.clone(),
+            source,
+        })?;
         match unique.iter_mut().find(|u| u.path == path) {
             Some(u) => u.writable |= e.writable,
             None => unique.push(Exposure { path, ..e }),
@@ -343,24 +231,27 @@ fn jail_exposures(args: &Args) -> Result<Vec<Exposure>, String> {
     Ok(unique)
 }
 
-fn enter_jail(args: &Args, root: &Path) -> Result<(), String> {
-    let expose = jail_exposures(args)?;
-    dsec_vmm::seccomp::allow_privilege_drop_to(args.jail_uid, args.jail_gid);
-    let root = std::path::absolute(root).map_err(|e| format!("resolve --jail: {e}"))?;
+fn enter_jail(launch: &VmmLaunch, jail: &JailLaunch) -> Result<(), MainError> {
+    let expose = jail_exposures(launch, jail)?;
+    dsec_vmm::seccomp::allow_privilege_drop_to(jail.uid, jail.gid);
+    let root = std::path::absolute(&jail.root).map_err(|source| MainError::Resolve {
+        path: jail.root.clone(),
+        source,
+    })?;
     dsec_vmm::jail::enter(&dsec_vmm::jail::JailSpec {
         root,
-        uid: args.jail_uid,
-        gid: args.jail_gid,
-        netns: args.jail_netns.clone(),
+        uid: jail.uid,
+        gid: jail.gid,
+        netns: jail.netns.clone(),
         expose,
         max_open_files: 4096,
-    })
-    .map_err(|e| e.to_string())
+    })?;
+    Ok(())
 }
 
 /// What a jailed, filtered VMM can still do: prints its view, then makes a forbidden call.
-fn jail_check(args: &Args, path: &Path) -> ExitCode {
-    if let Err(e) = dsec_vmm::jail::drop_privileges(args.jail_uid, args.jail_gid) {
+fn jail_check(jail: &JailLaunch, path: &Path) -> ExitCode {
+    if let Err(e) = dsec_vmm::jail::drop_privileges(jail.uid, jail.gid) {
         eprintln!("dsec-vmm: {e}");
         return ExitCode::from(1);
     }
@@ -391,15 +282,14 @@ fn jail_check(args: &Args, path: &Path) -> ExitCode {
 
 /// Builds the VM shell now, then restores the snapshot named by the first restore request.
 fn restore_prewarmed(
-    args: &Args,
-    sock: &std::path::Path,
-) -> Result<(Vm, std::os::unix::net::UnixListener), String> {
-    let shell = dsec_vmm::vm::Prewarmed::new(args.mem_mib.unwrap_or(256), args.vcpus.unwrap_or(1))
-        .map_err(|e| e.to_string())?;
+    prewarm: &PrewarmLaunch,
+    sock: &Path,
+) -> Result<(Vm, std::os::unix::net::UnixListener), MainError> {
+    let shell = dsec_vmm::vm::Prewarmed::new(prewarm.mem_mib, prewarm.vcpus)?;
     let (request, answer, listener) =
-        dsec_vmm::control::accept_restore(sock).map_err(|e| e.to_string())?;
+        dsec_vmm::control::accept_restore(sock).map_err(MainError::Control)?;
     let started = std::time::Instant::now();
-    let mut overrides = overrides(args);
+    let mut overrides = restore_overrides(&prewarm.overrides, None);
     overrides.vsock_uds = request.vsock_uds.or(overrides.vsock_uds);
     overrides.vsock_cid = request.vsock_cid.or(overrides.vsock_cid);
     overrides.net = request.net.or(overrides.net);
@@ -409,16 +299,14 @@ fn restore_prewarmed(
             record: None,
         });
     }
-    let result =
-        Vm::restore_into(Some(shell), &request.path, &overrides).map_err(|e| e.to_string());
+    let result = Vm::restore_into(Some(shell), &request.path, &overrides);
     dsec_vmm::control::answer_restore(
         answer,
-        result
-            .as_ref()
-            .map(|_| started.elapsed().as_secs_f64() * 1e3)
-            .map_err(Clone::clone),
+        result.as_ref().map(|_| RestoreReply {
+            restore_ms: started.elapsed().as_secs_f64() * 1e3,
+        }),
     );
-    result.map(|vm| (vm, listener))
+    Ok(result.map(|vm| (vm, listener))?)
 }
 
 fn block_stop_signals() -> libc::sigset_t {
@@ -451,43 +339,60 @@ fn watch_stop_signals(vm: Arc<Vm>, set: libc::sigset_t) {
     }
 }
 
-fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport, String>, u64) {
-    let mut prewarm_listener = None;
-    let vm: Result<Vm, String> = match (&args.restore, args.prewarm, &args.api_sock) {
-        (Some(dir), _, _) => Vm::restore(dir, &overrides(args)).map_err(|e| e.to_string()),
-        (None, true, Some(sock)) => restore_prewarmed(args, sock).map(|(vm, listener)| {
-            prewarm_listener = Some(listener);
-            vm
-        }),
-        _ => build_config(args).and_then(|c| Vm::new(c).map_err(|e| e.to_string())),
-    };
-    let vm = match vm {
-        Ok(vm) => Arc::new(vm),
+fn build_vm(
+    launch: &VmmLaunch,
+) -> Result<(Vm, Option<std::os::unix::net::UnixListener>), MainError> {
+    match (&launch.mode, &launch.api_sock) {
+        (LaunchMode::Restore(r), _) => {
+            let overrides = restore_overrides(&r.overrides, r.lazy.as_ref());
+            Ok((Vm::restore(&r.snapshot, &overrides)?, None))
+        }
+        (LaunchMode::Prewarm(p), Some(sock)) => {
+            restore_prewarmed(p, sock).map(|(vm, listener)| (vm, Some(listener)))
+        }
+        // A prewarmed VMM without a socket cannot be asked to restore: clap refuses it.
+        (LaunchMode::Prewarm(_), None) => Err(MainError::Control(std::io::Error::other(
+            "--prewarm needs --api-sock",
+        ))),
+        (LaunchMode::Boot(config), _) => Ok((Vm::new(config.clone())?, None)),
+        (LaunchMode::BootFile { config, overrides }, _) => {
+            Ok((Vm::new(file_config(config, overrides)?)?, None))
+        }
+    }
+}
+
+fn build_and_run(
+    launch: &VmmLaunch,
+    stop_signals: libc::sigset_t,
+) -> (Result<RunReport, MainError>, u64) {
+    let (vm, prewarm_listener) = match build_vm(launch) {
+        Ok(built) => built,
         Err(e) => return (Err(e), 0),
     };
+    let vm = Arc::new(vm);
     let loaded_ns = dsec_vmm::vm::now_ns();
     // Bound now, served once the VM runs: connections wait in the backlog until then.
-    let control = match (prewarm_listener, &args.api_sock) {
+    let control = match (prewarm_listener, &launch.api_sock) {
         (Some(listener), _) => Some(listener),
         (None, Some(sock)) => match dsec_vmm::control::bind(sock) {
             Ok(listener) => Some(listener),
-            Err(e) => return (Err(e.to_string()), loaded_ns),
+            Err(e) => return (Err(MainError::Control(e)), loaded_ns),
         },
         (None, None) => None,
     };
-    if args.jail.is_some() {
-        if let Err(e) = dsec_vmm::jail::drop_privileges(args.jail_uid, args.jail_gid) {
-            return (Err(e.to_string()), loaded_ns);
+    if let Some(jail) = &launch.jail {
+        if let Err(e) = dsec_vmm::jail::drop_privileges(jail.uid, jail.gid) {
+            return (Err(e.into()), loaded_ns);
         }
     }
     // Setup is over: from here on the main thread only waits, serves and cleans up.
     if let Err(e) = dsec_vmm::seccomp::install(dsec_vmm::seccomp::ThreadKind::Vmm) {
-        return (Err(e.to_string()), loaded_ns);
+        return (Err(e.into()), loaded_ns);
     }
     watch_stop_signals(vm.clone(), stop_signals);
     let uds = vm.config().vsock.as_ref().map(|v| v.uds_path.clone());
     // Start before serving requests: a request must never see the VM mid-start.
-    if !args.paused {
+    if !launch.paused {
         vm.start();
     }
     let served = match control {
@@ -495,14 +400,14 @@ fn build_and_run(args: &Args, stop_signals: libc::sigset_t) -> (Result<RunReport
         None => Ok(()),
     };
     if let Err(e) = served {
-        return (Err(e.to_string()), loaded_ns);
+        return (Err(MainError::Control(e)), loaded_ns);
     }
     let report = vm.wait();
     // Device threads die with the process: remove the sockets they own here.
     if let Some(uds) = uds {
         let _ = std::fs::remove_file(uds);
     }
-    if let Some(sock) = &args.api_sock {
+    if let Some(sock) = &launch.api_sock {
         let _ = std::fs::remove_file(sock);
     }
     (Ok(report), loaded_ns)

@@ -1,0 +1,539 @@
+//! One microVM process: a `dsec-vmm` started from a typed [`VmmLaunch`], waited on until its
+//! guest agent answers, driven through its control socket, refreshed after a restore, killed
+//! and reaped.
+//!
+//! A microVM lives in a directory ([`MicroVmDir`]): `api.sock` (control socket), `vsock.sock`
+//! (its agent), `serial.log`, `vmm.log` (the VMM's stdout and stderr) and `pid`.
+//!
+//! # How callers start one
+//!
+//! ```text
+//! let dir = MicroVmDir::new(sandbox_dir);                 // the directory must exist
+//! let mut launch = VmmLaunch::boot(config);                // or ::restore(RestoreLaunch{..})
+//! launch.jail = Some(JailLaunch { expose: vec![snapshot_dir,rw], ..JailLaunch::new(root, uid, gid) });
+//! let vm = MicroVm::spawn(&SpawnOptions { vmm_bin, cgroup_procs }, &dir, launch)?
+//!     .ready(ready_timeout)                                // agent answers; a restore is refreshed
+//!     .await?;
+//! vm.agent();  vm.control().pause() (blocking) / control_call(vm.control().clone(), req).await
+//! let child = vm.into_child();   // keep supervising it (the daemon's record), or
+//! let pid = vm.detach();         // leave it running (`dsec vm boot`), or
+//! vm.kill().await?;              // SIGKILL to its process group (a jailed VMM's child too), reap
+//! ```
+//!
+//! - `spawn` points the launch's sockets and logs at the directory, puts the VMM in its own
+//!   session (it outlives the caller) and, before it runs, in the given cgroups.
+//! - `ready` is the one wait loop: it returns once the agent answers `Info`, fails with the
+//!   VMM's and the console's log tails when the VMM exits or the deadline passes, and kills
+//!   the VMM on any failure. A restored guest (`--restore`, or a prewarmed VMM after
+//!   [`StartingMicroVm::restore`]) is refreshed first: fresh host entropy (CRNG reseed), the
+//!   host's clock and, when the launch gives the snapshot's network device a MAC, that MAC.
+//!   Nobody sees a restored guest that still shares its parent's random state.
+//! - For a sandbox already recorded (no `MicroVm` at hand, e.g. after a daemon restart), build
+//!   a [`ControlClient`] on its `api.sock` and use [`control_call`].
+//!
+//! The daemon's create, restore and fork (today `create_microvm`, `restore_microvm` and
+//! `Node::fork` with `vmm_control`) map onto this one to one: `SandboxSpec` -> `VmConfig`
+//! (cmdline, vcpus, memory, drives), `VmmJail` -> `JailLaunch`, `spec.cgroup_procs` ->
+//! `SpawnOptions::cgroup_procs`, `wait_microvm_ready` -> `ready`, `refresh_child` -> done by
+//! `ready`, `Runtime::MicroVm { vmm }` -> `into_child()`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use dsec_vmm_api::control::{Request, RestoreReply, RestoreRequest};
+use dsec_vmm_api::{ControlClient, LaunchMode, SerialOutput, VmmLaunch, VsockConfig};
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::unistd::Pid;
+use serde::de::DeserializeOwned;
+
+use crate::{AgentAddr, AgentClient, EdgeError, Result};
+
+/// Bounds of one readiness attempt (connect + Info): before the guest's vsock driver is up
+/// the VMM accepts the connection but cannot answer, and that must become a retry.
+const ATTEMPT_MIN: Duration = Duration::from_millis(100);
+const ATTEMPT_MAX: Duration = Duration::from_secs(5);
+/// How long a restored guest may take to accept fresh entropy and time.
+pub const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of host entropy a restored guest is reseeded with.
+const REFRESH_ENTROPY: usize = 64;
+/// How much of a log a failure message quotes.
+const LOG_TAIL_BYTES: usize = 2000;
+
+/// The directory one microVM's sockets and logs live in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MicroVmDir(PathBuf);
+
+impl MicroVmDir {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        MicroVmDir(dir.into())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// The VMM's control socket.
+    pub fn api_sock(&self) -> PathBuf {
+        self.0.join("api.sock")
+    }
+
+    /// The host end of the guest's vsock device.
+    pub fn vsock(&self) -> PathBuf {
+        self.0.join("vsock.sock")
+    }
+
+    pub fn serial_log(&self) -> PathBuf {
+        self.0.join("serial.log")
+    }
+
+    pub fn vmm_log(&self) -> PathBuf {
+        self.0.join("vmm.log")
+    }
+
+    pub fn pid_file(&self) -> PathBuf {
+        self.0.join("pid")
+    }
+
+    /// Where the guest agent answers.
+    pub fn agent_addr(&self) -> AgentAddr {
+        AgentAddr::VsockUds {
+            uds: self.vsock(),
+            port: dsec_api::AGENT_VSOCK_PORT,
+        }
+    }
+
+    /// A control client for this VM's socket.
+    pub fn control(&self) -> ControlClient {
+        ControlClient::new(self.api_sock())
+    }
+
+    /// Points the launch's control socket, vsock device and console at this directory.
+    pub fn wire(&self, launch: &mut VmmLaunch) {
+        launch.api_sock = Some(self.api_sock());
+        let serial = SerialOutput::File(self.serial_log());
+        match &mut launch.mode {
+            LaunchMode::Boot(config) => {
+                let guest_cid = config
+                    .vsock
+                    .as_ref()
+                    .map_or(dsec_vmm_api::config::MIN_GUEST_CID, |v| v.guest_cid);
+                config.vsock = Some(VsockConfig {
+                    uds_path: self.vsock(),
+                    guest_cid,
+                });
+                config.serial = serial;
+            }
+            LaunchMode::BootFile { overrides, .. } => {
+                overrides.vsock_uds = Some(self.vsock());
+                overrides.serial = Some(serial);
+            }
+            LaunchMode::Restore(_) | LaunchMode::Prewarm(_) => {
+                if let Some(o) = launch.snapshot_overrides_mut() {
+                    o.vsock_uds = Some(self.vsock());
+                    o.serial = Some(serial);
+                }
+            }
+        }
+    }
+
+    /// The last lines of one of this VM's logs, as `; last lines of LABEL (PATH):\n...`
+    /// (empty when the log is missing or empty).
+    pub fn log_tail(path: &Path, label: &str) -> String {
+        match std::fs::read(path) {
+            Ok(bytes) if !bytes.is_empty() => {
+                let start = bytes.len().saturating_sub(LOG_TAIL_BYTES);
+                format!(
+                    "; last lines of {label} ({}):\n{}",
+                    path.display(),
+                    String::from_utf8_lossy(&bytes[start..]).trim_end()
+                )
+            }
+            _ => String::new(),
+        }
+    }
+
+    fn name(&self) -> String {
+        self.0
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.0.display().to_string())
+    }
+}
+
+/// How the VMM process is started.
+#[derive(Clone, Debug)]
+pub struct SpawnOptions {
+    /// The `dsec-vmm` binary.
+    pub vmm_bin: PathBuf,
+    /// `cgroup.procs` files the VMM joins before it runs (a jailed VMM's child cannot
+    /// start outside them).
+    pub cgroup_procs: Vec<PathBuf>,
+}
+
+impl SpawnOptions {
+    /// `dsec-vmm` from `bin` if given, else found next to this executable, in
+    /// `$DSEC_HOME/bin` or on PATH; no cgroups.
+    pub fn find(bin: Option<&Path>) -> Result<Self> {
+        let vmm_bin = match bin {
+            Some(path) => path.to_owned(),
+            None => crate::find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
+                what: "VMM",
+                name: "dsec-vmm",
+                hint: "build it with `cargo build --release -p dsec-vmm`",
+            })?,
+        };
+        Ok(SpawnOptions {
+            vmm_bin,
+            cgroup_procs: Vec::new(),
+        })
+    }
+}
+
+/// The VMM process; killed (with its process group) when dropped while still owned.
+struct Process {
+    child: Option<tokio::process::Child>,
+    pid: u32,
+}
+
+impl Process {
+    fn kill_group(&self) {
+        let pid = Pid::from_raw(self.pid as i32);
+        // Its own session (setsid): the group holds a jailed VMM's forked child too.
+        let _ = killpg(pid, Signal::SIGKILL);
+        let _ = kill(pid, Signal::SIGKILL);
+    }
+
+    async fn kill_and_reap(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            if matches!(child.try_wait(), Ok(None)) {
+                self.kill_group();
+            }
+            child
+                .wait()
+                .await
+                .map_err(|e| EdgeError::io(format!("reap the VMM (pid {})", self.pid), e))?;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self) -> tokio::process::Child {
+        // Only ever called once, on a value that still owns its child.
+        self.child
+            .take()
+            .expect("the VMM process is owned until released")
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            if matches!(child.try_wait(), Ok(None)) {
+                self.kill_group();
+            }
+        }
+    }
+}
+
+/// A VMM that has been started but whose guest is not known to answer yet.
+pub struct StartingMicroVm {
+    dir: MicroVmDir,
+    process: Process,
+    /// A restored guest must be refreshed before anyone sees it.
+    restored: bool,
+    /// The MAC the restored guest's interface takes (the launch's or the restore request's).
+    mac: Option<String>,
+    started: Instant,
+}
+
+impl std::fmt::Debug for StartingMicroVm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StartingMicroVm")
+            .field("dir", &self.dir)
+            .field("pid", &self.process.pid)
+            .finish()
+    }
+}
+
+/// A running microVM whose agent answers (and, if restored, has been refreshed).
+pub struct MicroVm {
+    dir: MicroVmDir,
+    process: Process,
+    agent: AgentClient,
+    ready_after: Duration,
+    clock_skew: Option<Duration>,
+}
+
+impl std::fmt::Debug for MicroVm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MicroVm")
+            .field("dir", &self.dir)
+            .field("pid", &self.process.pid)
+            .finish()
+    }
+}
+
+impl MicroVm {
+    /// Starts `dsec-vmm` for `launch` with its sockets and logs in `dir` (which must exist).
+    pub fn spawn(
+        options: &SpawnOptions,
+        dir: &MicroVmDir,
+        mut launch: VmmLaunch,
+    ) -> Result<StartingMicroVm> {
+        use std::os::fd::AsRawFd;
+        dir.wire(&mut launch);
+        let (restored, mac) = match &launch.mode {
+            LaunchMode::Restore(r) => (true, r.overrides.net.as_ref().and_then(|n| n.mac.clone())),
+            _ => (false, None),
+        };
+        let log_path = dir.vmm_log();
+        let log = std::fs::File::create(&log_path)
+            .map_err(|e| EdgeError::io(format!("create {}", log_path.display()), e))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| EdgeError::io("duplicate the VMM log descriptor", e))?;
+        // Opened here, written by the child before exec: the VMM is in its cgroups before it
+        // runs.
+        let procs = options
+            .cgroup_procs
+            .iter()
+            .map(|p| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .map_err(|e| EdgeError::io(format!("open {}", p.display()), e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        let mut command = tokio::process::Command::new(&options.vmm_bin);
+        command
+            .args(launch.to_args())
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        // SAFETY: setsid and write are async-signal-safe; the closure only reads `fds`
+        // (copied into it) and a static byte string.
+        unsafe {
+            command.pre_exec(move || {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                for fd in &fds {
+                    // "0" moves the writing process (this child) into the cgroup.
+                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let child = command
+            .spawn()
+            .map_err(|e| EdgeError::io(format!("start {}", options.vmm_bin.display()), e))?;
+        drop(procs);
+        let pid = child.id().unwrap_or(0);
+        let process = Process {
+            child: Some(child),
+            pid,
+        };
+        std::fs::write(dir.pid_file(), pid.to_string())
+            .map_err(|e| EdgeError::io(format!("write {}", dir.pid_file().display()), e))?;
+        Ok(StartingMicroVm {
+            dir: dir.clone(),
+            process,
+            restored,
+            mac,
+            started: Instant::now(),
+        })
+    }
+
+    pub fn dir(&self) -> &MicroVmDir {
+        &self.dir
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid
+    }
+
+    /// The guest agent (connected).
+    pub fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+
+    /// The VMM's control socket (blocking; see [`control_call`] from async code).
+    pub fn control(&self) -> ControlClient {
+        self.dir.control()
+    }
+
+    /// Spawn -> agent answering (and refreshed).
+    pub fn ready_after(&self) -> Duration {
+        self.ready_after
+    }
+
+    /// How far a restored guest's clock was off before the refresh set it (None: booted).
+    pub fn clock_skew(&self) -> Option<Duration> {
+        self.clock_skew
+    }
+
+    /// Kills the VMM and its process group and reaps it. The directory stays.
+    pub async fn kill(mut self) -> Result<()> {
+        self.process.kill_and_reap().await
+    }
+
+    /// Hands the process over to a caller that supervises it from now on.
+    pub fn into_child(mut self) -> tokio::process::Child {
+        self.process.release()
+    }
+
+    /// Leaves the VMM running on its own (it is in its own session); returns its pid.
+    pub fn detach(self) -> u32 {
+        let pid = self.process.pid;
+        drop(self.into_child());
+        pid
+    }
+}
+
+impl StartingMicroVm {
+    pub fn pid(&self) -> u32 {
+        self.process.pid
+    }
+
+    pub fn dir(&self) -> &MicroVmDir {
+        &self.dir
+    }
+
+    /// For a `--prewarm` VMM: asks it to restore a snapshot (waiting up to `timeout` for its
+    /// socket to appear); the guest is then refreshed by [`ready`](Self::ready) like any
+    /// restore, with the request's MAC.
+    pub async fn restore(
+        &mut self,
+        request: RestoreRequest,
+        timeout: Duration,
+    ) -> Result<RestoreReply> {
+        self.restored = true;
+        self.mac = request.net.as_ref().and_then(|n| n.mac.clone());
+        let client = self.dir.control().connect_timeout(timeout);
+        control_call(client, Request::Restore(request)).await
+    }
+
+    /// Waits until the guest agent answers (refreshing a restored guest first), or fails
+    /// with the logs' tails; the VMM is killed on failure.
+    pub async fn ready(mut self, timeout: Duration) -> Result<MicroVm> {
+        match self.wait_agent(timeout).await {
+            Ok((agent, ready_after, clock_skew)) => Ok(MicroVm {
+                dir: self.dir,
+                process: self.process,
+                agent,
+                ready_after,
+                clock_skew,
+            }),
+            Err(e) => {
+                let _ = self.process.kill_and_reap().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn wait_agent(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<(AgentClient, Duration, Option<Duration>)> {
+        let deadline = self.started + timeout;
+        let vsock = self.dir.vsock();
+        loop {
+            if let Some(child) = &mut self.process.child {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(EdgeError::SandboxDied {
+                        id: self.dir.name(),
+                        detail: format!(
+                            " (VMM exited: {status}){}{}",
+                            MicroVmDir::log_tail(&self.dir.vmm_log(), "VMM log"),
+                            MicroVmDir::log_tail(&self.dir.serial_log(), "serial console")
+                        ),
+                    });
+                }
+            }
+            if vsock.exists() {
+                // Bound every attempt, not just the loop: a guest that accepts the connection
+                // but never answers must not hang us.
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let attempt =
+                    tokio::time::timeout(remaining.clamp(ATTEMPT_MIN, ATTEMPT_MAX), async {
+                        let client = AgentClient::connect(self.dir.agent_addr()).await?;
+                        client.info().await.map(|_| client)
+                    });
+                if let Ok(Ok(agent)) = attempt.await {
+                    let skew = if self.restored {
+                        Some(self.refresh(&agent).await?)
+                    } else {
+                        None
+                    };
+                    return Ok((agent, self.started.elapsed(), skew));
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(EdgeError::AgentNotReady {
+                    id: self.dir.name(),
+                    timeout,
+                    detail: MicroVmDir::log_tail(&self.dir.serial_log(), "serial console"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot:
+    /// give it fresh host entropy, the host's time and its own MAC. Returns the clock skew
+    /// that was corrected.
+    async fn refresh(&self, agent: &AgentClient) -> Result<Duration> {
+        use std::io::Read;
+        let mut entropy = vec![0u8; REFRESH_ENTROPY];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut entropy))
+            .map_err(|e| EdgeError::io("read host entropy for a restored guest", e))?;
+        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(entropy, self.mac.clone())).await
+        {
+            Ok(result) => {
+                let skew = result?;
+                tracing::info!(
+                    vm = %self.dir.name(),
+                    clock_skew_ms = skew.as_millis() as u64,
+                    "restored guest refreshed (fresh entropy, host clock)"
+                );
+                Ok(skew)
+            }
+            Err(_) => Err(EdgeError::Protocol(format!(
+                "restored guest {} did not take fresh entropy within {} s, so it was stopped{}",
+                self.dir.name(),
+                REFRESH_TIMEOUT.as_secs(),
+                MicroVmDir::log_tail(&self.dir.serial_log(), "serial console")
+            ))),
+        }
+    }
+}
+
+/// One control request from async code (the client blocks, so it runs on the blocking pool).
+pub async fn control_call<T: DeserializeOwned + Send + 'static>(
+    client: ControlClient,
+    request: Request,
+) -> Result<T> {
+    tokio::task::spawn_blocking(move || client.call(&request))
+        .await
+        .map_err(|e| EdgeError::Protocol(format!("VMM control task failed: {e}")))?
+        .map_err(EdgeError::from)
+}
+
+/// A random locally administered unicast MAC (`06:xx:xx:xx:xx:xx`) for a restored guest's
+/// own network interface.
+pub fn random_mac() -> Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 5];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| EdgeError::io("read host entropy for a MAC", e))?;
+    Ok(std::iter::once(0x06)
+        .chain(bytes)
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":"))
+}
+
+#[cfg(test)]
+mod tests;

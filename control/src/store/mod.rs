@@ -218,3 +218,16 @@ pub(crate) fn check_ttl(ttl: Duration) -> StoreResult<()> {
     }
     Ok(())
 }
+
+/// A record as stored: JSON.
+pub(crate) fn to_json<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    serde_json::to_vec(value).expect("control-plane records always serialize")
+}
+
+/// A stored record, or `Corrupt` naming the key when it does not decode.
+pub(crate) fn from_json<T: serde::de::DeserializeOwned>(kv: &KeyValue) -> StoreResult<T> {
+    serde_json::from_slice(&kv.value).map_err(|e| StoreError::Corrupt {
+        path: kv.key.clone(),
+        what: format!("unreadable record: {e}"),
+    })
+}

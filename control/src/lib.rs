@@ -3,6 +3,8 @@
 
 pub mod iam;
 pub mod keys;
+pub mod quota;
+pub mod resources;
 pub mod store;
 
 #[cfg(test)]

@@ -3,8 +3,10 @@
 
 pub mod iam;
 pub mod keys;
+pub mod placement;
 pub mod quota;
 pub mod resources;
+pub mod sandbox_id;
 pub mod store;
 
 #[cfg(test)]

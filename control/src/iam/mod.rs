@@ -14,7 +14,8 @@ use std::time::Duration;
 
 pub use audit::{AuditRecord, Outcome};
 pub use model::{
-    Action, Principal, PrincipalId, Project, ProjectPath, Role, RoleBinding, MAX_PROJECT_DEPTH,
+    valid_segment, Action, Principal, PrincipalId, Project, ProjectPath, Role, RoleBinding,
+    MAX_PROJECT_DEPTH,
 };
 pub use token::{IssuedToken, TokenRecord};
 

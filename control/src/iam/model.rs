@@ -57,7 +57,7 @@ impl ProjectPath {
     }
 }
 
-pub(crate) fn valid_segment(segment: &str) -> bool {
+pub fn valid_segment(segment: &str) -> bool {
     !segment.is_empty()
         && segment.len() <= MAX_SEGMENT
         && segment

@@ -8,6 +8,7 @@ pub mod quota;
 pub mod resources;
 pub mod sandbox_id;
 pub mod store;
+pub mod watcher;
 
 #[cfg(test)]
 mod testing;

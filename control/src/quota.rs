@@ -278,13 +278,32 @@ impl Quotas {
     /// Returns a sandbox's reservation to its project; `None` if it held none (already
     /// released).
     pub async fn release(&self, node: &str, sandbox: &str) -> QuotaResult<Option<Reservation>> {
+        self.release_with(node, sandbox, |_| Vec::new()).await
+    }
+
+    /// [`Quotas::release`], writing `also(reservation)` in the same transaction.
+    pub(crate) async fn release_with(
+        &self,
+        node: &str,
+        sandbox: &str,
+        also: impl Fn(&Reservation) -> Vec<Op>,
+    ) -> QuotaResult<Option<Reservation>> {
         let key = keys::reservation(node, sandbox);
         for attempt in 0..CAS_ATTEMPTS {
             let Some(kv) = self.store.get(&key).await? else {
                 return Ok(None);
             };
             let reservation: Reservation = from_json(&kv)?;
-            if self.uncharge(&kv, &reservation).await? {
+            let quota = self.read(&reservation.project).await?;
+            let mut record = quota.record;
+            record.used = record.used.minus(reservation.resources);
+            let mut txn = Txn::default()
+                .when(Compare::unchanged(&kv))
+                .when(quota.unchanged())
+                .then(Op::delete(&kv.key))
+                .then(quota.put(&record));
+            txn.ops.extend(also(&reservation));
+            if self.store.txn(txn).await?.succeeded {
                 return Ok(Some(reservation));
             }
             back_off(attempt).await;
@@ -292,19 +311,6 @@ impl Quotas {
         Err(QuotaError::Contended(format!(
             "the reservation of {sandbox}"
         )))
-    }
-
-    /// One attempt to delete a reservation and take its usage off its project.
-    async fn uncharge(&self, kv: &KeyValue, reservation: &Reservation) -> QuotaResult<bool> {
-        let quota = self.read(&reservation.project).await?;
-        let mut record = quota.record;
-        record.used = record.used.minus(reservation.resources);
-        let txn = Txn::default()
-            .when(Compare::unchanged(kv))
-            .when(quota.unchanged())
-            .then(Op::delete(&kv.key))
-            .then(quota.put(&record));
-        Ok(self.store.txn(txn).await?.succeeded)
     }
 
     /// One attempt to charge a running sandbox that holds no reservation, past any limit.

@@ -20,7 +20,8 @@ die() { echo "setup: error: $*" >&2; exit 1; }
 step "apt packages"
 pkgs=(build-essential pkg-config protobuf-compiler busybox-static cpio qemu-system-x86
       linux-source-6.1 bc flex bison libelf-dev libssl-dev dwarves rsync kmod xz-utils
-      docker-registry apache2-utils curl debootstrap erofs-utils e2fsprogs bubblewrap)
+      docker-registry apache2-utils curl debootstrap erofs-utils e2fsprogs bubblewrap
+      libprotobuf-dev etcd-server)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -1,0 +1,362 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::iam::Iam;
+use crate::testing::on_both_stores;
+
+on_both_stores!(
+    a_child_quota_never_exceeds_what_its_parent_has_left,
+    reservations_stop_at_the_limit_and_name_the_project_and_resource,
+    concurrent_reservers_never_overrun_a_limit,
+    concurrent_delegations_never_overrun_the_parent,
+    reconciling_a_node_makes_usage_exact,
+);
+
+fn path(text: &str) -> ProjectPath {
+    text.parse().unwrap()
+}
+
+fn sandboxes(n: u64) -> Resources {
+    Resources::new(n, 4 * n, 1024 * n, 4096 * n)
+}
+
+const ONE: Resources = Resources::sandbox(1, 256, 1024);
+
+/// Projects acme, acme/rl, acme/rl/run-1, acme/web.
+async fn projects(store: &Arc<dyn Store>) -> Quotas {
+    let iam = Iam::new(store.clone());
+    iam.create_org("acme").await.unwrap();
+    let rl = iam.create_project(&path("acme"), "rl").await.unwrap().path;
+    iam.create_project(&rl, "run-1").await.unwrap();
+    iam.create_project(&path("acme"), "web").await.unwrap();
+    Quotas::new(store.clone())
+}
+
+async fn a_child_quota_never_exceeds_what_its_parent_has_left(store: Arc<dyn Store>) {
+    let quotas = projects(&store).await;
+    quotas
+        .set_limit(&path("acme"), sandboxes(10))
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&path("acme/rl"), sandboxes(6))
+        .await
+        .unwrap();
+    let e = quotas
+        .set_limit(&path("acme/web"), sandboxes(5))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        matches!(&e, QuotaError::ParentShort { parent, resource: "sandboxes", left: 4, .. } if parent.as_str() == "acme"),
+        "{e}"
+    );
+    quotas
+        .set_limit(&path("acme/web"), sandboxes(4))
+        .await
+        .unwrap();
+    let org = quotas.get(&path("acme")).await.unwrap();
+    assert_eq!(
+        (org.delegated, org.left()),
+        (sandboxes(10), Resources::ZERO)
+    );
+
+    // Grandchildren come out of the child; the child cannot then shrink below them.
+    quotas
+        .set_limit(&path("acme/rl/run-1"), sandboxes(5))
+        .await
+        .unwrap();
+    let e = quotas
+        .set_limit(&path("acme/rl"), sandboxes(4))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, QuotaError::BelowDelegated { delegated: 5, .. }),
+        "{e}"
+    );
+    // Shrinking a child gives back to the parent; a sandbox in the parent uses what is left.
+    quotas
+        .set_limit(&path("acme/rl/run-1"), sandboxes(2))
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&path("acme/rl"), sandboxes(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        quotas.get(&path("acme")).await.unwrap().left(),
+        sandboxes(3)
+    );
+    assert_eq!(
+        quotas.get(&path("acme/rl")).await.unwrap().left(),
+        sandboxes(1)
+    );
+    let e = quotas
+        .set_limit(&path("acme"), sandboxes(6))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, QuotaError::BelowDelegated { delegated: 7, .. }),
+        "{e}"
+    );
+
+    let e = quotas
+        .set_limit(&path("acme/ghost"), sandboxes(1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    // An unlimited organization delegates anything.
+    quotas
+        .set_limit(&path("acme"), Resources::UNLIMITED)
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&path("acme/web"), sandboxes(1_000))
+        .await
+        .unwrap();
+}
+
+async fn reservations_stop_at_the_limit_and_name_the_project_and_resource(store: Arc<dyn Store>) {
+    let quotas = projects(&store).await;
+    let rl = path("acme/rl");
+    quotas
+        .set_limit(&path("acme"), sandboxes(20))
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&rl, Resources::new(10, 40, 1024, 40_960))
+        .await
+        .unwrap();
+    for i in 0..4 {
+        quotas
+            .reserve(&rl, "n1", &format!("sb-n1-{i}"), ONE)
+            .await
+            .unwrap();
+    }
+    // Memory runs out first: 4 x 256 MiB of 1024.
+    let e = quotas.reserve(&rl, "n1", "sb-n1-x", ONE).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+    let message = e.to_string();
+    assert!(
+        message.contains("acme/rl") && message.contains("memory_mib"),
+        "{message}"
+    );
+    assert!(
+        quotas
+            .reserve(&rl, "n1", "sb-n1-0", Resources::ZERO)
+            .await
+            .is_err(),
+        "a sandbox holds one reservation"
+    );
+
+    let released = quotas.release("n1", "sb-n1-0").await.unwrap().unwrap();
+    assert_eq!((released.project, released.resources), (rl.clone(), ONE));
+    assert_eq!(quotas.release("n1", "sb-n1-0").await.unwrap(), None);
+    quotas.reserve(&rl, "n2", "sb-n2-a", ONE).await.unwrap();
+    assert_eq!(
+        quotas.get(&rl).await.unwrap().used,
+        Resources::new(4, 4, 1024, 4096)
+    );
+
+    // A project with no quota set has none.
+    let e = quotas
+        .reserve(&path("acme/web"), "n1", "sb-n1-w", ONE)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            QuotaError::Exceeded {
+                resource: "sandboxes",
+                left: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // The 11th sandbox of a 10-sandbox project is refused.
+    let tiny = Resources::new(1, 0, 0, 0);
+    quotas
+        .set_limit(&path("acme/web"), Resources::new(10, 0, 0, 0))
+        .await
+        .unwrap();
+    for i in 0..10 {
+        quotas
+            .reserve(&path("acme/web"), "n1", &format!("w{i}"), tiny)
+            .await
+            .unwrap();
+    }
+    let e = quotas
+        .reserve(&path("acme/web"), "n1", "w10", tiny)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("project acme/web is out of sandboxes quota: asked for 1, 0 left"),
+        "{e}"
+    );
+}
+
+async fn concurrent_reservers_never_overrun_a_limit(store: Arc<dyn Store>) {
+    const LIMIT: u64 = 40;
+    const RESERVERS: usize = 100;
+    let quotas = projects(&store).await;
+    let rl = path("acme/rl");
+    quotas
+        .set_limit(&path("acme"), sandboxes(LIMIT))
+        .await
+        .unwrap();
+    quotas.set_limit(&rl, sandboxes(LIMIT)).await.unwrap();
+    let tasks: Vec<_> = (0..RESERVERS)
+        .map(|i| {
+            let (quotas, rl) = (quotas.clone(), rl.clone());
+            tokio::spawn(async move {
+                let node = format!("n{}", i % 4);
+                quotas
+                    .reserve(&rl, &node, &format!("sb-{i}"), sandboxes(1))
+                    .await
+                    .map(|_| (node, format!("sb-{i}")))
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(reserved) => granted.push(reserved),
+            Err(e) => assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}"),
+        }
+    }
+    assert_eq!(granted.len() as u64, LIMIT);
+    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(LIMIT));
+    let mut filed = 0;
+    for node in ["n0", "n1", "n2", "n3"] {
+        filed += quotas.reservations_on(node).await.unwrap().len();
+    }
+    assert_eq!(filed as u64, LIMIT);
+
+    // Releasing them all concurrently returns exactly everything.
+    let tasks: Vec<_> = granted
+        .into_iter()
+        .map(|(node, sandbox)| {
+            let quotas = quotas.clone();
+            tokio::spawn(async move { quotas.release(&node, &sandbox).await.unwrap() })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await.unwrap().is_some());
+    }
+    assert_eq!(quotas.get(&rl).await.unwrap().used, Resources::ZERO);
+}
+
+async fn concurrent_delegations_never_overrun_the_parent(store: Arc<dyn Store>) {
+    let quotas = projects(&store).await;
+    let iam = Iam::new(store.clone());
+    quotas
+        .set_limit(&path("acme"), sandboxes(10))
+        .await
+        .unwrap();
+    let mut children = Vec::new();
+    for i in 0..20 {
+        children.push(
+            iam.create_project(&path("acme"), &format!("c{i}"))
+                .await
+                .unwrap()
+                .path,
+        );
+    }
+    let tasks: Vec<_> = children
+        .into_iter()
+        .map(|child| {
+            let quotas = quotas.clone();
+            tokio::spawn(async move { quotas.set_limit(&child, sandboxes(1)).await.is_ok() })
+        })
+        .collect();
+    let mut granted = 0;
+    for task in tasks {
+        granted += task.await.unwrap() as u64;
+    }
+    assert_eq!(granted, 10);
+    let org = quotas.get(&path("acme")).await.unwrap();
+    assert_eq!(
+        (org.delegated, org.left()),
+        (sandboxes(10), Resources::ZERO)
+    );
+}
+
+async fn reconciling_a_node_makes_usage_exact(store: Arc<dyn Store>) {
+    let quotas = projects(&store).await;
+    let (rl, web) = (path("acme/rl"), path("acme/web"));
+    quotas
+        .set_limit(&path("acme"), sandboxes(10))
+        .await
+        .unwrap();
+    quotas.set_limit(&rl, sandboxes(3)).await.unwrap();
+    quotas.set_limit(&web, sandboxes(2)).await.unwrap();
+    for id in ["a", "b", "c"] {
+        quotas.reserve(&rl, "n1", id, ONE).await.unwrap();
+    }
+    quotas.reserve(&web, "n2", "other-node", ONE).await.unwrap();
+    // The node runs a (as reserved), b with another size, and d that no reservation knows
+    // (created before a control-plane crash lost it); c never reached it.
+    let running = |id: &str, project: &ProjectPath, resources| RunningSandbox {
+        sandbox: id.to_string(),
+        project: project.clone(),
+        resources,
+    };
+    let big = Resources::sandbox(2, 512, 1024);
+    let report = [
+        running("a", &rl, ONE),
+        running("b", &rl, big),
+        running("d", &rl, ONE),
+    ];
+
+    // Within the grace period c may still be on its way: kept; b is fixed, d charged, and
+    // charged past the limit because it exists.
+    let first = quotas
+        .reconcile_node("n1", &report, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(first.released.len(), 1, "b's stale size");
+    let charged: Vec<&str> = first.charged.iter().map(|r| r.sandbox.as_str()).collect();
+    assert_eq!(charged, ["b", "d"]);
+    let used = quotas.get(&rl).await.unwrap().used;
+    assert_eq!(used, ONE.plus(big).plus(ONE).plus(ONE), "a + b + c + d");
+    assert_eq!(
+        quotas
+            .reserve(&rl, "n1", "e", ONE)
+            .await
+            .unwrap_err()
+            .code(),
+        tonic::Code::ResourceExhausted
+    );
+
+    // After the grace period c is returned; a second pass changes nothing.
+    let second = quotas
+        .reconcile_node("n1", &report, Duration::ZERO)
+        .await
+        .unwrap();
+    let released: Vec<&str> = second.released.iter().map(|r| r.sandbox.as_str()).collect();
+    assert_eq!((released, second.charged.len()), (vec!["c"], 0));
+    assert_eq!(quotas.get(&rl).await.unwrap().used, ONE.plus(big).plus(ONE));
+    assert_eq!(
+        quotas
+            .reconcile_node("n1", &report, Duration::ZERO)
+            .await
+            .unwrap(),
+        Reconciled::default()
+    );
+
+    // A node that vanished: an empty report with no grace returns all it held.
+    let gone = quotas
+        .reconcile_node("n1", &[], Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(gone.released.len(), 3);
+    assert_eq!(quotas.get(&rl).await.unwrap().used, Resources::ZERO);
+    assert_eq!(
+        quotas.get(&web).await.unwrap().used,
+        ONE,
+        "other nodes untouched"
+    );
+}

@@ -1,0 +1,264 @@
+//! The watcher: node health from the store's leases. Every apiserver replica runs one; all
+//! their writes are compare-and-swap, so running several is safe (whoever wins a
+//! transaction does the work once).
+//!
+//! - A node's record disappears when its lease expires (it stopped heartbeating) or it
+//!   deregisters: each sandbox still reserved on it is marked lost (`/dsec/lost/<id>`) and
+//!   its quota returned, in one transaction per sandbox.
+//! - A node that (re)appears is asked what it still runs ([`NodeInventory`]); its
+//!   reservations are reconciled to that and the lost marks of sandboxes it still runs are
+//!   cleared.
+//! - On start, every minute, and after any watch failure, it lists everything again: nodes
+//!   that hold reservations but are not registered are lost (whatever happened while no
+//!   watcher ran, or a create reserved on a node just after it vanished).
+//! - The [`Placer`] (if given) follows every change.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::iam::ProjectPath;
+use crate::keys;
+use crate::now_ms;
+use crate::placement::{NodeAdmin, NodeRecord, Placer};
+use crate::quota::{QuotaError, Quotas, RunningSandbox};
+use crate::resources::Resources;
+use crate::store::{from_json, to_json, EventKind, Op, Store, StoreError};
+
+/// Reservations younger than this are creates that may still be on their way to a node that
+/// just came back: they are kept when reconciling it.
+pub const RECONCILE_GRACE: Duration = Duration::from_secs(60);
+
+/// A full re-listing this often catches what events cannot: a create reserved on a node
+/// just after its lease expired.
+pub const RESYNC_EVERY: Duration = Duration::from_secs(60);
+
+/// A sandbox whose node vanished.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostSandbox {
+    pub sandbox: String,
+    pub node: String,
+    pub project: ProjectPath,
+    pub resources: Resources,
+    pub lost_ms: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WatcherError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
+    #[error("cannot ask node {node} what it runs: {why}")]
+    Inventory { node: String, why: String },
+}
+
+/// What a node runs, asked when it (re)appears: in the cluster, the node's own List call.
+#[async_trait::async_trait]
+pub trait NodeInventory: Send + Sync + 'static {
+    async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String>;
+}
+
+pub struct Watcher {
+    store: Arc<dyn Store>,
+    quotas: Quotas,
+    inventory: Arc<dyn NodeInventory>,
+    placer: Option<Arc<Placer>>,
+    /// Nodes registered as of the last event.
+    live: BTreeSet<String>,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher").field("live", &self.live).finish()
+    }
+}
+
+impl Watcher {
+    pub fn new(
+        store: Arc<dyn Store>,
+        inventory: Arc<dyn NodeInventory>,
+        placer: Option<Arc<Placer>>,
+    ) -> Self {
+        Watcher {
+            quotas: Quotas::new(store.clone()),
+            store,
+            inventory,
+            placer,
+            live: BTreeSet::new(),
+        }
+    }
+
+    /// Runs until the store fails for good; re-lists after every watch failure.
+    pub async fn run(mut self) {
+        loop {
+            if let Err(e) = self.follow().await {
+                tracing::warn!("node watcher: {e}; listing again in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+
+    /// Lists, then applies node changes until a watch fails.
+    async fn follow(&mut self) -> Result<(), WatcherError> {
+        let revision = self.resync().await?;
+        let mut nodes = self.store.watch(keys::NODES, Some(revision)).await?;
+        let mut admin = self.store.watch(keys::NODE_ADMIN, Some(revision)).await?;
+        let mut resync =
+            tokio::time::interval_at(tokio::time::Instant::now() + RESYNC_EVERY, RESYNC_EVERY);
+        loop {
+            tokio::select! {
+                _ = resync.tick() => {
+                    self.resync().await?;
+                }
+                event = nodes.next() => {
+                    let Some(event) = event else { break };
+                    let event = event?;
+                    let name = event.key.trim_start_matches(keys::NODES).to_string();
+                    match event.kind {
+                        EventKind::Put => {
+                            let record: NodeRecord = serde_json::from_slice(&event.value)
+                                .map_err(|e| StoreError::Corrupt {
+                                    path: event.key.clone(),
+                                    what: format!("unreadable node record: {e}"),
+                                })?;
+                            self.node_up(record).await?;
+                        }
+                        EventKind::Delete => self.node_gone(&name).await?,
+                    }
+                }
+                event = admin.next() => {
+                    let Some(event) = event else { break };
+                    let event = event?;
+                    if let Some(placer) = &self.placer {
+                        let name = event.key.trim_start_matches(keys::NODE_ADMIN);
+                        let flags = serde_json::from_slice(&event.value).unwrap_or_default();
+                        placer.set_admin(name, flags);
+                    }
+                }
+            }
+        }
+        Err(StoreError::Unavailable("a watch ended".to_string()).into())
+    }
+
+    /// Rebuilds everything from a full listing; returns the revision to watch from.
+    pub async fn resync(&mut self) -> Result<i64, WatcherError> {
+        let nodes = self.store.range(keys::NODES).await?;
+        let admin = self.store.range(keys::NODE_ADMIN).await?;
+        let reservations = self.store.range(keys::RESERVATIONS).await?;
+        let mut registered = BTreeSet::new();
+        for kv in &nodes.kvs {
+            let record: NodeRecord = from_json(kv)?;
+            registered.insert(record.name.clone());
+            if !self.live.contains(&record.name) {
+                self.node_up(record).await?;
+            } else if let Some(placer) = &self.placer {
+                placer.update_node(record);
+            }
+        }
+        if let Some(placer) = &self.placer {
+            for kv in &admin.kvs {
+                let name = kv.key.trim_start_matches(keys::NODE_ADMIN);
+                placer.set_admin(name, from_json::<NodeAdmin>(kv)?);
+            }
+        }
+        let mut holders: BTreeSet<String> = reservations
+            .kvs
+            .iter()
+            .filter_map(|kv| kv.key.strip_prefix(keys::RESERVATIONS))
+            .filter_map(|rest| rest.split('/').next())
+            .map(str::to_string)
+            .collect();
+        holders.extend(self.live.iter().cloned());
+        for node in holders.difference(&registered) {
+            self.node_gone(node).await?;
+        }
+        // Watch from the oldest listing: replaying a change twice is harmless.
+        Ok(nodes
+            .revision
+            .min(admin.revision)
+            .min(reservations.revision))
+    }
+
+    async fn node_up(&mut self, record: NodeRecord) -> Result<(), WatcherError> {
+        let name = record.name.clone();
+        if let Some(placer) = &self.placer {
+            placer.update_node(record.clone());
+        }
+        if !self.live.insert(name.clone()) {
+            return Ok(());
+        }
+        let running =
+            self.inventory
+                .running(&record)
+                .await
+                .map_err(|why| WatcherError::Inventory {
+                    node: name.clone(),
+                    why,
+                })?;
+        let reconciled = self
+            .quotas
+            .reconcile_node(&name, &running, RECONCILE_GRACE)
+            .await?;
+        for sandbox in &running {
+            self.store.delete(&keys::lost(&sandbox.sandbox)).await?;
+        }
+        tracing::info!(
+            node = %name,
+            running = running.len(),
+            released = reconciled.released.len(),
+            charged = reconciled.charged.len(),
+            "node up"
+        );
+        Ok(())
+    }
+
+    /// Marks every sandbox reserved on a vanished node lost and returns its quota.
+    async fn node_gone(&mut self, name: &str) -> Result<(), WatcherError> {
+        self.live.remove(name);
+        if let Some(placer) = &self.placer {
+            placer.remove_node(name);
+        }
+        let reservations = self.quotas.reservations_on(name).await?;
+        let lost_ms = now_ms();
+        let mut lost = 0;
+        for reservation in reservations {
+            let released = self
+                .quotas
+                .release_with(name, &reservation.sandbox, |r| {
+                    let record = LostSandbox {
+                        sandbox: r.sandbox.clone(),
+                        node: r.node.clone(),
+                        project: r.project.clone(),
+                        resources: r.resources,
+                        lost_ms,
+                    };
+                    vec![Op::put(keys::lost(&r.sandbox), to_json(&record))]
+                })
+                .await?;
+            lost += released.is_some() as usize;
+        }
+        if lost > 0 {
+            tracing::warn!(node = %name, lost, "node gone: its sandboxes are lost");
+        }
+        Ok(())
+    }
+}
+
+/// The lost mark of a sandbox, if its node vanished.
+pub async fn lost_sandbox(
+    store: &dyn Store,
+    sandbox: &str,
+) -> Result<Option<LostSandbox>, StoreError> {
+    store
+        .get(&keys::lost(sandbox))
+        .await?
+        .as_ref()
+        .map(from_json)
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,235 @@
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::iam::Iam;
+use crate::placement::{Backend, NodeRegistry};
+use crate::sandbox_id::SandboxId;
+use crate::testing::on_both_stores;
+
+on_both_stores!(a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs);
+
+/// What each node says it runs.
+#[derive(Default)]
+struct FakeInventory(Mutex<HashMap<String, Vec<RunningSandbox>>>);
+
+#[async_trait::async_trait]
+impl NodeInventory for FakeInventory {
+    async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap()
+            .get(&node.name)
+            .cloned()
+            .unwrap_or_default())
+    }
+}
+
+const ONE: Resources = Resources::sandbox(1, 256, 1024);
+
+fn record(name: &str) -> NodeRecord {
+    NodeRecord {
+        name: name.to_string(),
+        address: format!("{name}.local:7000"),
+        capacity: Resources::new(100, 100, 100_000, 1_000_000),
+        allocated: Resources::ZERO,
+        backends: [Backend::Container].into(),
+        images: Default::default(),
+        labels: BTreeMap::new(),
+        heartbeat_ms: now_ms(),
+    }
+}
+
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{what}: not within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs(
+    store: Arc<dyn Store>,
+) {
+    let iam = Iam::new(store.clone());
+    iam.create_org("acme").await.unwrap();
+    let rl = iam
+        .create_project(&"acme".parse().unwrap(), "rl")
+        .await
+        .unwrap()
+        .path;
+    let quotas = Quotas::new(store.clone());
+    quotas
+        .set_limit(&"acme".parse().unwrap(), Resources::UNLIMITED)
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&rl, Resources::new(10, 10, 10_000, 100_000))
+        .await
+        .unwrap();
+
+    let registry = NodeRegistry::new(store.clone());
+    let _n1_lease = registry
+        .register(&record("n1"), Duration::from_secs(1))
+        .await
+        .unwrap();
+    let n2_lease = registry
+        .register(&record("n2"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let on_n1: Vec<SandboxId> = (0..3).map(|_| SandboxId::new("n1").unwrap()).collect();
+    for id in &on_n1 {
+        quotas.reserve(&rl, "n1", id.as_str(), ONE).await.unwrap();
+    }
+    let on_n2 = SandboxId::new("n2").unwrap();
+    quotas
+        .reserve(&rl, "n2", on_n2.as_str(), ONE)
+        .await
+        .unwrap();
+    // n3 held a sandbox and vanished while no watcher ran.
+    let on_n3 = SandboxId::new("n3").unwrap();
+    quotas
+        .reserve(&rl, "n3", on_n3.as_str(), ONE)
+        .await
+        .unwrap();
+
+    let inventory = Arc::new(FakeInventory::default());
+    inventory.0.lock().unwrap().insert(
+        "n2".into(),
+        vec![RunningSandbox {
+            sandbox: on_n2.to_string(),
+            project: rl.clone(),
+            resources: ONE,
+        }],
+    );
+    let placer = Arc::new(Placer::with_seed(2, 5));
+    let watcher = Watcher::new(store.clone(), inventory.clone(), Some(placer.clone()));
+    let task = tokio::spawn(watcher.run());
+
+    let used = |quotas: Quotas, rl: ProjectPath| async move {
+        quotas.get(&rl).await.unwrap().used.sandboxes
+    };
+    eventually("n3's sandbox lost at start", || async {
+        lost_sandbox(store.as_ref(), on_n3.as_str())
+            .await
+            .unwrap()
+            .is_some()
+    })
+    .await;
+    eventually("the placer knows both nodes", || async {
+        placer.address("n1").is_ok() && placer.address("n2").is_ok()
+    })
+    .await;
+    // Cordoning reaches the placer through the watch.
+    registry
+        .set_admin(
+            "n2",
+            NodeAdmin {
+                cordoned: true,
+                draining: false,
+            },
+        )
+        .await
+        .unwrap();
+    let request = crate::placement::PlacementRequest {
+        resources: ONE,
+        backend: Backend::Container,
+        image: None,
+        labels: BTreeMap::new(),
+    };
+    eventually("cordoned n2 is not chosen", || async {
+        (0..10).all(|_| {
+            placer
+                .pick(&request, &[])
+                .map(|t| t.node() == "n1")
+                .unwrap_or(false)
+        })
+    })
+    .await;
+
+    // n1 stops heartbeating: after its lease its sandboxes are lost and their quota is back.
+    eventually("n1's sandboxes lost", || async {
+        for id in &on_n1 {
+            if lost_sandbox(store.as_ref(), id.as_str())
+                .await
+                .unwrap()
+                .is_none()
+            {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    let lost = lost_sandbox(store.as_ref(), on_n1[0].as_str())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (lost.node.as_str(), &lost.project, lost.resources),
+        ("n1", &rl, ONE)
+    );
+    assert_eq!(
+        used(quotas.clone(), rl.clone()).await,
+        1,
+        "only n2's sandbox holds quota"
+    );
+    assert!(matches!(
+        placer.address("n1"),
+        Err(crate::placement::PlacementError::UnknownNode(_))
+    ));
+    assert!(lost_sandbox(store.as_ref(), on_n2.as_str())
+        .await
+        .unwrap()
+        .is_none());
+
+    // n1 comes back still running its first sandbox: charged again, no longer lost.
+    inventory.0.lock().unwrap().insert(
+        "n1".into(),
+        vec![RunningSandbox {
+            sandbox: on_n1[0].to_string(),
+            project: rl.clone(),
+            resources: ONE,
+        }],
+    );
+    registry
+        .register(&record("n1"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    eventually("n1's surviving sandbox charged again", || async {
+        used(quotas.clone(), rl.clone()).await == 2
+    })
+    .await;
+    assert!(lost_sandbox(store.as_ref(), on_n1[0].as_str())
+        .await
+        .unwrap()
+        .is_none());
+    assert!(lost_sandbox(store.as_ref(), on_n1[1].as_str())
+        .await
+        .unwrap()
+        .is_some());
+    assert_eq!(quotas.reservations_on("n1").await.unwrap().len(), 1);
+    assert!(placer.address("n1").is_ok());
+
+    // A clean deregistration with nothing left running loses nothing.
+    quotas.release("n2", on_n2.as_str()).await.unwrap();
+    registry.deregister(n2_lease).await.unwrap();
+    eventually("n2 gone from the placer", || async {
+        placer.address("n2").is_err()
+    })
+    .await;
+    assert!(lost_sandbox(store.as_ref(), on_n2.as_str())
+        .await
+        .unwrap()
+        .is_none());
+    task.abort();
+}

@@ -12,6 +12,7 @@ pub mod jail;
 pub mod memory;
 pub mod seccomp;
 pub mod snapshot;
+pub mod teardown;
 pub mod uffd;
 pub mod vcpu;
 pub mod vm;

@@ -31,6 +31,8 @@ const KVM_SYSTEM_EVENT_RESET: u32 = 2;
 #[derive(Default)]
 struct Control {
     pause_requested: AtomicBool,
+    /// The VM is over: leave the run loop at the next exit instead of entering KVM_RUN again.
+    stop_requested: AtomicBool,
     parked: Mutex<bool>,
     changed: Condvar,
 }
@@ -39,6 +41,8 @@ struct Control {
 pub struct VcpuHandle {
     pub id: u8,
     pub fd: Arc<Mutex<VcpuFd>>,
+    /// The vCPU fd's number, readable while the thread holds `fd` inside KVM_RUN.
+    pub raw_fd: std::os::fd::RawFd,
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
 }
@@ -75,6 +79,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
     control
         .pause_requested
         .store(ctx.start_paused, Ordering::SeqCst);
+    let raw_fd = std::os::fd::AsRawFd::as_raw_fd(&ctx.fd);
     let fd = Arc::new(Mutex::new(ctx.fd));
     let id = ctx.id;
     let thread = {
@@ -99,6 +104,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
     Ok(VcpuHandle {
         id,
         fd,
+        raw_fd,
         control,
         thread: Some(thread),
     })
@@ -112,10 +118,7 @@ impl VcpuHandle {
         let mut parked = lock(&self.control.parked);
         while !*parked {
             // Re-kick: a signal that lands just before KVM_RUN starts is otherwise lost.
-            if let Some(thread) = &self.thread {
-                // SAFETY: the pthread id belongs to a thread we own and have not joined.
-                unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
-            }
+            self.kick();
             if std::time::Instant::now() > deadline {
                 return Err(format!("vCPU {} did not pause within {timeout:?}", self.id));
             }
@@ -132,6 +135,21 @@ impl VcpuHandle {
     pub fn resume(&self) {
         self.control.pause_requested.store(false, Ordering::SeqCst);
         self.control.changed.notify_all();
+    }
+
+    /// Makes the thread leave its run loop (the VM is over): it stops burning a host CPU on
+    /// guest code nobody waits for while the process exits. Does not wait.
+    pub fn stop(&self) {
+        self.control.stop_requested.store(true, Ordering::SeqCst);
+        self.resume();
+        self.kick();
+    }
+
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            // SAFETY: the pthread id belongs to a thread we own and have not joined.
+            unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
+        }
     }
 
     /// Whether a pause was requested (the thread may still be on its way to parking).
@@ -157,6 +175,9 @@ impl Runner {
     fn run(&self, fd: &Mutex<VcpuFd>, control: &Control) -> VmExitReason {
         let mut first = true;
         loop {
+            if control.stop_requested.load(Ordering::SeqCst) {
+                return VmExitReason::Stopped;
+            }
             if control.pause_requested.load(Ordering::SeqCst) {
                 let mut parked = lock(&control.parked);
                 *parked = true;

@@ -653,7 +653,7 @@ impl Vm {
         })
     }
 
-    /// Waits until the VM stops and returns why.
+    /// Waits until the VM stops and returns why. Every vCPU is told to stop.
     pub fn wait(&self) -> RunReport {
         let reason = lock(&self.exit_rx)
             .recv()
@@ -661,12 +661,25 @@ impl Vm {
                 vcpu: 0,
                 message: "all vCPUs stopped without a reason".into(),
             });
+        for vcpu in &self.vcpus {
+            vcpu.stop();
+        }
         RunReport {
             reason,
             exits: self.stats.exits.load(Ordering::Relaxed),
             first_kvm_run_ns: self.times.first_kvm_run_ns.load(Ordering::Relaxed),
             first_serial_byte_ns: self.times.first_serial_byte_ns.load(Ordering::Relaxed),
         }
+    }
+
+    /// Hands the destruction of the KVM VM and of guest memory to a helper process (see
+    /// [`crate::teardown`]) so this process exits without waiting for it. Call once, after
+    /// the VM is built and before the seccomp filter is installed.
+    pub fn defer_teardown(&self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut keep = vec![self.fd.as_raw_fd()];
+        keep.extend(self.vcpus.iter().map(|v| v.raw_fd));
+        crate::teardown::defer_to_helper(&keep)
     }
 
     /// Makes [`Vm::wait`] return with `reason` (the control socket's stop).

@@ -15,8 +15,32 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
 
-use crate::devices::bus::{lock, Bus};
-use crate::vm::{now_ns, BootTimes, VmExitReason};
+use crate::devices::bus::Bus;
+use crate::exit::VmExitReason;
+use crate::sync::lock;
+use crate::timing::{now_ns, BootTimes};
+
+/// Why a vCPU could not be paused, saved or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error(
+        "vCPU {id} did not pause within {timeout:?}; the host may be overloaded, retry the pause"
+    )]
+    PauseTimeout { id: u8, timeout: Duration },
+    #[error("KVM refused to {what}: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("the saved {what} list is too long for KVM ({detail}); the snapshot is damaged")]
+    List { what: &'static str, detail: String },
+    #[error("host accepted only {written} of {total} saved MSRs (MSR {refused:#x} refused); restore on a host with the same CPU and KVM")]
+    Msrs {
+        written: usize,
+        total: usize,
+        refused: u32,
+    },
+}
 
 /// Exit counters shared by all vCPUs (exits dominate boot time on nested hosts).
 #[derive(Default)]
@@ -112,7 +136,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
 
 impl VcpuHandle {
     /// Stops the vCPU at its next exit and waits until it is parked.
-    pub fn pause(&self, timeout: Duration) -> Result<(), String> {
+    pub fn pause(&self, timeout: Duration) -> Result<(), VcpuError> {
         self.control.pause_requested.store(true, Ordering::SeqCst);
         let deadline = std::time::Instant::now() + timeout;
         let mut parked = lock(&self.control.parked);
@@ -120,7 +144,10 @@ impl VcpuHandle {
             // Re-kick: a signal that lands just before KVM_RUN starts is otherwise lost.
             self.kick();
             if std::time::Instant::now() > deadline {
-                return Err(format!("vCPU {} did not pause within {timeout:?}", self.id));
+                return Err(VcpuError::PauseTimeout {
+                    id: self.id,
+                    timeout,
+                });
             }
             parked = self
                 .control
@@ -273,12 +300,19 @@ pub struct VcpuState {
     pub events: kvm_vcpu_events,
 }
 
-fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> String {
-    move |e| format!("{what}: {e}")
+fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VcpuError {
+    move |source| VcpuError::Kvm { what, source }
+}
+
+fn list_err(what: &'static str) -> impl Fn(vmm_sys_util::fam::Error) -> VcpuError {
+    move |e| VcpuError::List {
+        what,
+        detail: format!("{e:?}"),
+    }
 }
 
 /// Reads every MSR KVM lists, skipping the few a host refuses to read back.
-fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
+fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, VcpuError> {
     let indices = kvm.get_msr_index_list().map_err(kvm_err("list MSRs"))?;
     let mut saved = Vec::new();
     let mut pending: Vec<u32> = indices.as_slice().to_vec();
@@ -290,7 +324,7 @@ fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
                 ..Default::default()
             })
             .collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|e| format!("MSR list: {e:?}"))?;
+        let mut msrs = Msrs::from_entries(&entries).map_err(list_err("MSR"))?;
         let read = fd.get_msrs(&mut msrs).map_err(kvm_err("read MSRs"))?;
         saved.extend_from_slice(&msrs.as_slice()[..read]);
         // KVM stops at the first MSR it cannot read: skip it and carry on.
@@ -300,7 +334,7 @@ fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
 }
 
 /// Saves a parked vCPU.
-pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
+pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, VcpuError> {
     let cpuid = fd
         .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(kvm_err("read CPUID"))?;
@@ -310,7 +344,7 @@ pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
         id,
         cpuid: cpuid.as_slice().to_vec(),
         msrs: save_msrs(kvm, fd)?,
-        regs: fd.get_regs().map_err(kvm_err("read registers"))?,
+        regs: fd.get_regs().map_err(kvm_err("read the registers"))?,
         sregs: fd.get_sregs().map_err(kvm_err("read segment registers"))?,
         xsave: fd.get_xsave().map_err(kvm_err("read FPU/XSAVE state"))?,
         xcrs: fd.get_xcrs().map_err(kvm_err("read XCRs"))?,
@@ -347,8 +381,8 @@ fn rearm_tsc_deadline(saved: &[kvm_msr_entry]) -> Vec<kvm_msr_entry> {
 }
 
 /// Loads a saved state into a fresh vCPU (order matters: CPUID first, events last).
-pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
-    let cpuid = CpuId::from_entries(&state.cpuid).map_err(|e| format!("CPUID: {e:?}"))?;
+pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuError> {
+    let cpuid = CpuId::from_entries(&state.cpuid).map_err(list_err("CPUID"))?;
     fd.set_cpuid2(&cpuid).map_err(kvm_err("set CPUID"))?;
     fd.set_mp_state(state.mp_state)
         .map_err(kvm_err("set the MP state"))?;
@@ -363,15 +397,14 @@ pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
         .map_err(kvm_err("set debug registers"))?;
     fd.set_lapic(&state.lapic)
         .map_err(kvm_err("set the local APIC"))?;
-    let msrs =
-        Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(|e| format!("MSRs: {e:?}"))?;
+    let msrs = Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(list_err("MSR"))?;
     let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
     if written != state.msrs.len() {
-        return Err(format!(
-            "host accepted only {written} of {} saved MSRs (MSR {:#x} refused); restore on a host with the same CPU and KVM",
-            state.msrs.len(),
-            state.msrs[written].index
-        ));
+        return Err(VcpuError::Msrs {
+            written,
+            total: state.msrs.len(),
+            refused: state.msrs[written].index,
+        });
     }
     fd.set_vcpu_events(&state.events)
         .map_err(kvm_err("set pending events"))?;

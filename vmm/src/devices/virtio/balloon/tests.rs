@@ -201,7 +201,7 @@ fn state_survives_save_and_restore() {
     let err = Balloon::restore((BalloonConfig::default(), 16), &back)
         .err()
         .unwrap();
-    assert!(err.contains("16 MiB"), "{err}");
+    assert!(err.to_string().contains("16 MiB"), "{err}");
 }
 
 #[test]

@@ -25,9 +25,8 @@ use crate::config::{ConfigError, SerialOutput, VmConfig};
 use crate::devices::bus::{Bus, BusOverlap};
 use crate::devices::legacy::{Cmos, Serial, SerialRestoreError, SerialSink, I8042};
 use crate::devices::virtio::balloon::BalloonControl;
-use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::pause::PauseError;
-use crate::devices::virtio::slots::{self, AttachError};
+use crate::devices::virtio::slots::{self, AttachError, VirtioSlot};
 use crate::memory::{self, GuestMemory, RegionLayout};
 use crate::persist::Persist;
 use crate::snapshot::{DevicesState, SnapshotError};
@@ -157,7 +156,7 @@ pub struct Vm {
     regions: Vec<RegionLayout>,
     serial: Arc<Mutex<Serial>>,
     /// Every virtio device (vsock included) in slot order.
-    virtio: Vec<Arc<Mutex<MmioTransport>>>,
+    virtio: Vec<VirtioSlot>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     vcpus: Vec<VcpuHandle>,
@@ -177,7 +176,7 @@ pub struct Vm {
 struct Devices {
     serial: Arc<Mutex<Serial>>,
     /// Every virtio device (vsock included) in slot order.
-    virtio: Vec<Arc<Mutex<MmioTransport>>>,
+    virtio: Vec<VirtioSlot>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
     balloon: Option<Arc<BalloonControl>>,
@@ -329,15 +328,15 @@ impl Vm {
         for vcpu in &self.vcpus {
             vcpu.pause(Duration::from_secs(5))?;
         }
-        for device in &self.virtio {
-            lock(device).pause_device()?;
+        for slot in &self.virtio {
+            lock(&slot.transport).pause_device()?;
         }
         Ok(())
     }
 
     pub fn resume(&self) {
-        for device in &self.virtio {
-            lock(device).resume_device();
+        for slot in &self.virtio {
+            lock(&slot.transport).resume_device();
         }
         for vcpu in &self.vcpus {
             vcpu.resume();

@@ -240,8 +240,8 @@ impl Vm {
         }
         // Devices came back (and may have signalled, e.g. the vsock transport reset) before
         // the LAPICs were loaded, which dropped those interrupts: raise them again.
-        for device in &vm.virtio {
-            lock(device).reassert_pending_interrupt();
+        for slot in &vm.virtio {
+            lock(&slot.transport).reassert_pending_interrupt();
         }
         // The PIT last: restoring it re-arms its counter, and a tick that fired before the
         // vCPUs' LAPICs were loaded would be lost, after which KVM (reinjecting, so waiting

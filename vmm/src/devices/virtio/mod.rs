@@ -95,10 +95,21 @@ pub struct VirtioCommon {
     pub worker: Option<Worker>,
 }
 
+/// Lets the device manager (`slots`) reach a device's concrete type to save its state.
+pub trait AsAny {
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// What the MMIO transport needs from a device. A device writes its identity, its config
 /// space and its queue handler; activation, reset and the snapshot hooks come from
 /// [`VirtioCommon`] (a device with its own thread, like vsock, overrides them).
-pub trait VirtioDevice: Send {
+pub trait VirtioDevice: AsAny + Send {
     /// Virtio device id (19 = vsock).
     fn device_type(&self) -> u32;
     /// Maximum size of each queue; the length is the number of queues.
@@ -115,8 +126,6 @@ pub trait VirtioDevice: Send {
     }
     fn common(&self) -> &VirtioCommon;
     fn common_mut(&mut self) -> &mut VirtioCommon;
-    /// The device's typed snapshot state beyond the transport's.
-    fn state(&self) -> persist::DeviceState;
     /// Name of the device's thread.
     fn thread_name(&self) -> &'static str;
     /// What runs on the device thread once the guest set DRIVER_OK.

@@ -12,7 +12,7 @@ use super::rng::RngState;
 use super::vsock::VsockState;
 
 /// A device state type that travels inside [`DeviceState`].
-pub trait SavedState: Sized {
+pub trait SavedState: Sized + Into<DeviceState> {
     /// This type's state if `state` holds one.
     fn from_device_state(state: &DeviceState) -> Option<&Self>;
 }
@@ -35,7 +35,13 @@ macro_rules! device_states {
             }
         }
 
-        $(impl SavedState for $state {
+        $(impl From<$state> for DeviceState {
+            fn from(state: $state) -> Self {
+                DeviceState::$variant(state)
+            }
+        }
+
+        impl SavedState for $state {
             fn from_device_state(state: &DeviceState) -> Option<&Self> {
                 match state {
                     DeviceState::$variant(s) => Some(s),

@@ -13,7 +13,7 @@ use super::balloon::{Balloon, BalloonControl};
 use super::block::{Block, Disk};
 use super::mmio::MmioTransport;
 use super::net::{open_tap, Net};
-use super::persist::{SavedState, SlotState};
+use super::persist::{DeviceState, SavedState, SlotState};
 use super::pmem::{self, Pmem};
 use super::rng::Rng;
 use super::vsock::Vsock;
@@ -78,8 +78,42 @@ pub fn cmdline(config: &VmConfig) -> String {
 /// The attached devices in slot order (pause, resume, snapshot), and the balloon's control
 /// handle when the VM has one.
 pub struct Attached {
-    pub all: Vec<Arc<Mutex<MmioTransport>>>,
+    pub all: Vec<VirtioSlot>,
     pub balloon: Option<Arc<BalloonControl>>,
+}
+
+/// Reads the typed state of the device type a slot was built with.
+type SaveDevice = fn(&dyn VirtioDevice) -> Option<DeviceState>;
+
+fn save_as<D: VirtioDevice + Persist + 'static>(device: &dyn VirtioDevice) -> Option<DeviceState>
+where
+    D::State: SavedState,
+{
+    let device: &D = device.as_any().downcast_ref()?;
+    Some(device.save().into())
+}
+
+/// An attached virtio device: its transport on the MMIO bus, and how to save its state
+/// (chosen when the slot was built, so saving needs no list of device kinds).
+pub struct VirtioSlot {
+    pub transport: Arc<Mutex<MmioTransport>>,
+    save_device: SaveDevice,
+}
+
+/// A device ready to go behind its transport.
+struct Built {
+    device: Box<dyn VirtioDevice>,
+    save_device: SaveDevice,
+}
+
+fn built<D: VirtioDevice + Persist + 'static>(device: D) -> Built
+where
+    D::State: SavedState,
+{
+    Built {
+        device: Box::new(device),
+        save_device: save_as::<D>,
+    }
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -182,29 +216,32 @@ pub fn attach(
             saved: saved_slot,
         };
         let missing = || b.setup_error("missing from the configuration");
-        let device: Box<dyn VirtioDevice> = match &slot {
+        let Built {
+            device,
+            save_device,
+        } = match &slot {
             Slot::Vsock => {
                 let v = config.vsock.as_ref().ok_or_else(missing)?;
                 let fresh =
                     Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(|e| b.setup_error(e))?;
-                Box::new(b.device::<Vsock>(fresh, |d| d)?)
+                built(b.device::<Vsock>(fresh, |d| d)?)
             }
-            Slot::Rng => Box::new(b.device((), |()| Rng::new())?),
+            Slot::Rng => built(b.device((), |()| Rng::new())?),
             Slot::Block(d) => {
                 let d = &config.drives[*d];
                 let disk = Disk::open(&d.path, d.read_only).map_err(|e| b.setup_error(e))?;
-                Box::new(b.device(disk, Block::new)?)
+                built(b.device(disk, Block::new)?)
             }
             Slot::Net => {
                 let n = config.net.as_ref().ok_or_else(missing)?;
                 let tap = open_tap(&n.tap).map_err(|e| b.setup_error(e))?;
-                Box::new(b.device((tap, n.mac_bytes()), |(t, m)| Net::new(t, m))?)
+                built(b.device((tap, n.mac_bytes()), |(t, m)| Net::new(t, m))?)
             }
             Slot::Balloon => {
                 let c = config.balloon.clone().ok_or_else(missing)?;
                 let balloon = b.device((c, config.mem_mib), |(c, m)| Balloon::new(c, m))?;
                 out.balloon = Some(balloon.control());
-                Box::new(balloon)
+                built(balloon)
             }
             Slot::Pmem(index) => {
                 let p = &config.pmem[*index];
@@ -216,7 +253,7 @@ pub fn attach(
                     .register(vm, pmem::KVM_SLOT_BASE + *index as u32)
                     .map_err(|e| b.setup_error(e))?;
                 pmem_addr += device.backing().size();
-                Box::new(device)
+                built(device)
             }
         };
         let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| b.setup_error(e))?;
@@ -242,22 +279,32 @@ pub fn attach(
         let transport = Arc::new(Mutex::new(transport));
         mmio.insert(base, layout::VIRTIO_MMIO_SIZE, transport.clone())
             .map_err(|e| b.setup_error(e))?;
-        out.all.push(transport);
+        out.all.push(VirtioSlot {
+            transport,
+            save_device,
+        });
     }
     Ok(out)
 }
 
 /// Snapshot states of every virtio device, keyed by slot.
-pub fn save(all: &[Arc<Mutex<MmioTransport>>]) -> Vec<SlotState> {
+pub fn save(all: &[VirtioSlot]) -> Vec<SlotState> {
     all.iter()
         .enumerate()
-        .map(|(i, t)| {
-            let t = lock(t);
-            SlotState {
+        .filter_map(|(i, slot)| {
+            let t = lock(&slot.transport);
+            let device = (slot.save_device)(t.device());
+            if device.is_none() {
+                tracing::error!(
+                    slot = i,
+                    "virtio device is not the type its slot was built with"
+                );
+            }
+            Some(SlotState {
                 slot: i as u32,
                 transport: t.save(),
-                device: t.device_state(),
-            }
+                device: device?,
+            })
         })
         .collect()
 }

@@ -15,12 +15,10 @@ use serde::{Deserialize, Serialize};
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
-use super::persist::DeviceState;
 use super::worker::{drain_queue, QueueHandler};
 use super::{ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::config::BalloonConfig;
 use crate::memory::{GuestMemory, PAGE_SIZE};
-use crate::persist::Persist;
 use crate::sync::lock;
 
 mod persist;
@@ -583,9 +581,5 @@ impl VirtioDevice for Balloon {
         }
         inner.interrupt = Some(interrupt.clone());
         Ok(Box::new(handler))
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Balloon(self.save())
     }
 }

@@ -1,5 +1,6 @@
 use super::*;
 use crate::devices::virtio::testing::*;
+use crate::persist::Persist;
 use vm_memory::Bytes;
 
 fn control() -> Arc<BalloonControl> {

@@ -14,13 +14,11 @@ use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
 use vm_memory::bitmap::{Bitmap, BitmapSlice};
 use vm_memory::{GuestAddress, GuestMemoryBackend as _};
 
-use super::persist::DeviceState;
 use super::worker::{drain_queue, QueueHandler};
 use super::{
     read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
 
 mod persist;
 pub use persist::{BlockRestoreError, BlockState};
@@ -508,10 +506,6 @@ impl VirtioDevice for Block {
         _interrupt: &Arc<Interrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         Ok(Box::new(BlockQueue::new(self.disk.clone())))
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Block(self.save())
     }
 }
 

@@ -8,7 +8,6 @@ use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::pause::PauseError;
-use super::persist::DeviceState;
 use super::{Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::devices::bus::BusDevice;
 
@@ -84,9 +83,9 @@ impl MmioTransport {
         }
     }
 
-    /// The device's own snapshot state.
-    pub fn device_state(&self) -> DeviceState {
-        self.device.state()
+    /// The device behind this transport.
+    pub fn device(&self) -> &dyn VirtioDevice {
+        self.device.as_ref()
     }
 
     /// See `Interrupt::reassert_pending`.

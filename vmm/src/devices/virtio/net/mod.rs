@@ -11,13 +11,11 @@ use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT, Reader, Writer};
 
-use super::persist::DeviceState;
 use super::worker::QueueHandler;
 use super::{
     read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
 
 mod persist;
 pub use persist::NetState;
@@ -454,10 +452,6 @@ impl VirtioDevice for Net {
             libc::c_ulong::from(offload),
         )?;
         Ok(Box::new(NetQueues::new(self.tap.clone(), a)))
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Net(self.save())
     }
 }
 

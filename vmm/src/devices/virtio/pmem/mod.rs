@@ -15,14 +15,12 @@ use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
 use kvm_ioctls::VmFd;
 use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
 
-use super::persist::DeviceState;
 use super::worker::{drain_queue, QueueHandler};
 use super::{
     read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
 };
 use crate::arch::layout;
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
 
 mod persist;
 pub use persist::PmemState;
@@ -378,10 +376,6 @@ impl VirtioDevice for Pmem {
         _interrupt: &Arc<Interrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         Ok(Box::new(PmemQueue::new(self.backing.clone())))
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Pmem(self.save())
     }
 }
 

@@ -4,11 +4,9 @@ use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue, Writer};
 
-use super::persist::DeviceState;
 use super::worker::{drain_queue, QueueHandler};
 use super::{ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
 
 mod persist;
 pub use persist::RngState;
@@ -125,10 +123,6 @@ impl VirtioDevice for Rng {
         _interrupt: &Arc<Interrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         Ok(Box::new(RngQueue::default()))
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Rng(self.save())
     }
 }
 

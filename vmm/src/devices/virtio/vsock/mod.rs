@@ -18,11 +18,9 @@ use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::pause::{PauseError, PauseHandshake};
-use super::persist::DeviceState;
 use super::{
     read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
 };
-use crate::persist::Persist;
 pub use muxer::MuxerLimits;
 pub use persist::VsockState;
 
@@ -116,10 +114,6 @@ impl VirtioDevice for Vsock {
 
     fn thread_name(&self) -> &'static str {
         "vsock"
-    }
-
-    fn state(&self) -> DeviceState {
-        DeviceState::Vsock(self.save())
     }
 
     fn activate(

@@ -22,6 +22,17 @@ pub struct MemoryState {
     pub pages: Vec<u64>,
 }
 
+impl MemoryState {
+    /// Bytes the memory file of a full snapshot covers.
+    pub fn file_size(&self) -> u64 {
+        self.regions
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// Device states: the UART and every virtio-mmio slot (vsock included), in slot order.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DevicesState {

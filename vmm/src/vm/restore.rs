@@ -13,6 +13,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::{build_devices, create_vm_fd, kvm_err, open_kvm, serial_sink, Prewarmed, Vm, VmError};
 use crate::config::{DriveConfig, NetConfig, SerialOutput};
+use crate::devices::access_mode;
 use crate::memory::{self, GuestMemory, PAGE_SIZE};
 use crate::snapshot::{self, MemoryState, SnapshotError, VmState};
 use crate::sync::lock;
@@ -97,11 +98,7 @@ fn replace_drives(own: &mut Vec<DriveConfig>, new: &[DriveConfig]) -> Result<(),
                 index: i,
                 old: old.path.clone(),
                 new: new.path.clone(),
-                saved: if old.read_only {
-                    "read-only"
-                } else {
-                    "writable"
-                },
+                saved: access_mode(old.read_only),
             }
             .into());
         }
@@ -285,13 +282,7 @@ fn restore_memory_lazily(
         let path = d.join(snapshot::MEMORY_FILE);
         File::open(&path).map_err(|source| SnapshotError::Read { path, source })
     };
-    let file_size: u64 = state
-        .memory
-        .regions
-        .iter()
-        .map(|r| r.file_offset + r.size)
-        .max()
-        .unwrap_or(0);
+    let file_size = state.memory.file_size();
     let base = open(&chain[0].0)?;
     let actual = base.metadata().map(|m| m.len()).unwrap_or(0);
     if actual < file_size {
@@ -347,13 +338,7 @@ fn restore_memory(
         }
         None => memory::from_file(base, &state.memory.regions)?,
     };
-    let file_size: u64 = state
-        .memory
-        .regions
-        .iter()
-        .map(|r| r.file_offset + r.size)
-        .max()
-        .unwrap_or(0);
+    let file_size = state.memory.file_size();
     for (diff_dir, diff_state) in &chain[1..] {
         let path = diff_dir.join(snapshot::MEMORY_FILE);
         let read_err = |source| SnapshotError::Read {

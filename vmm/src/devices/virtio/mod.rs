@@ -95,6 +95,22 @@ pub struct VirtioCommon {
     pub worker: Option<Worker>,
 }
 
+/// The [`VirtioDevice::common`] pair for a device that keeps its [`VirtioCommon`] in a
+/// field named `common`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! virtio_common_field {
+    () => {
+        fn common(&self) -> &$crate::devices::virtio::VirtioCommon {
+            &self.common
+        }
+
+        fn common_mut(&mut self) -> &mut $crate::devices::virtio::VirtioCommon {
+            &mut self.common
+        }
+    };
+}
+
 /// Lets the device manager (`slots`) reach a device's concrete type to save its state.
 pub trait AsAny {
     fn as_any(&self) -> &dyn std::any::Any;

@@ -553,13 +553,7 @@ impl VirtioDevice for Balloon {
         true
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "virtio-balloon"

@@ -489,13 +489,7 @@ impl VirtioDevice for Block {
         tracing::debug!("guest wrote virtio-blk config (writeback toggle unsupported); ignored");
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "virtio-blk"

@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Block, Disk};
+use crate::devices::access_mode;
 use crate::persist::Persist;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,14 +23,6 @@ pub enum BlockRestoreError {
         saved: &'static str,
         found: &'static str,
     },
-}
-
-fn access(read_only: bool) -> &'static str {
-    if read_only {
-        "read-only"
-    } else {
-        "writable"
-    }
 }
 
 impl Persist for Block {
@@ -54,8 +47,8 @@ impl Persist for Block {
         }
         if disk.read_only != state.read_only {
             return Err(BlockRestoreError::ReadOnly {
-                saved: access(state.read_only),
-                found: access(disk.read_only),
+                saved: access_mode(state.read_only),
+                found: access_mode(disk.read_only),
             });
         }
         Ok(Block::new(disk))

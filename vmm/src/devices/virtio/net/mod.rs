@@ -418,13 +418,7 @@ impl VirtioDevice for Net {
         tracing::debug!("guest wrote virtio-net config; ignored");
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "virtio-net"

@@ -238,14 +238,6 @@ impl Backing {
     }
 }
 
-fn rw(read_only: bool) -> &'static str {
-    if read_only {
-        "read-only"
-    } else {
-        "writable"
-    }
-}
-
 impl Drop for Backing {
     fn drop(&mut self) {
         // SAFETY: `host`/`size` are exactly the mapping made in `open`, unmapped only here.
@@ -359,13 +351,7 @@ impl VirtioDevice for Pmem {
         read_config_bytes(&self.config, offset, data);
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "virtio-pmem"

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::{rw, Backing, Pmem, PmemError};
+use super::{Backing, Pmem, PmemError};
+use crate::devices::access_mode;
 use crate::persist::Persist;
 
 /// What identifies the mapped file, checked again when a snapshot is restored.
@@ -57,8 +58,8 @@ impl Backing {
         if self.read_only != saved.read_only {
             return Err(changed(format!(
                 "it is mapped {}, the snapshot mapped it {}",
-                rw(self.read_only),
-                rw(saved.read_only)
+                access_mode(self.read_only),
+                access_mode(saved.read_only)
             )));
         }
         if let Some(mtime) = saved.mtime_ns {

@@ -106,13 +106,7 @@ impl VirtioDevice for Rng {
         data.fill(0); // virtio-rng has no config space
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "virtio-rng"

@@ -104,13 +104,7 @@ impl VirtioDevice for Vsock {
         read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
-    fn common(&self) -> &VirtioCommon {
-        &self.common
-    }
-
-    fn common_mut(&mut self) -> &mut VirtioCommon {
-        &mut self.common
-    }
+    crate::virtio_common_field!();
 
     fn thread_name(&self) -> &'static str {
         "vsock"

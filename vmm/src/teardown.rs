@@ -14,29 +14,28 @@ const HELPER_STACK: usize = 64 << 10;
 struct HelperArgs {
     /// Descriptors to keep, sorted ascending (everything else is closed at once).
     keep: Vec<RawFd>,
-    /// Read end of a pipe whose only writer is the VMM: EOF means the VMM is gone.
-    parent_gone: RawFd,
+    /// A pidfd of the VMM: readable once its whole thread group has exited and whoever
+    /// waits for it has been told, not before (a descriptor-table close would come earlier,
+    /// while KVM's own worker thread of the VMM may still be exiting).
+    vmm: RawFd,
 }
 
 /// Starts the helper. `keep` names the KVM descriptors (VM and vCPUs) whose last close
 /// destroys the VM; the helper closes every other descriptor right away (disk locks, taps
-/// and sockets are released with the VMM, as before) and waits for the VMM to exit.
+/// and sockets are released with the VMM, as before) and waits until the VMM has exited
+/// and its parent has been told.
 /// Call it once the VM's vCPUs exist and before the seccomp filter forbids `clone`.
 pub fn defer_to_helper(keep: &[RawFd]) -> io::Result<()> {
-    let mut pipe = [0; 2];
-    // SAFETY: pipe2 writes two descriptors into the array we pass.
-    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let vmm = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) } as RawFd;
+    if vmm < 0 {
         return Err(io::Error::last_os_error());
     }
-    let (read_end, write_end) = (pipe[0], pipe[1]);
     let mut keep = keep.to_vec();
-    keep.push(read_end);
+    keep.push(vmm);
     keep.sort_unstable();
     keep.dedup();
-    let args = Box::into_raw(Box::new(HelperArgs {
-        keep,
-        parent_gone: read_end,
-    }));
+    let args = Box::into_raw(Box::new(HelperArgs { keep, vmm }));
     // SAFETY: an anonymous private mapping; failure is checked below.
     let stack = unsafe {
         libc::mmap(
@@ -50,18 +49,18 @@ pub fn defer_to_helper(keep: &[RawFd]) -> io::Result<()> {
     };
     if stack == libc::MAP_FAILED {
         let e = io::Error::last_os_error();
-        // SAFETY: both descriptors are ours and not used elsewhere; `args` came from
-        // Box::into_raw above and the helper was never started.
+        // SAFETY: the pidfd is ours and not used elsewhere; `args` came from Box::into_raw
+        // above and the helper was never started.
         unsafe {
-            libc::close(read_end);
-            libc::close(write_end);
+            libc::close(vmm);
             drop(Box::from_raw(args));
         }
         return Err(e);
     }
     // SAFETY: the stack grows down from the end of the mapping we own (never unmapped); the
     // helper shares our memory (CLONE_VM) so `args` stays valid, and it only makes raw
-    // syscalls (close_range, read, _exit), which is safe in a child of a threaded process.
+    // syscalls (prctl, close_range, setpriority, poll, _exit), which is safe in a child of a
+    // threaded process.
     // Without CLONE_FILES it gets its own copy of the descriptor table; exit signal 0 keeps
     // us from being told when it ends (it ends after us and is reaped by our reaper).
     let pid = unsafe {
@@ -77,10 +76,8 @@ pub fn defer_to_helper(keep: &[RawFd]) -> io::Result<()> {
     } else {
         Ok(())
     };
-    // SAFETY: our copy of the read end is not needed; the helper holds its own.
-    unsafe { libc::close(read_end) };
-    // The write end stays open in this process until it exits.
-    let _ = write_end;
+    // SAFETY: our copy of the pidfd is not needed; the helper holds its own.
+    unsafe { libc::close(vmm) };
     started
 }
 
@@ -101,10 +98,18 @@ extern "C" fn helper_main(arg: *mut libc::c_void) -> libc::c_int {
     }
     // SAFETY: as above.
     unsafe { libc::syscall(libc::SYS_close_range, from, libc::c_uint::MAX, 0) };
-    let mut byte = 0u8;
+    // The teardown may wait its turn: whoever reaps the VMM (and the next VM it starts) runs
+    // first on a busy host. Still a normal-class task, so memory is freed soon either way.
+    // SAFETY: changes only this helper's own nice value.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+    let mut vmm_exited = libc::pollfd {
+        fd: args.vmm,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     loop {
-        // SAFETY: reads at most one byte into a local.
-        let n = unsafe { libc::read(args.parent_gone, (&mut byte as *mut u8).cast(), 1) };
+        // SAFETY: polls one pollfd that lives on this stack.
+        let n = unsafe { libc::poll(&mut vmm_exited, 1, -1) };
         if n >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
             break;
         }

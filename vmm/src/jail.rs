@@ -66,10 +66,10 @@ impl Exposure {
 }
 
 impl std::str::FromStr for Exposure {
-    type Err = String;
+    type Err = std::convert::Infallible;
 
     /// `PATH` or `PATH,rw`.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.strip_suffix(",rw") {
             Some(path) => Ok(Exposure::writable(path)),
             None => Ok(Exposure::read_only(s)),

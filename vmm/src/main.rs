@@ -385,6 +385,9 @@ fn build_and_run(
             return (Err(e.into()), loaded_ns);
         }
     }
+    if let Err(e) = vm.defer_teardown() {
+        eprintln!("dsec-vmm: cannot start the teardown helper ({e}); exit will be slower");
+    }
     // Setup is over: from here on the main thread only waits, serves and cleans up.
     if let Err(e) = dsec_vmm::seccomp::install(dsec_vmm::seccomp::ThreadKind::Vmm) {
         return (Err(e.into()), loaded_ns);

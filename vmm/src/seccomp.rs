@@ -185,7 +185,7 @@ pub fn program(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
         .collect();
     if let Some(&(uid, gid)) = JAIL_IDS.get() {
         use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
-        let all_args_are = |value: u32| -> Result<SeccompRule, String> {
+        let all_args_are = |value: u32| -> Result<SeccompRule, seccompiler::BackendError> {
             let conditions = (0..3)
                 .map(|arg| {
                     SeccompCondition::new(
@@ -195,15 +195,15 @@ pub fn program(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
                         value.into(),
                     )
                 })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| e.to_string())?;
-            SeccompRule::new(conditions).map_err(|e| e.to_string())
+                .collect::<Result<Vec<_>, _>>()?;
+            SeccompRule::new(conditions)
         };
         let no_groups = SeccompCondition::new(0, SeccompCmpArgLen::Qword, SeccompCmpOp::Eq, 0)
             .and_then(|c| SeccompRule::new(vec![c]))
             .map_err(|e| build(e.to_string()))?;
-        rules.insert(libc::SYS_setresuid, vec![all_args_are(uid).map_err(build)?]);
-        rules.insert(libc::SYS_setresgid, vec![all_args_are(gid).map_err(build)?]);
+        let id_rule = |id| all_args_are(id).map_err(|e| build(e.to_string()));
+        rules.insert(libc::SYS_setresuid, vec![id_rule(uid)?]);
+        rules.insert(libc::SYS_setresgid, vec![id_rule(gid)?]);
         rules.insert(libc::SYS_setgroups, vec![no_groups]);
     }
     let filter = SeccompFilter::new(

@@ -15,8 +15,32 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use serde::{Deserialize, Serialize};
 
-use crate::devices::bus::{lock, Bus};
-use crate::vm::{now_ns, BootTimes, VmExitReason};
+use crate::devices::bus::Bus;
+use crate::exit::VmExitReason;
+use crate::sync::lock;
+use crate::timing::{now_ns, BootTimes};
+
+/// Why a vCPU could not be paused, saved or restored.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error(
+        "vCPU {id} did not pause within {timeout:?}; the host may be overloaded, retry the pause"
+    )]
+    PauseTimeout { id: u8, timeout: Duration },
+    #[error("KVM refused to {what}: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("the saved {what} list is too long for KVM ({detail}); the snapshot is damaged")]
+    List { what: &'static str, detail: String },
+    #[error("host accepted only {written} of {total} saved MSRs (MSR {refused:#x} refused); restore on a host with the same CPU and KVM")]
+    Msrs {
+        written: usize,
+        total: usize,
+        refused: u32,
+    },
+}
 
 /// Exit counters shared by all vCPUs (exits dominate boot time on nested hosts).
 #[derive(Default)]
@@ -31,6 +55,8 @@ const KVM_SYSTEM_EVENT_RESET: u32 = 2;
 #[derive(Default)]
 struct Control {
     pause_requested: AtomicBool,
+    /// The VM is over: leave the run loop at the next exit instead of entering KVM_RUN again.
+    stop_requested: AtomicBool,
     parked: Mutex<bool>,
     changed: Condvar,
 }
@@ -39,6 +65,8 @@ struct Control {
 pub struct VcpuHandle {
     pub id: u8,
     pub fd: Arc<Mutex<VcpuFd>>,
+    /// The vCPU fd's number, readable while the thread holds `fd` inside KVM_RUN.
+    pub raw_fd: std::os::fd::RawFd,
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
 }
@@ -75,6 +103,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
     control
         .pause_requested
         .store(ctx.start_paused, Ordering::SeqCst);
+    let raw_fd = std::os::fd::AsRawFd::as_raw_fd(&ctx.fd);
     let fd = Arc::new(Mutex::new(ctx.fd));
     let id = ctx.id;
     let thread = {
@@ -99,6 +128,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
     Ok(VcpuHandle {
         id,
         fd,
+        raw_fd,
         control,
         thread: Some(thread),
     })
@@ -106,18 +136,18 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
 
 impl VcpuHandle {
     /// Stops the vCPU at its next exit and waits until it is parked.
-    pub fn pause(&self, timeout: Duration) -> Result<(), String> {
+    pub fn pause(&self, timeout: Duration) -> Result<(), VcpuError> {
         self.control.pause_requested.store(true, Ordering::SeqCst);
         let deadline = std::time::Instant::now() + timeout;
         let mut parked = lock(&self.control.parked);
         while !*parked {
             // Re-kick: a signal that lands just before KVM_RUN starts is otherwise lost.
-            if let Some(thread) = &self.thread {
-                // SAFETY: the pthread id belongs to a thread we own and have not joined.
-                unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
-            }
+            self.kick();
             if std::time::Instant::now() > deadline {
-                return Err(format!("vCPU {} did not pause within {timeout:?}", self.id));
+                return Err(VcpuError::PauseTimeout {
+                    id: self.id,
+                    timeout,
+                });
             }
             parked = self
                 .control
@@ -132,6 +162,21 @@ impl VcpuHandle {
     pub fn resume(&self) {
         self.control.pause_requested.store(false, Ordering::SeqCst);
         self.control.changed.notify_all();
+    }
+
+    /// Makes the thread leave its run loop (the VM is over): it stops burning a host CPU on
+    /// guest code nobody waits for while the process exits. Does not wait.
+    pub fn stop(&self) {
+        self.control.stop_requested.store(true, Ordering::SeqCst);
+        self.resume();
+        self.kick();
+    }
+
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            // SAFETY: the pthread id belongs to a thread we own and have not joined.
+            unsafe { libc::pthread_kill(thread.as_pthread_t(), kick_signal()) };
+        }
     }
 
     /// Whether a pause was requested (the thread may still be on its way to parking).
@@ -157,6 +202,9 @@ impl Runner {
     fn run(&self, fd: &Mutex<VcpuFd>, control: &Control) -> VmExitReason {
         let mut first = true;
         loop {
+            if control.stop_requested.load(Ordering::SeqCst) {
+                return VmExitReason::Stopped;
+            }
             if control.pause_requested.load(Ordering::SeqCst) {
                 let mut parked = lock(&control.parked);
                 *parked = true;
@@ -252,12 +300,19 @@ pub struct VcpuState {
     pub events: kvm_vcpu_events,
 }
 
-fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> String {
-    move |e| format!("{what}: {e}")
+fn kvm_err(what: &'static str) -> impl Fn(kvm_ioctls::Error) -> VcpuError {
+    move |source| VcpuError::Kvm { what, source }
+}
+
+fn list_err(what: &'static str) -> impl Fn(vmm_sys_util::fam::Error) -> VcpuError {
+    move |e| VcpuError::List {
+        what,
+        detail: format!("{e:?}"),
+    }
 }
 
 /// Reads every MSR KVM lists, skipping the few a host refuses to read back.
-fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
+fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, VcpuError> {
     let indices = kvm.get_msr_index_list().map_err(kvm_err("list MSRs"))?;
     let mut saved = Vec::new();
     let mut pending: Vec<u32> = indices.as_slice().to_vec();
@@ -269,7 +324,7 @@ fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
                 ..Default::default()
             })
             .collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|e| format!("MSR list: {e:?}"))?;
+        let mut msrs = Msrs::from_entries(&entries).map_err(list_err("MSR"))?;
         let read = fd.get_msrs(&mut msrs).map_err(kvm_err("read MSRs"))?;
         saved.extend_from_slice(&msrs.as_slice()[..read]);
         // KVM stops at the first MSR it cannot read: skip it and carry on.
@@ -279,7 +334,7 @@ fn save_msrs(kvm: &Kvm, fd: &VcpuFd) -> Result<Vec<kvm_msr_entry>, String> {
 }
 
 /// Saves a parked vCPU.
-pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
+pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, VcpuError> {
     let cpuid = fd
         .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(kvm_err("read CPUID"))?;
@@ -289,7 +344,7 @@ pub fn save_state(kvm: &Kvm, id: u8, fd: &VcpuFd) -> Result<VcpuState, String> {
         id,
         cpuid: cpuid.as_slice().to_vec(),
         msrs: save_msrs(kvm, fd)?,
-        regs: fd.get_regs().map_err(kvm_err("read registers"))?,
+        regs: fd.get_regs().map_err(kvm_err("read the registers"))?,
         sregs: fd.get_sregs().map_err(kvm_err("read segment registers"))?,
         xsave: fd.get_xsave().map_err(kvm_err("read FPU/XSAVE state"))?,
         xcrs: fd.get_xcrs().map_err(kvm_err("read XCRs"))?,
@@ -326,8 +381,8 @@ fn rearm_tsc_deadline(saved: &[kvm_msr_entry]) -> Vec<kvm_msr_entry> {
 }
 
 /// Loads a saved state into a fresh vCPU (order matters: CPUID first, events last).
-pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
-    let cpuid = CpuId::from_entries(&state.cpuid).map_err(|e| format!("CPUID: {e:?}"))?;
+pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuError> {
+    let cpuid = CpuId::from_entries(&state.cpuid).map_err(list_err("CPUID"))?;
     fd.set_cpuid2(&cpuid).map_err(kvm_err("set CPUID"))?;
     fd.set_mp_state(state.mp_state)
         .map_err(kvm_err("set the MP state"))?;
@@ -342,15 +397,14 @@ pub fn restore_state(fd: &VcpuFd, state: &VcpuState) -> Result<(), String> {
         .map_err(kvm_err("set debug registers"))?;
     fd.set_lapic(&state.lapic)
         .map_err(kvm_err("set the local APIC"))?;
-    let msrs =
-        Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(|e| format!("MSRs: {e:?}"))?;
+    let msrs = Msrs::from_entries(&rearm_tsc_deadline(&state.msrs)).map_err(list_err("MSR"))?;
     let written = fd.set_msrs(&msrs).map_err(kvm_err("set MSRs"))?;
     if written != state.msrs.len() {
-        return Err(format!(
-            "host accepted only {written} of {} saved MSRs (MSR {:#x} refused); restore on a host with the same CPU and KVM",
-            state.msrs.len(),
-            state.msrs[written].index
-        ));
+        return Err(VcpuError::Msrs {
+            written,
+            total: state.msrs.len(),
+            refused: state.msrs[written].index,
+        });
     }
     fd.set_vcpu_events(&state.events)
         .map_err(kvm_err("set pending events"))?;

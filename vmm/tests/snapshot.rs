@@ -197,10 +197,11 @@ fn damaged_snapshots_fail_cleanly() {
     let mid = bad.len() / 2;
     bad[mid] ^= 0x01;
     std::fs::write(corrupted.join("state"), &bad).unwrap();
-    let foreign = copy("foreign");
+    // A snapshot of the previous format (untyped device states) is refused by name.
+    let old_format = copy("old-format");
     let mut other = state.clone();
-    other[8..12].copy_from_slice(&2u32.to_le_bytes());
-    std::fs::write(foreign.join("state"), &other).unwrap();
+    other[8..12].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(old_format.join("state"), &other).unwrap();
     let no_memory = copy("no-memory");
     std::fs::remove_file(no_memory.join("memory")).unwrap();
     let short_memory = copy("short-memory");
@@ -229,7 +230,10 @@ fn damaged_snapshots_fail_cleanly() {
     for (dir, expect) in [
         (truncated, "truncated"),
         (corrupted, "checksum"),
-        (foreign, "format version 2"),
+        (
+            old_format,
+            "format version 1; this dsec-vmm reads version 2 only",
+        ),
         (no_memory, "memory"),
         (short_memory, "truncated"),
         (s.path("missing"), "cannot read snapshot"),

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use crate::sync::lock;
+
 /// A device reachable through guest port or memory accesses. Offsets are relative to the
 /// device's base; `data` is the access width (1, 2, 4 or 8 bytes), guest-controlled.
 pub trait BusDevice: Send {
@@ -68,11 +70,6 @@ impl Bus {
             None => false,
         }
     }
-}
-
-/// Locks a device, surviving a panic in another thread (device state stays usable).
-pub fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 use std::sync::mpsc::Sender;
 
 use crate::devices::bus::BusDevice;
-use crate::vm::VmExitReason;
+use crate::exit::VmExitReason;
 
 const COMMAND_RESET: u8 = 0xfe;
 const STATUS_PORT_OFFSET: u64 = 4;

@@ -2,8 +2,10 @@
 
 mod cmos;
 mod i8042;
+mod persist;
 mod serial;
 
 pub use cmos::Cmos;
 pub use i8042::I8042;
-pub use serial::{Serial, SerialSink, SerialState};
+pub use persist::{SerialRestoreError, SerialState};
+pub use serial::{Serial, SerialSink};

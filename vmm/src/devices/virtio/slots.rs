@@ -7,14 +7,14 @@
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
-use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::balloon::{Balloon, BalloonControl, BalloonState};
-use super::block::Block;
-use super::mmio::{MmioTransport, TransportState};
-use super::net::Net;
-use super::pmem::{self, Pmem, PmemState};
+use super::balloon::{Balloon, BalloonControl};
+use super::block::{Block, Disk};
+use super::mmio::MmioTransport;
+use super::net::{open_tap, Net};
+use super::persist::{DeviceState, SavedState, SlotState};
+use super::pmem::{self, Pmem};
 use super::rng::Rng;
 use super::vsock::Vsock;
 use super::VirtioDevice;
@@ -22,7 +22,8 @@ use crate::arch::layout;
 use crate::config::VmConfig;
 use crate::devices::bus::Bus;
 use crate::memory::GuestMemory;
-use crate::snapshot::Persist;
+use crate::persist::Persist;
+use crate::sync::lock;
 
 /// A device's place in the VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,19 +36,6 @@ pub enum Slot {
     Balloon,
     /// Index into `VmConfig::pmem`.
     Pmem(usize),
-}
-
-/// A non-vsock virtio device's snapshot state, keyed by its MMIO slot.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SlotState {
-    pub slot: u32,
-    pub transport: TransportState,
-    /// The balloon's own state (target, actual, statistics) when this slot is the balloon.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub balloon: Option<BalloonState>,
-    /// Device-specific state (pmem: the mapped file's identity and window).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device: Option<serde_json::Value>,
 }
 
 /// The devices of `config` in slot order.
@@ -87,113 +75,198 @@ pub fn cmdline(config: &VmConfig) -> String {
         .collect()
 }
 
-/// The attached devices: vsock separately (the VM tells it about forks), all of them in
-/// slot order for pause/resume/snapshot.
+/// The attached devices in slot order (pause, resume, snapshot), and the balloon's control
+/// handle when the VM has one.
 pub struct Attached {
-    pub vsock: Option<Arc<Mutex<MmioTransport>>>,
-    pub all: Vec<Arc<Mutex<MmioTransport>>>,
-    /// The balloon's control handle, when the VM has one.
+    pub all: Vec<VirtioSlot>,
     pub balloon: Option<Arc<BalloonControl>>,
 }
+
+/// Reads the typed state of the device type a slot was built with.
+type SaveDevice = fn(&dyn VirtioDevice) -> Option<DeviceState>;
+
+fn save_as<D: VirtioDevice + Persist + 'static>(device: &dyn VirtioDevice) -> Option<DeviceState>
+where
+    D::State: SavedState,
+{
+    let device: &D = device.as_any().downcast_ref()?;
+    Some(device.save().into())
+}
+
+/// An attached virtio device: its transport on the MMIO bus, and how to save its state
+/// (chosen when the slot was built, so saving needs no list of device kinds).
+pub struct VirtioSlot {
+    pub transport: Arc<Mutex<MmioTransport>>,
+    save_device: SaveDevice,
+}
+
+/// A device ready to go behind its transport.
+struct Built {
+    device: Box<dyn VirtioDevice>,
+    save_device: SaveDevice,
+}
+
+fn built<D: VirtioDevice + Persist + 'static>(device: D) -> Built
+where
+    D::State: SavedState,
+{
+    Built {
+        device: Box::new(device),
+        save_device: save_as::<D>,
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why a device could not be attached.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    #[error("cannot set up the vsock device: {0}")]
-    Vsock(std::io::Error),
-    #[error("cannot set up virtio device in slot {slot} ({what}): {detail}")]
+    #[error("cannot set up virtio device in slot {slot} ({what}): {source}")]
     Device {
         slot: usize,
         what: String,
-        detail: String,
+        source: BoxError,
+    },
+    #[error("the snapshot has no state for virtio slot {slot} ({what}); restore with the configuration it was taken with")]
+    MissingState { slot: usize, what: String },
+    #[error("the snapshot holds a {saved} device in virtio slot {slot} where this VM has {what}; restore with the configuration it was taken with")]
+    WrongKind {
+        slot: usize,
+        what: String,
+        saved: &'static str,
+    },
+    #[error("cannot restore virtio device in slot {slot} ({what}) from the snapshot: {source}")]
+    Restore {
+        slot: usize,
+        what: String,
+        source: BoxError,
     },
 }
 
-/// Builds every virtio device of `config`, restoring transports from `saved` (slot 0 vsock
-/// from `saved_vsock`), and puts them on the MMIO bus with their interrupts and kick eventfds.
+/// One slot being attached: builds its device fresh, or through the device's own
+/// [`Persist`] impl from the slot's saved state.
+struct SlotBuilder<'a> {
+    index: usize,
+    what: String,
+    saved: Option<&'a SlotState>,
+}
+
+impl SlotBuilder<'_> {
+    fn device<D: Persist>(
+        &self,
+        context: D::Context,
+        fresh: impl FnOnce(D::Context) -> D,
+    ) -> Result<D, AttachError>
+    where
+        D::State: SavedState,
+    {
+        let Some(saved) = self.saved else {
+            return Ok(fresh(context));
+        };
+        let state =
+            D::State::from_device_state(&saved.device).ok_or_else(|| AttachError::WrongKind {
+                slot: self.index,
+                what: self.what.clone(),
+                saved: saved.device.kind(),
+            })?;
+        D::restore(context, state).map_err(|e| AttachError::Restore {
+            slot: self.index,
+            what: self.what.clone(),
+            source: Box::new(e),
+        })
+    }
+
+    fn setup_error(&self, source: impl Into<BoxError>) -> AttachError {
+        AttachError::Device {
+            slot: self.index,
+            what: self.what.clone(),
+            source: source.into(),
+        }
+    }
+}
+
+/// Builds every virtio device of `config` (each restored from its slot in `saved` when
+/// given) and puts it on the MMIO bus with its interrupt and kick eventfds.
 pub fn attach(
     config: &VmConfig,
     vm: &VmFd,
     mem: &GuestMemory,
     mmio: &mut Bus,
-    saved_vsock: Option<&TransportState>,
-    saved: &[SlotState],
+    saved: Option<&[SlotState]>,
 ) -> Result<Attached, AttachError> {
     let mut out = Attached {
-        vsock: None,
         all: Vec::new(),
         balloon: None,
     };
     let mut pmem_addr = pmem::window_base(config.mem_mib << 20);
     for (i, slot) in plan(config).into_iter().enumerate() {
-        let saved_slot = saved.iter().find(|s| s.slot as usize == i);
-        let err = |detail: String| AttachError::Device {
-            slot: i,
-            what: format!("{slot:?}"),
-            detail,
+        let what = format!("{slot:?}");
+        let saved_slot = match saved {
+            None => None,
+            Some(all) => Some(all.iter().find(|s| s.slot as usize == i).ok_or_else(|| {
+                AttachError::MissingState {
+                    slot: i,
+                    what: what.clone(),
+                }
+            })?),
         };
-        let device: Box<dyn VirtioDevice> = match &slot {
+        let b = SlotBuilder {
+            index: i,
+            what,
+            saved: saved_slot,
+        };
+        let missing = || b.setup_error("missing from the configuration");
+        let Built {
+            device,
+            save_device,
+        } = match &slot {
             Slot::Vsock => {
-                let v = config
-                    .vsock
-                    .as_ref()
-                    .ok_or_else(|| err("no config".into()))?;
-                Box::new(Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(AttachError::Vsock)?)
+                let v = config.vsock.as_ref().ok_or_else(missing)?;
+                let fresh =
+                    Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(|e| b.setup_error(e))?;
+                built(b.device::<Vsock>(fresh, |d| d)?)
             }
-            Slot::Rng => Box::new(Rng::new()),
+            Slot::Rng => built(b.device((), |()| Rng::new())?),
             Slot::Block(d) => {
                 let d = &config.drives[*d];
-                Block::open(&d.path, d.read_only).map_err(|e| err(e.to_string()))?
+                let disk = Disk::open(&d.path, d.read_only).map_err(|e| b.setup_error(e))?;
+                built(b.device(disk, Block::new)?)
             }
             Slot::Net => {
-                let n = config.net.as_ref().ok_or_else(|| err("no config".into()))?;
-                Net::open(&n.tap, n.mac_bytes()).map_err(|e| err(e.to_string()))?
+                let n = config.net.as_ref().ok_or_else(missing)?;
+                let tap = open_tap(&n.tap).map_err(|e| b.setup_error(e))?;
+                built(b.device((tap, n.mac_bytes()), |(t, m)| Net::new(t, m))?)
             }
             Slot::Balloon => {
-                let b = config
-                    .balloon
-                    .clone()
-                    .ok_or_else(|| err("no config".into()))?;
-                let saved_balloon = saved
-                    .iter()
-                    .find(|s| s.slot as usize == i)
-                    .and_then(|s| s.balloon.as_ref());
-                let device = match saved_balloon {
-                    Some(state) => Balloon::restore((b, config.mem_mib), state)
-                        .map_err(|e| err(format!("restore from snapshot: {e}")))?,
-                    None => Balloon::new(b, config.mem_mib),
-                };
-                out.balloon = Some(device.control());
-                Box::new(device)
+                let c = config.balloon.clone().ok_or_else(missing)?;
+                let balloon = b.device((c, config.mem_mib), |(c, m)| Balloon::new(c, m))?;
+                out.balloon = Some(balloon.control());
+                built(balloon)
             }
             Slot::Pmem(index) => {
                 let p = &config.pmem[*index];
                 let backing = pmem::Backing::open(&p.path, p.read_only, p.shared, pmem_addr)
-                    .map_err(|e| err(e.to_string()))?;
-                if let Some(saved) = saved_slot.and_then(|s| s.device.clone()) {
-                    let saved: PmemState = serde_json::from_value(saved)
-                        .map_err(|e| err(format!("restore from snapshot: {e}")))?;
-                    backing.matches(&saved).map_err(|e| err(e.to_string()))?;
-                }
-                backing
+                    .map_err(|e| b.setup_error(e))?;
+                let device = b.device(backing, Pmem::new)?;
+                device
+                    .backing()
                     .register(vm, pmem::KVM_SLOT_BASE + *index as u32)
-                    .map_err(|e| err(e.to_string()))?;
-                pmem_addr += backing.size();
-                Box::new(Pmem::new(backing))
+                    .map_err(|e| b.setup_error(e))?;
+                pmem_addr += device.backing().size();
+                built(device)
             }
         };
-        let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| err(e.to_string()))?;
+        let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| b.setup_error(e))?;
         vm.register_irqfd(&irqfd, irq(i))
-            .map_err(|e| err(format!("KVM refused the interrupt: {e}")))?;
-        let state = match &slot {
-            Slot::Vsock => saved_vsock,
-            _ => saved_slot.map(|s| &s.transport),
-        };
-        let transport = match state {
-            Some(state) => MmioTransport::restore((device, mem.clone(), irqfd), state)
-                .map_err(|e| err(format!("restore from snapshot: {e}")))?,
-            None => MmioTransport::new(device, mem.clone(), irqfd)
-                .map_err(|e| err(format!("transport: {e}")))?,
+            .map_err(|e| b.setup_error(format!("KVM refused the interrupt: {e}")))?;
+        let transport = match saved_slot {
+            Some(state) => MmioTransport::restore((device, mem.clone(), irqfd), &state.transport)
+                .map_err(|e| AttachError::Restore {
+                slot: i,
+                what: b.what.clone(),
+                source: Box::new(e),
+            })?,
+            None => MmioTransport::new(device, mem.clone(), irqfd).map_err(|e| b.setup_error(e))?,
         };
         let base = mmio_base(i);
         for (index, event) in transport.queue_events().iter().enumerate() {
@@ -205,43 +278,35 @@ pub fn attach(
         }
         let transport = Arc::new(Mutex::new(transport));
         mmio.insert(base, layout::VIRTIO_MMIO_SIZE, transport.clone())
-            .map_err(|e| err(e.to_string()))?;
-        if slot == Slot::Vsock {
-            out.vsock = Some(transport.clone());
-        }
-        out.all.push(transport);
+            .map_err(|e| b.setup_error(e))?;
+        out.all.push(VirtioSlot {
+            transport,
+            save_device,
+        });
     }
     Ok(out)
 }
 
-/// Snapshot states of every non-vsock device, keyed by slot.
-pub fn save(config: &VmConfig, all: &[Arc<Mutex<MmioTransport>>]) -> Vec<SlotState> {
-    plan(config)
-        .iter()
-        .zip(all)
+/// Snapshot states of every virtio device, keyed by slot.
+pub fn save(all: &[VirtioSlot]) -> Vec<SlotState> {
+    all.iter()
         .enumerate()
-        .filter(|(_, (slot, _))| **slot != Slot::Vsock)
-        .map(|(i, (_, t))| {
-            let t = crate::devices::bus::lock(t);
-            SlotState {
+        .filter_map(|(i, slot)| {
+            let t = lock(&slot.transport);
+            let device = (slot.save_device)(t.device());
+            if device.is_none() {
+                tracing::error!(
+                    slot = i,
+                    "virtio device is not the type its slot was built with"
+                );
+            }
+            Some(SlotState {
                 slot: i as u32,
                 transport: t.save(),
-                balloon: None,
-                device: t.device_state(),
-            }
+                device: device?,
+            })
         })
         .collect()
-}
-
-/// Adds the balloon's own state to its slot in `states` (from [`save`]).
-pub fn save_balloon(config: &VmConfig, states: &mut [SlotState], balloon: Option<&BalloonControl>) {
-    let Some(balloon) = balloon else { return };
-    let Some(i) = plan(config).iter().position(|s| *s == Slot::Balloon) else {
-        return;
-    };
-    if let Some(s) = states.iter_mut().find(|s| s.slot as usize == i) {
-        s.balloon = Some(balloon.state());
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! A device thread shared by the simple virtio devices (rng, block, net): one epoll loop over
 //! the queue kick eventfds, optional host fds (a tap), a stop eventfd and the pause handshake
-//! the snapshot code needs (same protocol as the vsock muxer: park, publish queue positions).
+//! the snapshot code needs ([`super::pause`], shared with the vsock muxer).
 
 use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, RawFd};
@@ -12,9 +12,8 @@ use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::vsock::DeviceRun;
+use super::pause::{PauseError, PauseHandshake};
 use super::Interrupt;
-use crate::devices::bus::lock;
 use crate::memory::GuestMemory;
 
 const TOKEN_STOP: u64 = u64::MAX;
@@ -48,15 +47,14 @@ pub trait QueueHandler: Send + 'static {
 /// A running device thread.
 pub struct Worker {
     stop: EventFd,
-    pause_evt: EventFd,
-    run: Arc<DeviceRun>,
+    pause: Arc<PauseHandshake>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Worker {
-    pub fn spawn<H: QueueHandler>(
-        name: &str,
-        mut handler: H,
+    pub fn spawn<H: QueueHandler + ?Sized>(
+        name: &'static str,
+        mut handler: Box<H>,
         mem: GuestMemory,
         mut queues: Vec<Queue>,
         events: Vec<EventFd>,
@@ -64,7 +62,7 @@ impl Worker {
     ) -> std::io::Result<Worker> {
         let epoll = Epoll::new()?;
         let stop = EventFd::new(libc::EFD_NONBLOCK)?;
-        let pause_evt = EventFd::new(libc::EFD_NONBLOCK)?;
+        let pause = Arc::new(PauseHandshake::new(name)?);
         let add = |fd: RawFd, token: u64, set: EventSet| {
             epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(set, token))
         };
@@ -79,10 +77,8 @@ impl Worker {
             )?;
         }
         add(stop.as_raw_fd(), TOKEN_STOP, EventSet::IN)?;
-        add(pause_evt.as_raw_fd(), TOKEN_PAUSE, EventSet::IN)?;
-        let run = Arc::new(DeviceRun::default());
-        let (thread_stop, thread_pause, thread_run) =
-            (stop.try_clone()?, pause_evt.try_clone()?, run.clone());
+        add(pause.event_fd(), TOKEN_PAUSE, EventSet::IN)?;
+        let (thread_stop, thread_pause) = (stop.try_clone()?, pause.clone());
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
@@ -124,10 +120,7 @@ impl Worker {
                                 let _ = thread_stop.read();
                                 return;
                             }
-                            TOKEN_PAUSE => {
-                                let _ = thread_pause.read();
-                                park(&thread_run, &queues);
-                            }
+                            TOKEN_PAUSE => thread_pause.park(&queues),
                             t if t >= TOKEN_FD_BASE => {
                                 let i = (t - TOKEN_FD_BASE) as usize;
                                 used |= handler.fd_event(i, &mut queues, &mem);
@@ -148,54 +141,23 @@ impl Worker {
             })?;
         Ok(Worker {
             stop,
-            pause_evt,
-            run,
+            pause,
             thread: Some(thread),
         })
     }
 
     /// Parks the thread (it stops touching guest memory) and waits until it has.
-    pub fn pause(&self) -> Result<(), String> {
-        lock(&self.run.state).pause_requested = true;
-        self.pause_evt.write(1).map_err(|e| e.to_string())?;
-        self.run
-            .wait_parked(Duration::from_secs(5))
-            .then_some(())
-            .ok_or_else(|| "virtio device did not pause within 5 s".to_string())
+    pub fn pause(&self) -> Result<(), PauseError> {
+        self.pause.pause()
     }
 
     pub fn resume(&self) {
-        lock(&self.run.state).pause_requested = false;
-        self.run.changed.notify_all();
+        self.pause.resume();
     }
 
     /// Queue positions published by the parked thread.
     pub fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
-        lock(&self.run.state).queues.clone()
-    }
-}
-
-/// A device's worker slot: empty before activation and after a reset, when there is nothing
-/// to pause and no live queue state. Devices delegate their snapshot hooks to it.
-pub trait WorkerSlot {
-    fn pause(&self) -> Result<(), String>;
-    fn resume(&self);
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>>;
-}
-
-impl WorkerSlot for Option<Worker> {
-    fn pause(&self) -> Result<(), String> {
-        self.as_ref().map_or(Ok(()), Worker::pause)
-    }
-
-    fn resume(&self) {
-        if let Some(w) = self {
-            w.resume();
-        }
-    }
-
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.as_ref().map(Worker::queue_states)
+        self.pause.queue_states()
     }
 }
 
@@ -208,20 +170,6 @@ impl Drop for Worker {
             let _ = t.join();
         }
     }
-}
-
-fn park(run: &DeviceRun, queues: &[Queue]) {
-    let mut state = lock(&run.state);
-    if !state.pause_requested {
-        return;
-    }
-    state.queues = queues.iter().map(|q| q.state()).collect();
-    state.parked = true;
-    run.changed.notify_all();
-    while state.pause_requested {
-        state = run.changed.wait(state).unwrap_or_else(|e| e.into_inner());
-    }
-    state.parked = false;
 }
 
 /// Pops every available chain of `queue`, hands it to `f` (which returns the number of bytes

@@ -14,17 +14,18 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use virtio_queue::{DescriptorChain, Queue, QueueT, Reader};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
-use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{drain_queue, QueueHandler, Worker, WorkerSlot};
-use super::{ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::worker::{drain_queue, QueueHandler};
+use super::{ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::config::BalloonConfig;
-use crate::devices::bus::lock;
 use crate::memory::{GuestMemory, PAGE_SIZE};
-use crate::snapshot::Persist;
+use crate::sync::lock;
 
+mod persist;
 #[cfg(test)]
 mod tests;
+
+pub use persist::{BalloonRestoreError, BalloonState};
 
 pub const VIRTIO_ID_BALLOON: u32 = 5;
 pub const F_STATS_VQ: u64 = 1 << 1;
@@ -473,8 +474,7 @@ pub struct Balloon {
     config: BalloonConfig,
     control: Arc<BalloonControl>,
     queue_sizes: Vec<u16>,
-    acked_features: u64,
-    worker: Option<Worker>,
+    common: VirtioCommon,
 }
 
 impl Balloon {
@@ -483,8 +483,7 @@ impl Balloon {
             config,
             control: Arc::new(BalloonControl::new(mem_mib)),
             queue_sizes: Vec::new(),
-            acked_features: 0,
-            worker: None,
+            common: VirtioCommon::default(),
         };
         b.queue_sizes = vec![QUEUE_SIZE; roles(b.features()).len()];
         b
@@ -527,10 +526,6 @@ impl VirtioDevice for Balloon {
         f
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     /// `num_pages` (u32, host-set target) then `actual` (u32, guest-written), then the
     /// unused free-page-hint and poison fields as zeroes.
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -550,101 +545,35 @@ impl VirtioDevice for Balloon {
         lock(&self.control.inner).actual = actual;
     }
 
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        queue_events: Vec<EventFd>,
-        interrupt: Arc<Interrupt>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != self.queue_sizes.len() || queue_events.len() != queues.len() {
-            return Err(ActivateError::BadQueues);
-        }
-        let interval = (self.config.stats_interval_s > 0)
-            .then(|| Duration::from_secs(u64::from(self.config.stats_interval_s)));
-        let handler = BalloonQueues::new(self.acked_features, self.control.clone(), interval);
-        {
-            let mut inner = lock(&self.control.inner);
-            // A restored VM may have had a target change in flight (the transport only
-            // re-raises used-ring interrupts): tell the guest again while it is off target.
-            if inner.num_pages != inner.actual {
-                interrupt.signal_config_change();
-            }
-            inner.interrupt = Some(interrupt.clone());
-        }
-        self.worker = Some(Worker::spawn(
-            "virtio-balloon",
-            handler,
-            mem,
-            queues,
-            queue_events,
-            interrupt,
-        )?);
-        Ok(())
-    }
-
     fn reset(&mut self) -> bool {
-        self.worker = None;
+        self.common.worker = None;
         let mut inner = lock(&self.control.inner);
         inner.interrupt = None;
         inner.stats_head = None;
         true
     }
 
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.worker.queue_states()
+    crate::virtio_common_field!();
+
+    fn thread_name(&self) -> &'static str {
+        "virtio-balloon"
     }
 
-    fn pause(&mut self) -> Result<(), String> {
-        self.worker.pause()
-    }
-
-    fn resume(&mut self) {
-        self.worker.resume();
-    }
-}
-
-/// The balloon's own state in a snapshot (the transport and queues are saved by the slot).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BalloonState {
-    pub num_pages: u32,
-    pub actual: u32,
-    /// The guest's last statistics as (tag, value).
-    pub stats: Vec<(u16, u64)>,
-    /// The statistics buffer the device was holding.
-    pub stats_head: Option<u16>,
-    pub counters: Counters,
-}
-
-impl Persist for Balloon {
-    type State = BalloonState;
-    /// The configured balloon and the VM's memory size.
-    type Context = (BalloonConfig, u64);
-    type Error = String;
-
-    fn save(&self) -> BalloonState {
-        self.control.state()
-    }
-
-    fn restore((config, mem_mib): Self::Context, s: &BalloonState) -> Result<Self, String> {
-        if u64::from(s.num_pages) > mem_mib * MIB_PAGES {
-            return Err(format!(
-                "balloon target of {} pages is more than the VM's {mem_mib} MiB",
-                s.num_pages
-            ));
+    fn queue_handler(
+        &mut self,
+        interrupt: &Arc<Interrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        let interval = (self.config.stats_interval_s > 0)
+            .then(|| Duration::from_secs(u64::from(self.config.stats_interval_s)));
+        let handler =
+            BalloonQueues::new(self.common.acked_features, self.control.clone(), interval);
+        let mut inner = lock(&self.control.inner);
+        // A restored VM may have had a target change in flight (the transport only
+        // re-raises used-ring interrupts): tell the guest again while it is off target.
+        if inner.num_pages != inner.actual {
+            interrupt.signal_config_change();
         }
-        if s.stats_head.is_some_and(|h| h >= QUEUE_SIZE) {
-            return Err("balloon statistics buffer index is outside its queue".into());
-        }
-        let b = Balloon::new(config, mem_mib);
-        {
-            let mut inner = lock(&b.control.inner);
-            inner.num_pages = s.num_pages;
-            inner.actual = s.actual;
-            inner.stats = s.stats.iter().copied().collect();
-            inner.stats_head = s.stats_head;
-            inner.counters = s.counters;
-        }
-        Ok(b)
+        inner.interrupt = Some(interrupt.clone());
+        Ok(Box::new(handler))
     }
 }

@@ -1,5 +1,6 @@
 use super::*;
 use crate::devices::virtio::testing::*;
+use crate::persist::Persist;
 use vm_memory::Bytes;
 
 fn control() -> Arc<BalloonControl> {
@@ -201,7 +202,7 @@ fn state_survives_save_and_restore() {
     let err = Balloon::restore((BalloonConfig::default(), 16), &back)
         .err()
         .unwrap();
-    assert!(err.contains("16 MiB"), "{err}");
+    assert!(err.to_string().contains("16 MiB"), "{err}");
 }
 
 #[test]

@@ -13,11 +13,15 @@ use std::sync::Arc;
 use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
 use vm_memory::bitmap::{Bitmap, BitmapSlice};
 use vm_memory::{GuestAddress, GuestMemoryBackend as _};
-use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{drain_queue, QueueHandler, Worker, WorkerSlot};
-use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::worker::{drain_queue, QueueHandler};
+use super::{
+    read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
+};
 use crate::memory::GuestMemory;
+
+mod persist;
+pub use persist::{BlockRestoreError, BlockState};
 
 pub const VIRTIO_ID_BLOCK: u32 = 2;
 pub const SECTOR: u64 = 512;
@@ -141,17 +145,19 @@ impl Disk {
 
 pub struct Block {
     disk: Arc<Disk>,
-    acked_features: u64,
-    worker: Option<Worker>,
+    common: VirtioCommon,
 }
 
 impl Block {
     pub fn open(path: &Path, read_only: bool) -> Result<Box<dyn VirtioDevice>, BlockError> {
-        Ok(Box::new(Block {
-            disk: Arc::new(Disk::open(path, read_only)?),
-            acked_features: 0,
-            worker: None,
-        }))
+        Ok(Box::new(Block::new(Disk::open(path, read_only)?)))
+    }
+
+    pub fn new(disk: Disk) -> Block {
+        Block {
+            disk: Arc::new(disk),
+            common: VirtioCommon::default(),
+        }
     }
 
     fn config(&self) -> [u8; 60] {
@@ -475,10 +481,6 @@ impl VirtioDevice for Block {
         }
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config(), offset, data);
     }
@@ -487,42 +489,17 @@ impl VirtioDevice for Block {
         tracing::debug!("guest wrote virtio-blk config (writeback toggle unsupported); ignored");
     }
 
-    fn activate(
+    crate::virtio_common_field!();
+
+    fn thread_name(&self) -> &'static str {
+        "virtio-blk"
+    }
+
+    fn queue_handler(
         &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        queue_events: Vec<EventFd>,
-        interrupt: Arc<Interrupt>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != 1 || queue_events.len() != 1 {
-            return Err(ActivateError::BadQueues);
-        }
-        self.worker = Some(Worker::spawn(
-            "virtio-blk",
-            BlockQueue::new(self.disk.clone()),
-            mem,
-            queues,
-            queue_events,
-            interrupt,
-        )?);
-        Ok(())
-    }
-
-    fn reset(&mut self) -> bool {
-        self.worker = None;
-        true
-    }
-
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.worker.queue_states()
-    }
-
-    fn pause(&mut self) -> Result<(), String> {
-        self.worker.pause()
-    }
-
-    fn resume(&mut self) {
-        self.worker.resume();
+        _interrupt: &Arc<Interrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        Ok(Box::new(BlockQueue::new(self.disk.clone())))
     }
 }
 

@@ -10,11 +10,15 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT, Reader, Writer};
-use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{QueueHandler, Worker, WorkerSlot};
-use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::worker::QueueHandler;
+use super::{
+    read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
+};
 use crate::memory::GuestMemory;
+
+mod persist;
+pub use persist::NetState;
 
 pub const VIRTIO_ID_NET: u32 = 1;
 const QUEUE_SIZES: [u16; 2] = [256, 256];
@@ -133,18 +137,20 @@ pub fn open_tap(name: &str) -> Result<File, NetError> {
 pub struct Net {
     tap: Arc<File>,
     mac: [u8; 6],
-    acked_features: u64,
-    worker: Option<Worker>,
+    common: VirtioCommon,
 }
 
 impl Net {
     pub fn open(tap: &str, mac: [u8; 6]) -> Result<Box<dyn VirtioDevice>, NetError> {
-        Ok(Box::new(Net {
-            tap: Arc::new(open_tap(tap)?),
+        Ok(Box::new(Net::new(open_tap(tap)?, mac)))
+    }
+
+    pub fn new(tap: File, mac: [u8; 6]) -> Net {
+        Net {
+            tap: Arc::new(tap),
             mac,
-            acked_features: 0,
-            worker: None,
-        }))
+            common: VirtioCommon::default(),
+        }
     }
 }
 
@@ -404,10 +410,6 @@ impl VirtioDevice for Net {
             | F_MRG_RXBUF
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.mac, offset, data);
     }
@@ -416,18 +418,18 @@ impl VirtioDevice for Net {
         tracing::debug!("guest wrote virtio-net config; ignored");
     }
 
-    fn activate(
+    crate::virtio_common_field!();
+
+    fn thread_name(&self) -> &'static str {
+        "virtio-net"
+    }
+
+    fn queue_handler(
         &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        queue_events: Vec<EventFd>,
-        interrupt: Arc<Interrupt>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != 2 || queue_events.len() != 2 {
-            return Err(ActivateError::BadQueues);
-        }
+        _interrupt: &Arc<Interrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         // The tap may hand us only what the guest said it can take.
-        let a = self.acked_features;
+        let a = self.common.acked_features;
         let mut offload = 0;
         if a & F_GUEST_CSUM != 0 {
             offload |= TUN_F_CSUM;
@@ -443,32 +445,7 @@ impl VirtioDevice for Net {
             TUNSETOFFLOAD,
             libc::c_ulong::from(offload),
         )?;
-        self.worker = Some(Worker::spawn(
-            "virtio-net",
-            NetQueues::new(self.tap.clone(), a),
-            mem,
-            queues,
-            queue_events,
-            interrupt,
-        )?);
-        Ok(())
-    }
-
-    fn reset(&mut self) -> bool {
-        self.worker = None;
-        true
-    }
-
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.worker.queue_states()
-    }
-
-    fn pause(&mut self) -> Result<(), String> {
-        self.worker.pause()
-    }
-
-    fn resume(&mut self) {
-        self.worker.resume();
+        Ok(Box::new(NetQueues::new(self.tap.clone(), a)))
     }
 }
 

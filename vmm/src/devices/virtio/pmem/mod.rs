@@ -13,14 +13,17 @@ use std::sync::Arc;
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
 use kvm_ioctls::VmFd;
-use serde::{Deserialize, Serialize};
 use virtio_queue::{DescriptorChain, Queue, Reader, Writer};
-use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{drain_queue, QueueHandler, Worker, WorkerSlot};
-use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::worker::{drain_queue, QueueHandler};
+use super::{
+    read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
+};
 use crate::arch::layout;
 use crate::memory::GuestMemory;
+
+mod persist;
+pub use persist::PmemState;
 
 pub const VIRTIO_ID_PMEM: u32 = 27;
 const QUEUE_SIZES: [u16; 1] = [32];
@@ -68,20 +71,6 @@ pub enum PmemError {
     },
     #[error("pmem file {path} changed since the snapshot: {detail}; restore needs the same, unmodified file")]
     Changed { path: PathBuf, detail: String },
-}
-
-/// What identifies the mapped file, checked again when a snapshot is restored.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PmemState {
-    pub path: PathBuf,
-    pub guest_addr: u64,
-    pub size: u64,
-    pub read_only: bool,
-    pub dev: u64,
-    pub ino: u64,
-    /// Modification time (ns) of a read-only file: the guest may have its contents cached.
-    /// Not checked for writable files, which the guest itself modifies.
-    pub mtime_ns: Option<i128>,
 }
 
 /// The mapped file. Unmapped on drop.
@@ -247,65 +236,6 @@ impl Backing {
         }
         self.file.sync_data()
     }
-
-    pub fn save(&self) -> PmemState {
-        PmemState {
-            path: self.path.clone(),
-            guest_addr: self.guest_addr,
-            size: self.size,
-            read_only: self.read_only,
-            dev: self.dev,
-            ino: self.ino,
-            mtime_ns: self.read_only.then_some(self.mtime_ns),
-        }
-    }
-
-    /// Checks that this is the file a snapshot mapped, unchanged.
-    pub fn matches(&self, saved: &PmemState) -> Result<(), PmemError> {
-        let changed = |detail: String| PmemError::Changed {
-            path: self.path.clone(),
-            detail,
-        };
-        if self.size != saved.size {
-            return Err(changed(format!(
-                "it is {} bytes, the snapshot mapped {}",
-                self.size, saved.size
-            )));
-        }
-        if (self.dev, self.ino) != (saved.dev, saved.ino) {
-            return Err(changed(format!(
-                "it is another file (device {} inode {}, the snapshot mapped device {} inode {})",
-                self.dev, self.ino, saved.dev, saved.ino
-            )));
-        }
-        if self.read_only != saved.read_only {
-            return Err(changed(format!(
-                "it is mapped {}, the snapshot mapped it {}",
-                rw(self.read_only),
-                rw(saved.read_only)
-            )));
-        }
-        if let Some(mtime) = saved.mtime_ns {
-            if mtime != self.mtime_ns {
-                return Err(changed("it was modified".into()));
-            }
-        }
-        if self.guest_addr != saved.guest_addr {
-            return Err(changed(format!(
-                "its window moved from {:#x} to {:#x} (did an earlier pmem file change size?)",
-                saved.guest_addr, self.guest_addr
-            )));
-        }
-        Ok(())
-    }
-}
-
-fn rw(read_only: bool) -> &'static str {
-    if read_only {
-        "read-only"
-    } else {
-        "writable"
-    }
 }
 
 impl Drop for Backing {
@@ -383,8 +313,7 @@ impl QueueHandler for PmemQueue {
 pub struct Pmem {
     backing: Arc<Backing>,
     config: [u8; 16],
-    acked_features: u64,
-    worker: Option<Worker>,
+    common: VirtioCommon,
 }
 
 impl Pmem {
@@ -395,8 +324,7 @@ impl Pmem {
         Pmem {
             backing: Arc::new(backing),
             config,
-            acked_features: 0,
-            worker: None,
+            common: VirtioCommon::default(),
         }
     }
 
@@ -418,57 +346,22 @@ impl VirtioDevice for Pmem {
         VIRTIO_F_VERSION_1
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     /// `struct virtio_pmem_config { le64 start; le64 size; }`
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.config, offset, data);
     }
 
-    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    crate::virtio_common_field!();
 
-    fn activate(
+    fn thread_name(&self) -> &'static str {
+        "virtio-pmem"
+    }
+
+    fn queue_handler(
         &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        queue_events: Vec<EventFd>,
-        interrupt: Arc<Interrupt>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != 1 || queue_events.len() != 1 {
-            return Err(ActivateError::BadQueues);
-        }
-        self.worker = Some(Worker::spawn(
-            "virtio-pmem",
-            PmemQueue::new(self.backing.clone()),
-            mem,
-            queues,
-            queue_events,
-            interrupt,
-        )?);
-        Ok(())
-    }
-
-    fn reset(&mut self) -> bool {
-        self.worker = None;
-        true
-    }
-
-    fn device_state(&self) -> Option<serde_json::Value> {
-        serde_json::to_value(self.backing.save()).ok()
-    }
-
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.worker.queue_states()
-    }
-
-    fn pause(&mut self) -> Result<(), String> {
-        self.worker.pause()
-    }
-
-    fn resume(&mut self) {
-        self.worker.resume();
+        _interrupt: &Arc<Interrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        Ok(Box::new(PmemQueue::new(self.backing.clone())))
     }
 }
 

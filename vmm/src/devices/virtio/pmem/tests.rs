@@ -137,7 +137,7 @@ fn bad_files_are_refused_with_the_reason() {
 fn restore_refuses_a_changed_file() {
     let t = TempDir::new("changed");
     let p = t.file("a.img", ALIGN);
-    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().save();
+    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().identity();
     Backing::open(&p, true, false, 1 << 32)
         .unwrap()
         .matches(&saved)
@@ -150,7 +150,7 @@ fn restore_refuses_a_changed_file() {
         .unwrap_err();
     assert!(e.to_string().contains("another file"), "{e}");
     // Same inode, new size.
-    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().save();
+    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().identity();
     std::fs::OpenOptions::new()
         .write(true)
         .open(&p)
@@ -163,7 +163,7 @@ fn restore_refuses_a_changed_file() {
         .unwrap_err();
     assert!(e.to_string().contains("bytes, the snapshot mapped"), "{e}");
     // A read-only file modified in place.
-    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().save();
+    let saved = Backing::open(&p, true, false, 1 << 32).unwrap().identity();
     std::thread::sleep(std::time::Duration::from_millis(20));
     use std::os::unix::fs::FileExt;
     std::fs::OpenOptions::new()

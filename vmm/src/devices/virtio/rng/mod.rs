@@ -3,11 +3,13 @@
 use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue, Writer};
-use vmm_sys_util::eventfd::EventFd;
 
-use super::worker::{drain_queue, QueueHandler, Worker, WorkerSlot};
-use super::{ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
+use super::worker::{drain_queue, QueueHandler};
+use super::{ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1};
 use crate::memory::GuestMemory;
+
+mod persist;
+pub use persist::RngState;
 
 pub const VIRTIO_ID_RNG: u32 = 4;
 const QUEUE_SIZES: [u16; 1] = [64];
@@ -17,8 +19,7 @@ pub const MAX_REQUEST: usize = 64 * 1024;
 
 #[derive(Default)]
 pub struct Rng {
-    acked_features: u64,
-    worker: Option<Worker>,
+    common: VirtioCommon,
 }
 
 impl Rng {
@@ -101,52 +102,21 @@ impl VirtioDevice for Rng {
         VIRTIO_F_VERSION_1
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     fn read_config(&self, _offset: u64, data: &mut [u8]) {
         data.fill(0); // virtio-rng has no config space
     }
 
-    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    crate::virtio_common_field!();
 
-    fn activate(
+    fn thread_name(&self) -> &'static str {
+        "virtio-rng"
+    }
+
+    fn queue_handler(
         &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        queue_events: Vec<EventFd>,
-        interrupt: Arc<Interrupt>,
-    ) -> Result<(), ActivateError> {
-        if queues.len() != 1 || queue_events.len() != 1 {
-            return Err(ActivateError::BadQueues);
-        }
-        self.worker = Some(Worker::spawn(
-            "virtio-rng",
-            RngQueue::default(),
-            mem,
-            queues,
-            queue_events,
-            interrupt,
-        )?);
-        Ok(())
-    }
-
-    fn reset(&mut self) -> bool {
-        self.worker = None;
-        true
-    }
-
-    fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
-        self.worker.queue_states()
-    }
-
-    fn pause(&mut self) -> Result<(), String> {
-        self.worker.pause()
-    }
-
-    fn resume(&mut self) {
-        self.worker.resume();
+        _interrupt: &Arc<Interrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        Ok(Box::new(RngQueue::default()))
     }
 }
 

@@ -2,10 +2,12 @@
 //! host (`CONNECT <port>\n` handshake for host-initiated ones, `<uds>_<port>` for
 //! guest-initiated ones).
 
+mod hostile;
 mod muxer;
 #[doc(hidden)]
-pub use muxer::hostile_round;
+pub use hostile::hostile_round;
 pub mod packet;
+mod persist;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -15,9 +17,12 @@ use crate::memory::GuestMemory;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::{read_config_bytes, ActivateError, Interrupt, VirtioDevice, VIRTIO_F_VERSION_1};
-use crate::devices::bus::lock;
-pub use muxer::{DeviceRun, MuxerLimits};
+use super::pause::{PauseError, PauseHandshake};
+use super::{
+    read_config_bytes, ActivateError, Interrupt, VirtioCommon, VirtioDevice, VIRTIO_F_VERSION_1,
+};
+pub use muxer::MuxerLimits;
+pub use persist::VsockState;
 
 pub const VIRTIO_ID_VSOCK: u32 = 19;
 const QUEUE_SIZE: u16 = 256;
@@ -27,10 +32,10 @@ pub struct Vsock {
     guest_cid: u64,
     uds_path: PathBuf,
     listener: Option<std::os::unix::net::UnixListener>,
-    acked_features: u64,
+    common: VirtioCommon,
     stop: Option<EventFd>,
-    pause_evt: Option<EventFd>,
-    run: Arc<DeviceRun>,
+    /// The muxer thread's pause handshake, while it runs.
+    pause: Option<Arc<PauseHandshake>>,
     reset_on_activate: bool,
     worker: Option<JoinHandle<()>>,
 }
@@ -56,10 +61,9 @@ impl Vsock {
             guest_cid,
             uds_path,
             listener: Some(listener),
-            acked_features: 0,
+            common: VirtioCommon::default(),
             stop: None,
-            pause_evt: None,
-            run: Arc::new(DeviceRun::default()),
+            pause: None,
             reset_on_activate: false,
             worker: None,
         })
@@ -72,6 +76,7 @@ impl Vsock {
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
+        self.pause = None;
     }
 }
 
@@ -95,16 +100,14 @@ impl VirtioDevice for Vsock {
         VIRTIO_F_VERSION_1
     }
 
-    fn ack_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
-    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
-        tracing::debug!("guest wrote read-only vsock config; ignored");
+    crate::virtio_common_field!();
+
+    fn thread_name(&self) -> &'static str {
+        "vsock"
     }
 
     fn activate(
@@ -119,7 +122,7 @@ impl VirtioDevice for Vsock {
         let [rx_evt, tx_evt, event_evt]: [EventFd; 3] = queue_events
             .try_into()
             .map_err(|_| ActivateError::BadQueues)?;
-        let pause_evt = EventFd::new(libc::EFD_NONBLOCK)?;
+        let pause = Arc::new(PauseHandshake::new("vsock")?);
         let listener = match &self.listener {
             Some(l) => l.try_clone()?,
             None => return Err(ActivateError::BadQueues),
@@ -135,7 +138,7 @@ impl VirtioDevice for Vsock {
             tx_evt,
             event_evt,
             stop.try_clone()?,
-            (pause_evt.try_clone()?, self.run.clone()),
+            pause.clone(),
             interrupt,
             MuxerLimits::default(),
         )?;
@@ -143,13 +146,13 @@ impl VirtioDevice for Vsock {
             muxer.announce_transport_reset();
         }
         let worker = std::thread::Builder::new()
-            .name("vsock".into())
+            .name(self.thread_name().into())
             .spawn(move || {
                 crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
                 muxer.run()
             })?;
         self.stop = Some(stop);
-        self.pause_evt = Some(pause_evt);
+        self.pause = Some(pause);
         self.worker = Some(worker);
         Ok(())
     }
@@ -165,23 +168,17 @@ impl VirtioDevice for Vsock {
 
     fn queue_states(&self) -> Option<Vec<virtio_queue::QueueState>> {
         self.worker.as_ref()?;
-        Some(lock(&self.run.state).queues.clone())
+        self.pause.as_ref().map(|p| p.queue_states())
     }
 
-    fn pause(&mut self) -> Result<(), String> {
-        let Some(pause_evt) = &self.pause_evt else {
-            return Ok(()); // not active: nothing touches guest memory
-        };
-        lock(&self.run.state).pause_requested = true;
-        pause_evt.write(1).map_err(|e| e.to_string())?;
-        self.run
-            .wait_parked(std::time::Duration::from_secs(5))
-            .then_some(())
-            .ok_or_else(|| "vsock device did not pause within 5 s".to_string())
+    fn pause(&mut self) -> Result<(), PauseError> {
+        // Not active: nothing touches guest memory.
+        self.pause.as_ref().map_or(Ok(()), |p| p.pause())
     }
 
     fn resume(&mut self) {
-        lock(&self.run.state).pause_requested = false;
-        self.run.changed.notify_all();
+        if let Some(pause) = &self.pause {
+            pause.resume();
+        }
     }
 }

@@ -16,7 +16,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::packet::*;
-use crate::devices::bus::lock;
+use crate::devices::virtio::pause::PauseHandshake;
 use crate::devices::virtio::Interrupt;
 
 /// Per-VM bounds that keep a hostile guest or host client from growing our memory.
@@ -52,31 +52,6 @@ const TOKEN_FD_BASE: u64 = 16;
 /// virtio-vsock event id telling the guest every connection is gone (after a restore).
 const EVENT_TRANSPORT_RESET: u32 = 0;
 
-/// Pause handshake with the device thread, and the queue positions it publishes when parked.
-#[derive(Default)]
-pub struct DeviceRun {
-    pub state: std::sync::Mutex<RunState>,
-    pub changed: std::sync::Condvar,
-}
-
-#[derive(Default)]
-pub struct RunState {
-    pub pause_requested: bool,
-    pub parked: bool,
-    pub queues: Vec<virtio_queue::QueueState>,
-}
-
-impl DeviceRun {
-    /// Waits until the device thread is parked; false on timeout.
-    pub fn wait_parked(&self, timeout: std::time::Duration) -> bool {
-        let guard = lock(&self.state);
-        let (guard, _) = self
-            .changed
-            .wait_timeout_while(guard, timeout, |s| !s.parked)
-            .unwrap_or_else(|e| e.into_inner());
-        guard.parked
-    }
-}
 const HANDSHAKE_MAX: usize = 64;
 const FIRST_HOST_PORT: u32 = 1 << 30;
 
@@ -164,8 +139,7 @@ pub struct Muxer {
     tx_evt: EventFd,
     event_evt: EventFd,
     stop: EventFd,
-    pause_evt: EventFd,
-    run: Arc<DeviceRun>,
+    pause: Arc<PauseHandshake>,
     interrupt: Arc<Interrupt>,
     limits: MuxerLimits,
     epoll: Epoll,
@@ -194,7 +168,7 @@ impl Muxer {
         tx_evt: EventFd,
         event_evt: EventFd,
         stop: EventFd,
-        (pause_evt, run): (EventFd, Arc<DeviceRun>),
+        pause: Arc<PauseHandshake>,
         interrupt: Arc<Interrupt>,
         limits: MuxerLimits,
     ) -> std::io::Result<Self> {
@@ -205,7 +179,7 @@ impl Muxer {
             (event_evt.as_raw_fd(), TOKEN_EVENT),
             (listener.as_raw_fd(), TOKEN_LISTENER),
             (stop.as_raw_fd(), TOKEN_STOP),
-            (pause_evt.as_raw_fd(), TOKEN_PAUSE),
+            (pause.event_fd(), TOKEN_PAUSE),
         ] {
             epoll.ctl(
                 ControlOperation::Add,
@@ -225,8 +199,7 @@ impl Muxer {
             tx_evt,
             event_evt,
             stop,
-            pause_evt,
-            run,
+            pause,
             interrupt,
             limits,
             epoll,
@@ -278,10 +251,7 @@ impl Muxer {
                         self.reset_unacked_since = None;
                     }
                     TOKEN_LISTENER => self.accept(),
-                    TOKEN_PAUSE => {
-                        let _ = self.pause_evt.read();
-                        self.park();
-                    }
+                    TOKEN_PAUSE => self.pause.park([&self.rx, &self.tx, &self.event]),
                     token => self.handle_fd((token - TOKEN_FD_BASE) as RawFd, event.event_set()),
                 }
             }
@@ -295,25 +265,6 @@ impl Muxer {
             self.process_rx();
             self.update_interests();
         }
-    }
-
-    /// Publishes the queue positions and waits, touching no guest memory, until resumed.
-    fn park(&mut self) {
-        let mut state = lock(&self.run.state);
-        if !state.pause_requested {
-            return;
-        }
-        state.queues = vec![self.rx.state(), self.tx.state(), self.event.state()];
-        state.parked = true;
-        self.run.changed.notify_all();
-        while state.pause_requested {
-            state = self
-                .run
-                .changed
-                .wait(state)
-                .unwrap_or_else(|e| e.into_inner());
-        }
-        state.parked = false;
     }
 
     /// After a restore no host connection survived: tell the guest to drop its sockets.
@@ -510,7 +461,7 @@ impl Muxer {
     }
 
     /// Consumes every packet the guest queued on the tx queue.
-    fn process_tx(&mut self) {
+    pub(super) fn process_tx(&mut self) {
         let mut used_any = false;
         let mem = self.mem.clone();
         while let Some(chain) = self.tx.pop_descriptor_chain(&mem) {
@@ -667,7 +618,7 @@ impl Muxer {
     }
 
     /// Fills guest rx buffers with control packets and host data.
-    fn process_rx(&mut self) {
+    pub(super) fn process_rx(&mut self) {
         let mut used_any = false;
         let mem = self.mem.clone();
         while !self.rx_starved {
@@ -803,95 +754,5 @@ fn reply_header(header: &Header, op: u16) -> Header {
         flags: 0,
         buf_alloc: 0,
         fwd_cnt: 0,
-    }
-}
-
-/// The hostile-guest harness of the fuzz target and unit test: a muxer whose tx queue (and,
-/// aliasing it, rx queue) come from arbitrary bytes ([`crate::devices::virtio::testing`]);
-/// the guest's packets are consumed and whatever the muxer answers (RSTs, responses) is
-/// written back. Connection requests go to a socket path that does not exist.
-#[doc(hidden)]
-pub fn hostile_round(input: &[u8]) -> std::io::Result<()> {
-    use std::os::linux::net::SocketAddrExt;
-
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let (mem, tx) = crate::devices::virtio::testing::hostile_queue(input);
-    // rx shares the descriptors and avail ring (a guest may alias them) but has its own used
-    // ring, so both directions run over the same hostile chains.
-    let mut rx = Queue::new(crate::devices::virtio::testing::QUEUE_SIZE)
-        .map_err(|e| std::io::Error::other(format!("{e:?}")))?;
-    rx.set_size(crate::devices::virtio::testing::QUEUE_SIZE);
-    rx.set_desc_table_address(Some(0), Some(0));
-    rx.set_avail_ring_address(Some(0x1000), Some(0));
-    rx.set_used_ring_address(Some(0x2800), Some(0));
-    rx.set_ready(true);
-    let event = Queue::new(4).map_err(|e| std::io::Error::other(format!("{e:?}")))?;
-    let name = format!(
-        "dsec-vsock-fuzz-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    );
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
-    let listener = UnixListener::bind_addr(&addr)?;
-    let evt = || EventFd::new(libc::EFD_NONBLOCK);
-    let mut muxer = Muxer::new(
-        3,
-        PathBuf::from("/nonexistent/dsec-vsock-fuzz"),
-        listener,
-        mem,
-        [rx, tx, event],
-        evt()?,
-        evt()?,
-        evt()?,
-        evt()?,
-        (evt()?, Arc::new(DeviceRun::default())),
-        Arc::new(Interrupt::new(evt()?)),
-        MuxerLimits::default(),
-    )?;
-    muxer.process_tx();
-    muxer.process_rx();
-    Ok(())
-}
-
-#[cfg(test)]
-mod hostile_tests {
-    use super::*;
-    use crate::devices::virtio::testing::{desc, hostile_corpus, input, DATA, F_NEXT, F_WRITE};
-
-    /// Well-formed guest packets (a request, data on no connection, a response, a reset)
-    /// as seeds; the corpus mangles every byte of the tables and the lengths around them.
-    #[test]
-    fn hostile_chains_never_panic() {
-        let header = |op: u16, len: u32| {
-            let h = Header {
-                src_cid: 3,
-                dst_cid: HOST_CID,
-                src_port: 1000,
-                dst_port: 1024,
-                len,
-                type_: TYPE_STREAM,
-                op,
-                flags: 0,
-                buf_alloc: 65536,
-                fwd_cnt: 0,
-            };
-            h.as_slice().to_vec()
-        };
-        let goods: Vec<Vec<u8>> = [OP_REQUEST, OP_RW, OP_RESPONSE, OP_RST, OP_SHUTDOWN]
-            .iter()
-            .map(|&op| {
-                let descs = [
-                    desc(DATA, HEADER_SIZE as u32, F_NEXT, 1),
-                    desc(DATA + 0x100, 64, 0, 0),
-                    desc(DATA + 0x200, 4096, F_WRITE, 0),
-                ];
-                let mut data = header(op, 64);
-                data.resize(0x200, 0x5a);
-                input(&descs, &[0, 2], &data)
-            })
-            .collect();
-        for case in hostile_corpus(&goods) {
-            hostile_round(&case).expect("harness setup");
-        }
     }
 }

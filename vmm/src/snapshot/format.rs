@@ -1,40 +1,29 @@
-//! The snapshot format: one versioned, checksummed state file plus a memory file per
+//! The snapshot file format: one versioned, checksummed state file plus a memory file per
 //! directory, written under a temporary name and renamed so a crash never leaves a snapshot
 //! that loads.
 //!
 //! `state` = magic `DSECSNAP` | format version (u32 LE) | payload length (u64 LE) |
 //! CRC-32 of the payload (u32 LE) | payload (JSON, self-describing).
+//!
+//! Versions: 1 kept vsock's transport apart and other devices' states untyped; 2 (this one)
+//! holds every virtio slot as a typed `SlotState`.
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use kvm_bindings::{kvm_clock_data, kvm_irqchip, kvm_pit_state2};
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::VmConfig;
-use crate::memory::RegionLayout;
-use crate::vcpu::VcpuState;
+use super::state::VmState;
 
 pub const MAGIC: &[u8; 8] = b"DSECSNAP";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const STATE_FILE: &str = "state";
 pub const MEMORY_FILE: &str = "memory";
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 /// Far above any real state file; a corrupt length must not make us allocate gigabytes.
 const MAX_PAYLOAD: u64 = 64 << 20;
-
-/// Something whose state goes into a snapshot. Every device and the VM itself implement it,
-/// so adding a device means adding its `State` here and nothing else.
-pub trait Persist: Sized {
-    type State: Serialize + DeserializeOwned;
-    /// What restoring needs besides the state (memory, interrupt lines, sinks...).
-    type Context;
-    type Error: std::fmt::Display;
-    fn save(&self) -> Self::State;
-    fn restore(context: Self::Context, state: &Self::State) -> Result<Self, Self::Error>;
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -52,47 +41,14 @@ pub enum SnapshotError {
     },
     #[error("{path} is not a DSec snapshot (bad magic)")]
     NotASnapshot { path: PathBuf },
-    #[error("{path} is snapshot format version {found}; this dsec-vmm reads version {FORMAT_VERSION}: restore it with the dsec-vmm that wrote it")]
+    #[error("{path} is snapshot format version {found}; this dsec-vmm reads version {FORMAT_VERSION} only: restore it with the dsec-vmm that wrote it, or take the snapshot again")]
     Version { path: PathBuf, found: u32 },
     #[error("{path} is corrupted: {detail}")]
     Corrupt { path: PathBuf, detail: String },
-    #[error("cannot save or restore VM state: {0}")]
-    State(String),
+    #[error("cannot encode the VM state: {0}")]
+    Encode(serde_json::Error),
     #[error(transparent)]
     Memory(#[from] crate::memory::MemoryError),
-}
-
-/// Guest memory of a snapshot: a full image, or the pages dirtied since `parent`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct MemoryState {
-    pub regions: Vec<RegionLayout>,
-    /// For a diff snapshot: the snapshot this one applies on top of.
-    pub parent: Option<PathBuf>,
-    /// For a diff snapshot: the page numbers (in file order) this memory file holds.
-    pub pages: Vec<u64>,
-}
-
-/// Device states.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct DevicesState {
-    pub serial: crate::devices::legacy::SerialState,
-    pub vsock: Option<crate::devices::virtio::mmio::TransportState>,
-    /// Every other virtio device, keyed by MMIO slot (absent in older snapshots).
-    #[serde(default)]
-    pub virtio: Vec<crate::devices::virtio::slots::SlotState>,
-}
-
-/// Everything needed to bring a VM back.
-#[derive(Serialize, Deserialize)]
-pub struct VmState {
-    pub vmm_version: String,
-    pub config: VmConfig,
-    pub memory: MemoryState,
-    pub vcpus: Vec<VcpuState>,
-    pub irqchips: Vec<kvm_irqchip>,
-    pub pit: kvm_pit_state2,
-    pub clock: kvm_clock_data,
-    pub devices: DevicesState,
 }
 
 fn write_err(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
@@ -104,7 +60,7 @@ fn write_err(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
 
 /// Encodes a state with its header.
 pub fn encode<T: Serialize>(state: &T) -> Result<Vec<u8>, SnapshotError> {
-    let payload = serde_json::to_vec(state).map_err(|e| SnapshotError::State(e.to_string()))?;
+    let payload = serde_json::to_vec(state).map_err(SnapshotError::Encode)?;
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -224,6 +180,8 @@ impl Drop for PendingSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use serde::Deserialize;
 
     #[derive(Serialize, Deserialize, PartialEq, Debug)]
     struct Toy {

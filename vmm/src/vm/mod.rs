@@ -1,0 +1,473 @@
+//! A VM: built from a [`VmConfig`] or restored from a snapshot (`restore`), run by vCPU
+//! threads, paused, snapshotted (`snapshot`) and resumed through [`Vm`]'s methods (the
+//! control socket calls them).
+//!
+//! Dependencies point down: `vm` uses devices, vCPUs, memory and the snapshot format; those
+//! use only the leaf modules (`sync`, `exit`, `timing`, `persist`), never `vm`.
+
+mod restore;
+mod snapshot;
+
+use std::fs::OpenOptions;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VmFd};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::{boot, cpu, layout, mptable};
+use crate::config::{ConfigError, SerialOutput, VmConfig};
+use crate::devices::bus::{Bus, BusOverlap};
+use crate::devices::legacy::{Cmos, Serial, SerialRestoreError, SerialSink, I8042};
+use crate::devices::virtio::balloon::BalloonControl;
+use crate::devices::virtio::pause::PauseError;
+use crate::devices::virtio::slots::{self, AttachError, VirtioSlot};
+use crate::memory::{self, GuestMemory, RegionLayout};
+use crate::persist::Persist;
+use crate::snapshot::{DevicesState, SnapshotError};
+use crate::sync::lock;
+use crate::uffd::{UffdError, UffdHandler};
+use crate::vcpu::{self, VcpuError, VcpuHandle, VcpuStats};
+
+pub use crate::exit::VmExitReason;
+pub use crate::timing::{now_ns, BootTimes};
+pub use restore::{LazyRestore, RestoreError, RestoreOverrides, WORKING_SET_FILE};
+pub use snapshot::SnapshotSummary;
+
+/// Why a VM could not be built, run, paused or snapshotted.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot open /dev/kvm: {0}; check that KVM is loaded and that you may use /dev/kvm")]
+    OpenKvm(kvm_ioctls::Error),
+    #[error("KVM API version is {0}, expected 12")]
+    KvmApi(i32),
+    #[error("KVM refused to {what}: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error(transparent)]
+    Cpu(#[from] cpu::CpuError),
+    #[error(transparent)]
+    Mptable(#[from] mptable::MptableError),
+    #[error("cannot open serial log {path}: {source}")]
+    SerialLog {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot create the serial port's interrupt eventfd: {0}")]
+    SerialIrq(std::io::Error),
+    #[error("device layout is broken: {0}")]
+    Bus(#[from] BusOverlap),
+    #[error(transparent)]
+    Attach(#[from] AttachError),
+    #[error(transparent)]
+    SerialRestore(#[from] SerialRestoreError),
+    #[error("cannot start vCPU thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    Pause(#[from] PauseError),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    Restore(#[from] RestoreError),
+    #[error("cannot serve the restored memory lazily: {0}")]
+    Uffd(#[from] UffdError),
+    #[error("pause the VM before taking a snapshot")]
+    NotPaused,
+    #[error(
+        "a diff snapshot needs an earlier full snapshot of this running VM; take a full one first"
+    )]
+    NoBaseSnapshot,
+}
+
+fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Kvm { what, source }
+}
+
+/// What a finished run reports.
+pub struct RunReport {
+    pub reason: VmExitReason,
+    pub exits: u64,
+    pub first_kvm_run_ns: u64,
+    pub first_serial_byte_ns: u64,
+}
+
+/// Records the time of the first console byte, then passes bytes through.
+struct TimedSink {
+    inner: SerialSink,
+    times: Arc<BootTimes>,
+}
+
+impl std::io::Write for TimedSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.times.first_serial_byte_ns.compare_exchange(
+            0,
+            now_ns(),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn serial_sink(output: &SerialOutput, times: &Arc<BootTimes>) -> Result<SerialSink, VmError> {
+    let inner: SerialSink = match output {
+        SerialOutput::Sink => Box::new(std::io::sink()),
+        SerialOutput::Stdout => Box::new(std::io::stdout()),
+        SerialOutput::File(path) => Box::new(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| VmError::SerialLog {
+                    path: path.clone(),
+                    source,
+                })?,
+        ),
+    };
+    Ok(Box::new(TimedSink {
+        inner,
+        times: times.clone(),
+    }))
+}
+
+pub struct Vm {
+    config: VmConfig,
+    kvm: Kvm,
+    fd: VmFd,
+    mem: GuestMemory,
+    regions: Vec<RegionLayout>,
+    serial: Arc<Mutex<Serial>>,
+    /// Every virtio device (vsock included) in slot order.
+    virtio: Vec<VirtioSlot>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    vcpus: Vec<VcpuHandle>,
+    exit_tx: Sender<VmExitReason>,
+    exit_rx: Mutex<Receiver<VmExitReason>>,
+    stats: Arc<VcpuStats>,
+    times: Arc<BootTimes>,
+    /// Set once a full snapshot exists: later snapshots may be diffs against it.
+    dirty_logging: AtomicBool,
+    last_snapshot: Mutex<Option<PathBuf>>,
+    /// Serves page faults of a lazily restored VM; stops when the VM is dropped.
+    uffd: Option<UffdHandler>,
+    /// The balloon's control handle (target, statistics), when configured.
+    balloon: Option<Arc<BalloonControl>>,
+}
+
+struct Devices {
+    serial: Arc<Mutex<Serial>>,
+    /// Every virtio device (vsock included) in slot order.
+    virtio: Vec<VirtioSlot>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+    balloon: Option<Arc<BalloonControl>>,
+}
+
+fn open_kvm() -> Result<Kvm, VmError> {
+    let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+    let api = kvm.get_api_version();
+    if api != 12 {
+        return Err(VmError::KvmApi(api));
+    }
+    Ok(kvm)
+}
+
+fn create_vm_fd(kvm: &Kvm) -> Result<VmFd, VmError> {
+    let vm = kvm.create_vm().map_err(kvm_err("create a VM"))?;
+    // Not every host needs these (SVM ignores the TSS); failures are not fatal.
+    if let Err(e) = vm.set_tss_address(layout::KVM_TSS_ADDR as usize) {
+        tracing::debug!("set_tss_address: {e}");
+    }
+    if let Err(e) = vm.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDR) {
+        tracing::debug!("set_identity_map_address: {e}");
+    }
+    vm.create_irq_chip()
+        .map_err(kvm_err("create the in-kernel interrupt controller"))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm.create_pit2(pit).map_err(kvm_err("create the PIT"))?;
+    Ok(vm)
+}
+
+impl Vm {
+    /// Builds a VM ready to boot `config.kernel`; call [`Vm::start`] to run it.
+    pub fn new(config: VmConfig) -> Result<Vm, VmError> {
+        config.validate()?;
+        let kvm = open_kvm()?;
+        let fd = create_vm_fd(&kvm)?;
+        let mem_bytes = config.mem_mib << 20;
+        let regions = memory::layout_for(mem_bytes);
+        let mem = memory::anonymous(mem_bytes)?;
+        memory::register(&fd, &mem, false)?;
+        let (exit_tx, exit_rx) = channel();
+        let times = Arc::new(BootTimes::default());
+        let sink = serial_sink(&config.serial, &times)?;
+        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
+        let cmdline = kernel_cmdline(&config);
+        let boot_info = boot::load(
+            &mem,
+            mem_bytes,
+            &config.kernel,
+            config.initrd.as_deref(),
+            &cmdline,
+        )?;
+        mptable::setup(&mem, config.vcpus)?;
+        let base_cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm_err("report supported CPUID"))?;
+        let mut vm = Vm::assemble(
+            config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
+        );
+        for id in 0..vm.config.vcpus {
+            let vcpu = vm
+                .fd
+                .create_vcpu(u64::from(id))
+                .map_err(kvm_err("create a vCPU"))?;
+            cpu::setup_cpuid(&vcpu, &base_cpuid, id, vm.config.vcpus)?;
+            cpu::setup_msrs(&vcpu)?;
+            cpu::setup_sregs(&vm.mem, &vcpu, boot_info.mode)?;
+            cpu::setup_regs(&vcpu, boot_info.mode, boot_info.entry)?;
+            cpu::setup_fpu(&vcpu)?;
+            cpu::setup_lapic(&vcpu)?;
+            vm.spawn_vcpu(id, vcpu, true)?;
+        }
+        Ok(vm)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: VmConfig,
+        kvm: Kvm,
+        fd: VmFd,
+        mem: GuestMemory,
+        regions: Vec<RegionLayout>,
+        devices: Devices,
+        exit_tx: Sender<VmExitReason>,
+        exit_rx: Receiver<VmExitReason>,
+        times: Arc<BootTimes>,
+    ) -> Vm {
+        Vm {
+            config,
+            kvm,
+            fd,
+            mem,
+            regions,
+            serial: devices.serial,
+            virtio: devices.virtio,
+            pio: devices.pio,
+            mmio: devices.mmio,
+            vcpus: Vec::new(),
+            exit_tx,
+            exit_rx: Mutex::new(exit_rx),
+            stats: Arc::new(VcpuStats::default()),
+            times,
+            dirty_logging: AtomicBool::new(false),
+            last_snapshot: Mutex::new(None),
+            uffd: None,
+            balloon: devices.balloon,
+        }
+    }
+
+    fn spawn_vcpu(&mut self, id: u8, fd: kvm_ioctls::VcpuFd, paused: bool) -> Result<(), VmError> {
+        let handle = vcpu::spawn(vcpu::VcpuContext {
+            id,
+            fd,
+            pio: self.pio.clone(),
+            mmio: self.mmio.clone(),
+            exit: self.exit_tx.clone(),
+            stats: self.stats.clone(),
+            times: self.times.clone(),
+            start_paused: paused,
+        })
+        .map_err(VmError::Thread)?;
+        self.vcpus.push(handle);
+        Ok(())
+    }
+
+    /// Lets every vCPU run.
+    pub fn start(&self) {
+        self.resume();
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// The balloon's control handle, if the VM has a balloon.
+    pub fn balloon(&self) -> Option<&Arc<BalloonControl>> {
+        self.balloon.as_ref()
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.vcpus.iter().all(VcpuHandle::is_paused)
+    }
+
+    /// Stops every vCPU and device thread at a consistent point.
+    pub fn pause(&self) -> Result<(), VmError> {
+        for vcpu in &self.vcpus {
+            vcpu.pause(Duration::from_secs(5))?;
+        }
+        for slot in &self.virtio {
+            lock(&slot.transport).pause_device()?;
+        }
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        for slot in &self.virtio {
+            lock(&slot.transport).resume_device();
+        }
+        for vcpu in &self.vcpus {
+            vcpu.resume();
+        }
+    }
+
+    /// Waits until the VM stops and returns why. Every vCPU is told to stop.
+    pub fn wait(&self) -> RunReport {
+        let reason = lock(&self.exit_rx)
+            .recv()
+            .unwrap_or(VmExitReason::VcpuError {
+                vcpu: 0,
+                message: "all vCPUs stopped without a reason".into(),
+            });
+        for vcpu in &self.vcpus {
+            vcpu.stop();
+        }
+        RunReport {
+            reason,
+            exits: self.stats.exits.load(Ordering::Relaxed),
+            first_kvm_run_ns: self.times.first_kvm_run_ns.load(Ordering::Relaxed),
+            first_serial_byte_ns: self.times.first_serial_byte_ns.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Hands the destruction of the KVM VM and of guest memory to a helper process (see
+    /// [`crate::teardown`]) so this process exits without waiting for it. Call once, after
+    /// the VM is built and before the seccomp filter is installed.
+    pub fn defer_teardown(&self) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut keep = vec![self.fd.as_raw_fd()];
+        keep.extend(self.vcpus.iter().map(|v| v.raw_fd));
+        crate::teardown::defer_to_helper(&keep)
+    }
+
+    /// Makes [`Vm::wait`] return with `reason` (the control socket's stop).
+    pub fn request_exit(&self, reason: VmExitReason) {
+        let _ = self.exit_tx.send(reason);
+    }
+
+    /// Page-fault counters of a lazily restored VM.
+    pub fn lazy_stats(&self) -> Option<(u64, u64)> {
+        self.uffd.as_ref().map(|u| {
+            (
+                u.stats.faults.load(Ordering::Relaxed),
+                u.stats.prefetched.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// Reads guest memory (tests and the control socket's status use it).
+    pub fn read_guest_u64(&self, addr: u64) -> Option<u64> {
+        self.mem.read_obj(GuestAddress(addr)).ok()
+    }
+}
+
+/// A VM created ahead of time (KVM VM, irqchip, PIT, memory slots, vCPUs) waiting for a
+/// snapshot to restore: the ioctls that dominate a restore (the memory-slot one waits for an
+/// SRCU grace period) are paid before the request arrives.
+pub struct Prewarmed {
+    kvm: Kvm,
+    fd: VmFd,
+    mem: GuestMemory,
+    mem_mib: u64,
+    vcpus: Vec<kvm_ioctls::VcpuFd>,
+}
+
+impl Prewarmed {
+    pub fn new(mem_mib: u64, vcpus: u8) -> Result<Prewarmed, VmError> {
+        if vcpus == 0 || vcpus > crate::config::MAX_VCPUS {
+            return Err(ConfigError::Vcpus(vcpus).into());
+        }
+        let kvm = open_kvm()?;
+        let fd = create_vm_fd(&kvm)?;
+        let mem = memory::anonymous(mem_mib << 20)?;
+        memory::register(&fd, &mem, false)?;
+        let vcpus = (0..vcpus)
+            .map(|id| fd.create_vcpu(u64::from(id)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(kvm_err("create a vCPU"))?;
+        Ok(Prewarmed {
+            kvm,
+            fd,
+            mem,
+            mem_mib,
+            vcpus,
+        })
+    }
+}
+
+fn kernel_cmdline(config: &VmConfig) -> String {
+    let mut cmdline = config.cmdline.clone();
+    cmdline.push_str(&slots::cmdline(config));
+    cmdline
+}
+
+fn build_devices(
+    config: &VmConfig,
+    vm: &VmFd,
+    mem: &GuestMemory,
+    exit_tx: &Sender<VmExitReason>,
+    sink: SerialSink,
+    saved: Option<&DevicesState>,
+) -> Result<Devices, VmError> {
+    let mut pio = Bus::default();
+    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(VmError::SerialIrq)?;
+    vm.register_irqfd(&serial_irq, layout::SERIAL_IRQ)
+        .map_err(kvm_err("wire the serial interrupt"))?;
+    let serial = match saved {
+        Some(s) => Serial::restore((serial_irq, sink), &s.serial)?,
+        None => Serial::new(serial_irq, sink),
+    };
+    let serial = Arc::new(Mutex::new(serial));
+    pio.insert(0x3f8, 8, serial.clone())?;
+    pio.insert(0x60, 5, Arc::new(Mutex::new(I8042::new(exit_tx.clone()))))?;
+    pio.insert(0x70, 2, Arc::new(Mutex::new(Cmos::default())))?;
+
+    let mut mmio = Bus::default();
+    let attached = slots::attach(config, vm, mem, &mut mmio, saved.map(|s| &s.virtio[..]))?;
+    Ok(Devices {
+        serial,
+        virtio: attached.all,
+        pio: Arc::new(pio),
+        mmio: Arc::new(mmio),
+        balloon: attached.balloon,
+    })
+}
+
+/// Builds the VM and runs it until the guest stops (the simple, one-shot path).
+pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
+    let vm = Vm::new(config.clone())?;
+    vm.start();
+    Ok(vm.wait())
+}

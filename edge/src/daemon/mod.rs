@@ -8,7 +8,6 @@
 
 pub mod cgroup;
 pub mod grpc;
-pub mod images;
 pub mod limits;
 pub mod metrics;
 pub mod node;

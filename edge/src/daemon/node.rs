@@ -12,11 +12,11 @@ use serde::{Deserialize, Serialize};
 use tonic::Status;
 
 use super::cgroup::{self, Cgroups, Limits};
-use super::images::ImageMounts;
 use super::metrics::Metrics;
 use super::DaemonConfig;
 use crate::client::AgentClient;
 use crate::error::EdgeError;
+use crate::images::servers::ImageMounts;
 use crate::images::{Catalog, ImageError, ImageSource};
 use crate::kvm::KvmStatus;
 use crate::sandbox::{

@@ -20,7 +20,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::images::{is_layerfs_mount, LayerImage, SERVER_IMAGE_FILE, SERVER_READY_FILE};
+use super::{is_layerfs_mount, LayerImage, SERVER_IMAGE_FILE, SERVER_READY_FILE};
 use crate::sandbox::proc_stat;
 
 /// How long a new server may take to mount.

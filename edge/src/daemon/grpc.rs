@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::limits::{self, check_env, check_labels, check_len};
 use super::node::{Claim, Demand, Entry, Node, Plan, LOG_SOURCES};
-use crate::sandbox::BackendKind;
+use crate::backend::BackendKind;
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
 

@@ -26,9 +26,9 @@ use dsec_api::v1::sandboxes_server::SandboxesServer;
 use dsec_api::v1::sessions_server::SessionsServer;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
+use crate::backend::BackendKind;
 use crate::error::EdgeError;
 use crate::paths::Artifacts;
-use crate::sandbox::BackendKind;
 
 pub use node::Node;
 

@@ -14,14 +14,14 @@ use tonic::Status;
 use super::cgroup::{self, Cgroups, Limits};
 use super::metrics::Metrics;
 use super::DaemonConfig;
+use crate::backend::{
+    restore_microvm, BackendKind, EdgeConfig, Sandbox, SandboxHandle, SandboxSpec,
+};
 use crate::client::AgentClient;
 use crate::error::EdgeError;
 use crate::images::servers::ImageMounts;
 use crate::images::{Catalog, ImageError, ImageSource};
 use crate::kvm::KvmStatus;
-use crate::sandbox::{
-    restore_microvm, BackendKind, EdgeConfig, Sandbox, SandboxHandle, SandboxSpec,
-};
 
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -524,9 +524,9 @@ impl Node {
             artifacts: config.artifacts.clone(),
             agent_bin: config.agent_bin.clone(),
             vmm_bin: config.vmm_bin.clone(),
-            jail: config.jail_vmms.then(|| crate::sandbox::VmmJail {
-                uid: crate::sandbox::JAIL_UID,
-                gid: crate::sandbox::JAIL_GID,
+            jail: config.jail_vmms.then(|| crate::backend::VmmJail {
+                uid: crate::backend::JAIL_UID,
+                gid: crate::backend::JAIL_GID,
                 snapshots: config.state_dir.join("snapshots"),
                 roots: config.state_dir.join("jails"),
             }),

@@ -28,7 +28,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::{Entry, Node};
+use super::node::Node;
+use super::record::Entry;
 
 /// Largest data chunk a client may send on a port stream (as the agent enforces).
 pub const MAX_CHUNK: usize = 1 << 20;
@@ -81,7 +82,7 @@ fn port_status(id: &str, status: Status) -> Status {
                 .replace("in this sandbox", &format!("in sandbox {id}")),
         );
     }
-    super::grpc::agent_status(id, status)
+    super::status::agent_status(id, status)
 }
 
 /// An open connection to `port` in the sandbox: data goes in through the sender, comes out of

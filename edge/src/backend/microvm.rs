@@ -113,14 +113,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
             reason: format!("{reason}; use --backend container (or auto)"),
         });
     }
-    let vmm_bin = match &config.vmm_bin {
-        Some(path) => path.clone(),
-        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
-            what: "VMM",
-            name: "dsec-vmm",
-            hint: "build it with `cargo build --release -p dsec-vmm`",
-        })?,
-    };
+    let vmm_bin = vmm_binary(config)?;
     let id = spec
         .id
         .clone()
@@ -169,6 +162,19 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
         command.arg("--drive").arg(drive);
     }
     launch(config, host, command, &vmm_bin, id, spec).await
+}
+
+/// The `dsec-vmm` to run: the configured one, else found next to this executable, in
+/// $DSEC_HOME/bin or PATH.
+fn vmm_binary(config: &EdgeConfig) -> Result<PathBuf> {
+    match &config.vmm_bin {
+        Some(path) => Ok(path.clone()),
+        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
+            what: "VMM",
+            name: "dsec-vmm",
+            hint: "build it with `cargo build --release -p dsec-vmm`",
+        }),
+    }
 }
 
 /// Jails (when the edge jails its VMMs) and starts the VMM of `host`'s sandbox, logging to
@@ -380,14 +386,7 @@ pub async fn restore_microvm(
     spec: &SandboxSpec,
     upper: Option<&Path>,
 ) -> Result<Sandbox> {
-    let vmm_bin = match &config.vmm_bin {
-        Some(path) => path.clone(),
-        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
-            what: "VMM",
-            name: "dsec-vmm",
-            hint: "build it with `cargo build --release -p dsec-vmm`",
-        })?,
-    };
+    let vmm_bin = vmm_binary(config)?;
     let host = HostResources::create(config, id)?;
     let dir = host.dir.clone();
     let vsock = dir.join("vsock.sock");

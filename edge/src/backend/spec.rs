@@ -70,7 +70,7 @@ impl SandboxSpec {
                 self.mem_mib
             )));
         }
-        let host_mib = host_memory_mib();
+        let host_mib = host_memory_mib().unwrap_or(0);
         if host_mib > 0 && u64::from(self.mem_mib) > host_mib {
             return Err(EdgeError::InvalidSpec(format!(
                 "{} MiB of memory is more than this host has ({host_mib} MiB)",
@@ -81,7 +81,8 @@ impl SandboxSpec {
     }
 }
 
-fn host_memory_mib() -> u64 {
+/// The host's memory in MiB (MemTotal), if /proc/meminfo says.
+pub(crate) fn host_memory_mib() -> Option<u64> {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
@@ -89,7 +90,6 @@ fn host_memory_mib() -> u64 {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         })
         .map(|kib| kib / 1024)
-        .unwrap_or(0)
 }
 
 /// Environment helper for callers: parses `K=V`.

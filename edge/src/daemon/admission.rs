@@ -62,7 +62,7 @@ impl Budgets {
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1) as f64;
-        let host_mib = host_memory_mib() as f64;
+        let host_mib = crate::backend::spec::host_memory_mib().unwrap_or(1024) as f64;
         Budgets {
             memory_mib: Budget {
                 limit: (config.memory_mib.map(|m| m as f64).unwrap_or(host_mib)
@@ -150,17 +150,6 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner())
             .release(demand);
     }
-}
-
-fn host_memory_mib() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok()
-        })
-        .map(|kib| kib / 1024)
-        .unwrap_or(1024)
 }
 
 /// Per-sandbox pid limits are ceilings most sandboxes never approach, so their sum may

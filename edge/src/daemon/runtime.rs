@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use dsec_api::agent::v1 as agent;
-use dsec_api::transcode;
 use dsec_api::v1::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -83,15 +82,14 @@ impl process_server::Process for ProcessService {
                 timeout_ms: start.timeout_ms,
                 stdin: start.stdin,
                 // Sizes and TERM are checked by the agent (one rule for every backend).
-                pty: start.pty.as_ref().map(transcode),
+                pty: start.pty,
             })),
         };
         let (tx, rx) = mpsc::channel(8);
         let _ = tx.send(first).await;
-        // Stdin, EOF, signals and resizes have the same wire layout in both APIs.
         tokio::spawn(async move {
             while let Ok(Some(message)) = inbound.message().await {
-                if tx.send(transcode(&message)).await.is_err() {
+                if tx.send(exec_input(message)).await.is_err() {
                     return;
                 }
             }
@@ -107,8 +105,7 @@ impl process_server::Process for ProcessService {
         let stream = responses.map(move |item| {
             touch.touch();
             // An agent that died mid-command: say why, not "h2 protocol error".
-            item.map(|m| transcode::<agent::ExecResponse, ExecResponse>(&m))
-                .map_err(|s| node.agent_error(&touch, s))
+            item.map_err(|s| node.agent_error(&touch, s))
         });
         Ok(Response::new(Box::pin(stream)))
     }
@@ -227,7 +224,7 @@ impl files_server::Files for FilesService {
             .await
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
     }
 
     async fn stat(&self, request: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
@@ -239,7 +236,7 @@ impl files_server::Files for FilesService {
             .await
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
     }
 
     async fn mkdir(
@@ -330,7 +327,7 @@ impl sessions_server::Sessions for SessionsService {
             .await
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
     }
 
     async fn run(
@@ -360,7 +357,7 @@ impl sessions_server::Sessions for SessionsService {
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
         self.0.get(&r.sandbox_id).map(|e| e.touch()).ok();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
     }
 
     async fn read_output(
@@ -378,7 +375,7 @@ impl sessions_server::Sessions for SessionsService {
             .await
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
     }
 
     async fn close(
@@ -406,6 +403,23 @@ impl sessions_server::Sessions for SessionsService {
             .await
             .map_err(|s| self.0.call_error(&r.sandbox_id, s))?
             .into_inner();
-        Ok(Response::new(transcode(&out)))
+        Ok(Response::new(out))
+    }
+}
+
+/// A client's exec message after its start, as the agent takes it: stdin, EOF, signals and
+/// resizes are the same messages in both APIs; a second start goes on empty (the agent
+/// refuses it).
+fn exec_input(message: ExecRequest) -> agent::ExecRequest {
+    use agent::exec_request::Kind as ToAgent;
+    use exec_request::Kind;
+    agent::ExecRequest {
+        kind: message.kind.map(|kind| match kind {
+            Kind::Start(_) => ToAgent::Start(agent::ExecStart::default()),
+            Kind::Stdin(data) => ToAgent::Stdin(data),
+            Kind::StdinEof(eof) => ToAgent::StdinEof(eof),
+            Kind::Signal(signal) => ToAgent::Signal(signal),
+            Kind::Resize(size) => ToAgent::Resize(size),
+        }),
     }
 }

@@ -4,12 +4,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use super::cgroup;
 use super::node::Node;
-use super::record::{append_event, new_access_token, now_ms, Entry, Record};
+use super::record::{append_event, new_access_token, Entry, Record};
 use super::request_ids::RequestState;
 use crate::client::AgentClient;
 
@@ -63,13 +63,7 @@ impl Node {
                     }
                     append_event(&record.handle.dir, "adopted by a restarted daemon");
                     tracing::info!(sandbox = %id, pid = record.handle.pid, "adopted");
-                    let entry = Arc::new(Entry {
-                        record: Mutex::new(record),
-                        client,
-                        last_activity_ms: AtomicI64::new(now_ms()),
-                        claims: AtomicU64::new(0),
-                        death: std::sync::OnceLock::new(),
-                    });
+                    let entry = Entry::new(record, client);
                     kept.insert(id.clone());
                     self.lock().insert(id, entry);
                     self.metrics.adopted_total.fetch_add(1, Ordering::Relaxed);

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::admission::{memory_limit_mib, Demand};
@@ -353,13 +353,7 @@ impl Node {
         );
         tracing::info!(sandbox = %record.handle.id, backend = %record.handle.backend, pid = record.handle.pid, "created");
         let id = record.handle.id.clone();
-        let entry = Arc::new(Entry {
-            record: Mutex::new(record),
-            client,
-            last_activity_ms: AtomicI64::new(now_ms()),
-            claims: AtomicU64::new(0),
-            death: std::sync::OnceLock::new(),
-        });
+        let entry = Entry::new(record, client);
         self.lock().insert(id, entry.clone());
         Ok(entry)
     }

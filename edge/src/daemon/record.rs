@@ -138,6 +138,17 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// A sandbox the node starts supervising now (created or adopted).
+    pub fn new(record: Record, client: AgentClient) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
+            record: Mutex::new(record),
+            client,
+            last_activity_ms: AtomicI64::new(now_ms()),
+            claims: AtomicU64::new(0),
+            death: std::sync::OnceLock::new(),
+        })
+    }
+
     pub fn touch(&self) {
         self.last_activity_ms.store(now_ms(), Ordering::Relaxed);
     }

@@ -1,7 +1,10 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=proto/agent.proto");
-    println!("cargo:rerun-if-changed=proto/dsec.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/agent.proto"], &["proto"])?;
-    tonic_prost_build::configure().compile_protos(&["proto/dsec.proto"], &["proto"])?;
+    for proto in ["agent", "common", "dsec"] {
+        println!("cargo:rerun-if-changed=proto/{proto}.proto");
+    }
+    // One run for both APIs: the messages of common.proto (package dsec.v1) are generated
+    // once, into the public API's module, and the agent API refers to them there.
+    tonic_prost_build::configure()
+        .compile_protos(&["proto/agent.proto", "proto/dsec.proto"], &["proto"])?;
     Ok(())
 }

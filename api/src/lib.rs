@@ -1,26 +1,29 @@
 //! Protobuf/gRPC definitions of DSec: the public node API (`dsec.v1`, served by the edge
 //! daemon, spoken by SDKs and the CLI) and the runtime API (`dsec.agent.v1`) served by the
-//! in-sandbox agent. Generated from `proto/dsec.proto` and `proto/agent.proto`.
+//! in-sandbox agent. Generated from `proto/dsec.proto`, `proto/agent.proto` and
+//! `proto/common.proto`, which holds the messages both share (in package `dsec.v1`).
 
 /// The agent runtime API, version 1.
 pub mod agent {
-    /// Package `dsec.agent.v1`.
+    /// Package `dsec.agent.v1`, plus the messages it shares with the public API (defined once
+    /// in `common.proto`, package `dsec.v1`), so agent code names them here as well.
     #[allow(clippy::all, missing_docs)]
     pub mod v1 {
         tonic::include_proto!("dsec.agent.v1");
+        pub use crate::v1::{
+            exec_response, port_response, CloseSessionResponse, CommandResult, ExecResponse,
+            ExecStarted, ExitStatus, FileChunk, FileInfo, FileType, ListDirResponse,
+            ListSessionsResponse, MkdirResponse, PortConnected, PortEof, PortResponse, PtyConfig,
+            RemoveResponse, RenameResponse, SessionInfo, StdinEof, WindowSize, WriteFileResponse,
+        };
     }
 }
 
-/// The public node API, version 1 (package `dsec.v1`).
+/// The public node API, version 1 (package `dsec.v1`), including the messages it shares with
+/// the agent API.
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("dsec.v1");
-}
-
-/// Re-encodes a message as another message type with the same wire layout (the public API
-/// mirrors several agent messages field for field, e.g. `CommandResult`, `FileInfo`).
-pub fn transcode<A: prost::Message, B: prost::Message + Default>(a: &A) -> B {
-    B::decode(a.encode_to_vec().as_slice()).unwrap_or_default()
 }
 
 /// AF_VSOCK port the agent listens on inside a VM.

@@ -558,7 +558,7 @@ async fn run_in_sandbox(
     let config = EdgeConfig::default();
     // The same cgroup limits a node sandbox of this shape gets (memory, pids, CPU), under
     // `<our cgroup>/dsec-run/<id>`; removed with the sandbox.
-    let id = dsec_edge::sandbox::new_sandbox_id(kind);
+    let id = dsec_edge::backend::new_sandbox_id(kind);
     let charged_disk = match kind {
         BackendKind::Container => spec.disk_mib.unwrap_or(0),
         BackendKind::MicroVm if spec.root_disk.is_some() => spec.disk_mib.unwrap_or(1024),

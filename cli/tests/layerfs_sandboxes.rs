@@ -175,7 +175,7 @@ impl Node {
     fn processes(&self) -> Vec<i32> {
         let needle = self.dir.path().to_string_lossy().into_owned();
         let daemon = self.daemon.as_ref().map(|d| d.id() as i32);
-        dsec_edge::sandbox::pids_referencing(needle.as_bytes())
+        dsec_edge::backend::pids_referencing(needle.as_bytes())
             .into_iter()
             .filter(|&pid| Some(pid) != daemon)
             .collect()

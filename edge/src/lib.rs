@@ -1,6 +1,7 @@
 //! dsec-edge: sandbox lifecycle on one node. Backends (container, microVM), the agent
 //! client, KVM detection and artifact lookup. The node daemon builds on this later.
 
+pub mod backend;
 pub mod client;
 pub mod daemon;
 pub mod error;
@@ -9,11 +10,10 @@ pub mod images;
 pub mod kvm;
 pub mod microvm;
 pub mod paths;
-pub mod sandbox;
 
+pub use backend::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 pub use client::{AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec};
 pub use error::{EdgeError, Result};
 pub use kvm::KvmStatus;
 pub use microvm::{MicroVm, MicroVmDir, SpawnOptions, StartingMicroVm};
 pub use paths::{find_binary, Artifacts, ImagePaths};
-pub use sandbox::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};

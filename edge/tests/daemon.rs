@@ -45,7 +45,7 @@ pub fn dsec_home() -> &'static Path {
 
 /// Pids whose command line or environment contains `text`.
 pub fn procs_referencing(text: &str) -> Vec<i32> {
-    dsec_edge::sandbox::pids_referencing(text.as_bytes())
+    dsec_edge::backend::pids_referencing(text.as_bytes())
 }
 
 /// Links an image installed on this host (`$DSEC_HOME/images/NAME`, e.g. setup.sh's debian)

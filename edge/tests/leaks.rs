@@ -34,7 +34,7 @@ fn child_pids() -> Vec<i32> {
 /// Processes anywhere on the host whose command line or environment mentions `needle`
 /// (their command lines, for the message).
 fn processes_mentioning(needle: &str) -> Vec<String> {
-    dsec_edge::sandbox::pids_referencing(needle.as_bytes())
+    dsec_edge::backend::pids_referencing(needle.as_bytes())
         .into_iter()
         .map(|pid| {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();

@@ -6,13 +6,23 @@
 //! `snapshots/`. Sandboxes run in their own sessions, so they outlive a daemon that is killed;
 //! the next daemon re-adopts them from `meta.json` and removes everything else.
 
+mod admission;
+mod adoption;
 pub mod cgroup;
+mod create;
+pub mod error;
+mod fork;
 pub mod grpc;
-pub mod images;
 pub mod limits;
 pub mod metrics;
 pub mod node;
 pub mod ports;
+mod reaper;
+pub mod record;
+mod request_ids;
+mod runtime;
+mod status;
+mod vmm_control;
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -27,11 +37,15 @@ use dsec_api::v1::sandboxes_server::SandboxesServer;
 use dsec_api::v1::sessions_server::SessionsServer;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
+use crate::backend::BackendKind;
 use crate::error::EdgeError;
 use crate::paths::Artifacts;
-use crate::sandbox::BackendKind;
 
+pub use admission::{memory_limit_mib, Budget, Budgets, Demand};
+pub use create::{CreatePlan, ImagePlan, Plan};
+pub use error::NodeError;
 pub use node::Node;
+pub use request_ids::{Claim, CreateOutcome};
 
 /// Port of the default HTTP entry point (127.0.0.1:7080).
 pub const DEFAULT_HTTP_PORT: u16 = 7080;
@@ -188,14 +202,14 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
             .add_service(
-                ProcessServer::new(grpc::ProcessService(node.clone()))
+                ProcessServer::new(runtime::ProcessService(node.clone()))
                     .max_decoding_message_size(16 << 20),
             )
             .add_service(
-                FilesServer::new(grpc::FilesService(node.clone()))
+                FilesServer::new(runtime::FilesService(node.clone()))
                     .max_decoding_message_size(16 << 20),
             )
-            .add_service(SessionsServer::new(grpc::SessionsService(node.clone())))
+            .add_service(SessionsServer::new(runtime::SessionsService(node.clone())))
             .add_service(
                 PortsServer::new(ports::PortsService {
                     node: node.clone(),

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dsec_api::agent::v1 as agent;
-use dsec_api::transcode;
 use dsec_api::v1::{
     ports_server, PortRequest, PortResponse, PortUrl, PortUrlRequest, SetPortPublicRequest,
     SetPortPublicResponse,
@@ -28,7 +27,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::node::{Entry, Node};
+use super::node::Node;
+use super::record::Entry;
 
 /// Largest data chunk a client may send on a port stream (as the agent enforces).
 pub const MAX_CHUNK: usize = 1 << 20;
@@ -81,7 +81,7 @@ fn port_status(id: &str, status: Status) -> Status {
                 .replace("in this sandbox", &format!("in sandbox {id}")),
         );
     }
-    super::grpc::agent_status(id, status)
+    super::status::agent_status(id, status)
 }
 
 /// An open connection to `port` in the sandbox: data goes in through the sender, comes out of
@@ -172,11 +172,10 @@ impl ports_server::Ports for PortsService {
             }
         }
         let (tx, responses) = open_agent(&self.node, &id, port).await?;
-        // Data, eof and protocol errors have the same wire layout in both APIs; the agent
-        // checks order and sizes. Ending this stream half-closes the agent's.
+        // The agent checks order and sizes. Ending this stream half-closes the agent's.
         tokio::spawn(async move {
             while let Ok(Some(message)) = inbound.message().await {
-                if tx.send(transcode(&message)).await.is_err() {
+                if tx.send(port_input(message)).await.is_err() {
                     return;
                 }
             }
@@ -184,8 +183,7 @@ impl ports_server::Ports for PortsService {
         let entry = self.node.get(&id)?;
         let stream = responses.map(move |item| {
             entry.touch();
-            item.map(|m| transcode::<agent::PortResponse, PortResponse>(&m))
-                .map_err(|s| port_status(&id, s))
+            item.map_err(|s| port_status(&id, s))
         });
         Ok(Response::new(Box::pin(stream)))
     }
@@ -468,6 +466,20 @@ pub async fn serve_http(node: Arc<Node>, listener: TcpListener, max_connections:
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
+    }
+}
+
+/// A client's port message after its open, as the agent takes it (data and EOF are the same
+/// messages in both APIs; a second open goes on as an empty one, which the agent refuses).
+fn port_input(message: dsec_api::v1::PortRequest) -> agent::PortRequest {
+    use agent::port_request::Kind as ToAgent;
+    use dsec_api::v1::port_request::Kind;
+    agent::PortRequest {
+        kind: message.kind.map(|kind| match kind {
+            Kind::Open(_) => ToAgent::Open(agent::PortOpen::default()),
+            Kind::Data(data) => ToAgent::Data(data),
+            Kind::Eof(eof) => ToAgent::Eof(eof),
+        }),
     }
 }
 

@@ -1,11 +1,38 @@
+from . import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from .common_pb2 import CloseSessionResponse as CloseSessionResponse
+from .common_pb2 import CommandResult as CommandResult
+from .common_pb2 import ExecResponse as ExecResponse
+from .common_pb2 import ExecStarted as ExecStarted
+from .common_pb2 import ExitStatus as ExitStatus
+from .common_pb2 import FileChunk as FileChunk
+from .common_pb2 import FileInfo as FileInfo
+from .common_pb2 import ListDirResponse as ListDirResponse
+from .common_pb2 import ListSessionsResponse as ListSessionsResponse
+from .common_pb2 import MkdirResponse as MkdirResponse
+from .common_pb2 import PortConnected as PortConnected
+from .common_pb2 import PortEof as PortEof
+from .common_pb2 import PortResponse as PortResponse
+from .common_pb2 import PtyConfig as PtyConfig
+from .common_pb2 import RemoveResponse as RemoveResponse
+from .common_pb2 import RenameResponse as RenameResponse
+from .common_pb2 import SessionInfo as SessionInfo
+from .common_pb2 import StdinEof as StdinEof
+from .common_pb2 import WindowSize as WindowSize
+from .common_pb2 import WriteFileResponse as WriteFileResponse
+from .common_pb2 import FileType as FileType
 
 DESCRIPTOR: _descriptor.FileDescriptor
+FILE_TYPE_UNSPECIFIED: _common_pb2.FileType
+FILE_TYPE_FILE: _common_pb2.FileType
+FILE_TYPE_DIR: _common_pb2.FileType
+FILE_TYPE_SYMLINK: _common_pb2.FileType
+FILE_TYPE_OTHER: _common_pb2.FileType
 
 class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,14 +48,6 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_PAUSED: _ClassVar[SandboxState]
     SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
     SANDBOX_STATE_DEAD: _ClassVar[SandboxState]
-
-class FileType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FILE_TYPE_UNSPECIFIED: _ClassVar[FileType]
-    FILE_TYPE_FILE: _ClassVar[FileType]
-    FILE_TYPE_DIR: _ClassVar[FileType]
-    FILE_TYPE_SYMLINK: _ClassVar[FileType]
-    FILE_TYPE_OTHER: _ClassVar[FileType]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CONTAINER: Backend
 BACKEND_MICROVM: Backend
@@ -38,11 +57,6 @@ SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_PAUSED: SandboxState
 SANDBOX_STATE_STOPPING: SandboxState
 SANDBOX_STATE_DEAD: SandboxState
-FILE_TYPE_UNSPECIFIED: FileType
-FILE_TYPE_FILE: FileType
-FILE_TYPE_DIR: FileType
-FILE_TYPE_SYMLINK: FileType
-FILE_TYPE_OTHER: FileType
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow_internet", "allow")
@@ -325,24 +339,6 @@ class NodeStatusResponse(_message.Message):
     started_at_unix_ms: int
     def __init__(self, version: _Optional[str] = ..., default_backend: _Optional[str] = ..., memory_mib: _Optional[_Union[Budget, _Mapping]] = ..., vcpus: _Optional[_Union[Budget, _Mapping]] = ..., pids: _Optional[_Union[Budget, _Mapping]] = ..., disk_mib: _Optional[_Union[Budget, _Mapping]] = ..., sandboxes: _Optional[int] = ..., creates_total: _Optional[int] = ..., create_failures_total: _Optional[int] = ..., admission_rejections_total: _Optional[int] = ..., reaped_total: _Optional[int] = ..., adopted_total: _Optional[int] = ..., started_at_unix_ms: _Optional[int] = ...) -> None: ...
 
-class PtyConfig(_message.Message):
-    __slots__ = ("rows", "cols", "term")
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    COLS_FIELD_NUMBER: _ClassVar[int]
-    TERM_FIELD_NUMBER: _ClassVar[int]
-    rows: int
-    cols: int
-    term: str
-    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ..., term: _Optional[str] = ...) -> None: ...
-
-class WindowSize(_message.Message):
-    __slots__ = ("rows", "cols")
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    COLS_FIELD_NUMBER: _ClassVar[int]
-    rows: int
-    cols: int
-    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ...) -> None: ...
-
 class ExecStart(_message.Message):
     __slots__ = ("sandbox_id", "argv", "env", "workdir", "timeout_ms", "stdin", "pty")
     class EnvEntry(_message.Message):
@@ -365,8 +361,8 @@ class ExecStart(_message.Message):
     workdir: str
     timeout_ms: int
     stdin: bool
-    pty: PtyConfig
-    def __init__(self, sandbox_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., stdin: _Optional[bool] = ..., pty: _Optional[_Union[PtyConfig, _Mapping]] = ...) -> None: ...
+    pty: _common_pb2.PtyConfig
+    def __init__(self, sandbox_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., stdin: _Optional[bool] = ..., pty: _Optional[_Union[_common_pb2.PtyConfig, _Mapping]] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("start", "stdin", "stdin_eof", "signal", "resize")
@@ -377,42 +373,10 @@ class ExecRequest(_message.Message):
     RESIZE_FIELD_NUMBER: _ClassVar[int]
     start: ExecStart
     stdin: bytes
-    stdin_eof: StdinEof
+    stdin_eof: _common_pb2.StdinEof
     signal: int
-    resize: WindowSize
-    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., stdin_eof: _Optional[_Union[StdinEof, _Mapping]] = ..., signal: _Optional[int] = ..., resize: _Optional[_Union[WindowSize, _Mapping]] = ...) -> None: ...
-
-class StdinEof(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ExecResponse(_message.Message):
-    __slots__ = ("started", "stdout", "stderr", "exit")
-    STARTED_FIELD_NUMBER: _ClassVar[int]
-    STDOUT_FIELD_NUMBER: _ClassVar[int]
-    STDERR_FIELD_NUMBER: _ClassVar[int]
-    EXIT_FIELD_NUMBER: _ClassVar[int]
-    started: ExecStarted
-    stdout: bytes
-    stderr: bytes
-    exit: ExitStatus
-    def __init__(self, started: _Optional[_Union[ExecStarted, _Mapping]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExitStatus, _Mapping]] = ...) -> None: ...
-
-class ExecStarted(_message.Message):
-    __slots__ = ("pid",)
-    PID_FIELD_NUMBER: _ClassVar[int]
-    pid: int
-    def __init__(self, pid: _Optional[int] = ...) -> None: ...
-
-class ExitStatus(_message.Message):
-    __slots__ = ("code", "signal", "timed_out")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    SIGNAL_FIELD_NUMBER: _ClassVar[int]
-    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    signal: int
-    timed_out: bool
-    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ...) -> None: ...
+    resize: _common_pb2.WindowSize
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., stdin_eof: _Optional[_Union[_common_pb2.StdinEof, _Mapping]] = ..., signal: _Optional[int] = ..., resize: _Optional[_Union[_common_pb2.WindowSize, _Mapping]] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("sandbox_id", "path")
@@ -421,12 +385,6 @@ class ReadFileRequest(_message.Message):
     sandbox_id: str
     path: bytes
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
-
-class FileChunk(_message.Message):
-    __slots__ = ("data",)
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class WriteFileHeader(_message.Message):
     __slots__ = ("sandbox_id", "path", "mode", "create_parents")
@@ -448,28 +406,6 @@ class WriteFileRequest(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[WriteFileHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class WriteFileResponse(_message.Message):
-    __slots__ = ("bytes_written",)
-    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
-    bytes_written: int
-    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
-
-class FileInfo(_message.Message):
-    __slots__ = ("name", "type", "size", "mode", "mtime_unix_ms", "symlink_target")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    TYPE_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
-    MTIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    SYMLINK_TARGET_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    type: FileType
-    size: int
-    mode: int
-    mtime_unix_ms: int
-    symlink_target: str
-    def __init__(self, name: _Optional[str] = ..., type: _Optional[_Union[FileType, str]] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., mtime_unix_ms: _Optional[int] = ..., symlink_target: _Optional[str] = ...) -> None: ...
-
 class ListDirRequest(_message.Message):
     __slots__ = ("sandbox_id", "path")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -477,12 +413,6 @@ class ListDirRequest(_message.Message):
     sandbox_id: str
     path: bytes
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
-
-class ListDirResponse(_message.Message):
-    __slots__ = ("entries",)
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[FileInfo]
-    def __init__(self, entries: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ...) -> None: ...
 
 class StatRequest(_message.Message):
     __slots__ = ("sandbox_id", "path")
@@ -504,10 +434,6 @@ class MkdirRequest(_message.Message):
     mode: int
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ..., parents: _Optional[bool] = ..., mode: _Optional[int] = ...) -> None: ...
 
-class MkdirResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class RemoveRequest(_message.Message):
     __slots__ = ("sandbox_id", "path", "recursive")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -518,10 +444,6 @@ class RemoveRequest(_message.Message):
     recursive: bool
     def __init__(self, sandbox_id: _Optional[str] = ..., path: _Optional[bytes] = ..., recursive: _Optional[bool] = ...) -> None: ...
 
-class RemoveResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class RenameRequest(_message.Message):
     __slots__ = ("sandbox_id", "to")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -530,10 +452,6 @@ class RenameRequest(_message.Message):
     sandbox_id: str
     to: bytes
     def __init__(self, sandbox_id: _Optional[str] = ..., to: _Optional[bytes] = ..., **kwargs) -> None: ...
-
-class RenameResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ("sandbox_id", "shell", "env", "workdir")
@@ -554,20 +472,6 @@ class CreateSessionRequest(_message.Message):
     workdir: str
     def __init__(self, sandbox_id: _Optional[str] = ..., shell: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., workdir: _Optional[str] = ...) -> None: ...
 
-class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "shell_pid", "alive", "commands", "busy")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SHELL_PID_FIELD_NUMBER: _ClassVar[int]
-    ALIVE_FIELD_NUMBER: _ClassVar[int]
-    COMMANDS_FIELD_NUMBER: _ClassVar[int]
-    BUSY_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    shell_pid: int
-    alive: bool
-    commands: int
-    busy: bool
-    def __init__(self, session_id: _Optional[str] = ..., shell_pid: _Optional[int] = ..., alive: _Optional[bool] = ..., commands: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
-
 class RunInSessionRequest(_message.Message):
     __slots__ = ("sandbox_id", "session_id", "command", "timeout_ms", "wait", "output_limit")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -583,30 +487,6 @@ class RunInSessionRequest(_message.Message):
     wait: bool
     output_limit: int
     def __init__(self, sandbox_id: _Optional[str] = ..., session_id: _Optional[str] = ..., command: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., wait: _Optional[bool] = ..., output_limit: _Optional[int] = ...) -> None: ...
-
-class CommandResult(_message.Message):
-    __slots__ = ("session_id", "command_id", "done", "exit_code", "timed_out", "output", "truncated", "total_bytes", "duration_ms", "session_ended")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
-    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
-    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ENDED_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    command_id: int
-    done: bool
-    exit_code: int
-    timed_out: bool
-    output: bytes
-    truncated: bool
-    total_bytes: int
-    duration_ms: int
-    session_ended: bool
-    def __init__(self, session_id: _Optional[str] = ..., command_id: _Optional[int] = ..., done: _Optional[bool] = ..., exit_code: _Optional[int] = ..., timed_out: _Optional[bool] = ..., output: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[int] = ..., session_ended: _Optional[bool] = ...) -> None: ...
 
 class ReadOutputRequest(_message.Message):
     __slots__ = ("sandbox_id", "session_id", "command_id", "wait")
@@ -628,21 +508,11 @@ class CloseSessionRequest(_message.Message):
     session_id: str
     def __init__(self, sandbox_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
-class CloseSessionResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class ListSessionsRequest(_message.Message):
     __slots__ = ("sandbox_id",)
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
-
-class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions",)
-    SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
 
 class SetPortPublicRequest(_message.Message):
     __slots__ = ("sandbox_id", "port", "public")
@@ -670,10 +540,6 @@ class PortOpen(_message.Message):
     access_token: str
     def __init__(self, sandbox_id: _Optional[str] = ..., port: _Optional[int] = ..., access_token: _Optional[str] = ...) -> None: ...
 
-class PortEof(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class PortRequest(_message.Message):
     __slots__ = ("open", "data", "eof")
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -681,22 +547,8 @@ class PortRequest(_message.Message):
     EOF_FIELD_NUMBER: _ClassVar[int]
     open: PortOpen
     data: bytes
-    eof: PortEof
-    def __init__(self, open: _Optional[_Union[PortOpen, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
-
-class PortConnected(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class PortResponse(_message.Message):
-    __slots__ = ("connected", "data", "eof")
-    CONNECTED_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    EOF_FIELD_NUMBER: _ClassVar[int]
-    connected: PortConnected
-    data: bytes
-    eof: PortEof
-    def __init__(self, connected: _Optional[_Union[PortConnected, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[PortEof, _Mapping]] = ...) -> None: ...
+    eof: _common_pb2.PortEof
+    def __init__(self, open: _Optional[_Union[PortOpen, _Mapping]] = ..., data: _Optional[bytes] = ..., eof: _Optional[_Union[_common_pb2.PortEof, _Mapping]] = ...) -> None: ...
 
 class PortUrlRequest(_message.Message):
     __slots__ = ("sandbox_id", "port")

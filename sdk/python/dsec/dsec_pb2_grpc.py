@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from . import common_pb2 as common__pb2
 from . import dsec_pb2 as dsec__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -560,7 +561,7 @@ class ProcessStub:
         self.Exec = channel.stream_stream(
                 '/dsec.v1.Process/Exec',
                 request_serializer=dsec__pb2.ExecRequest.SerializeToString,
-                response_deserializer=dsec__pb2.ExecResponse.FromString,
+                response_deserializer=common__pb2.ExecResponse.FromString,
                 _registered_method=True)
 
 
@@ -583,7 +584,7 @@ def add_ProcessServicer_to_server(servicer, server):
             'Exec': grpc.stream_stream_rpc_method_handler(
                     servicer.Exec,
                     request_deserializer=dsec__pb2.ExecRequest.FromString,
-                    response_serializer=dsec__pb2.ExecResponse.SerializeToString,
+                    response_serializer=common__pb2.ExecResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -614,7 +615,7 @@ class Process:
             target,
             '/dsec.v1.Process/Exec',
             dsec__pb2.ExecRequest.SerializeToString,
-            dsec__pb2.ExecResponse.FromString,
+            common__pb2.ExecResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -643,37 +644,37 @@ class FilesStub:
         self.Read = channel.unary_stream(
                 '/dsec.v1.Files/Read',
                 request_serializer=dsec__pb2.ReadFileRequest.SerializeToString,
-                response_deserializer=dsec__pb2.FileChunk.FromString,
+                response_deserializer=common__pb2.FileChunk.FromString,
                 _registered_method=True)
         self.Write = channel.stream_unary(
                 '/dsec.v1.Files/Write',
                 request_serializer=dsec__pb2.WriteFileRequest.SerializeToString,
-                response_deserializer=dsec__pb2.WriteFileResponse.FromString,
+                response_deserializer=common__pb2.WriteFileResponse.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/dsec.v1.Files/List',
                 request_serializer=dsec__pb2.ListDirRequest.SerializeToString,
-                response_deserializer=dsec__pb2.ListDirResponse.FromString,
+                response_deserializer=common__pb2.ListDirResponse.FromString,
                 _registered_method=True)
         self.Stat = channel.unary_unary(
                 '/dsec.v1.Files/Stat',
                 request_serializer=dsec__pb2.StatRequest.SerializeToString,
-                response_deserializer=dsec__pb2.FileInfo.FromString,
+                response_deserializer=common__pb2.FileInfo.FromString,
                 _registered_method=True)
         self.Mkdir = channel.unary_unary(
                 '/dsec.v1.Files/Mkdir',
                 request_serializer=dsec__pb2.MkdirRequest.SerializeToString,
-                response_deserializer=dsec__pb2.MkdirResponse.FromString,
+                response_deserializer=common__pb2.MkdirResponse.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/dsec.v1.Files/Remove',
                 request_serializer=dsec__pb2.RemoveRequest.SerializeToString,
-                response_deserializer=dsec__pb2.RemoveResponse.FromString,
+                response_deserializer=common__pb2.RemoveResponse.FromString,
                 _registered_method=True)
         self.Rename = channel.unary_unary(
                 '/dsec.v1.Files/Rename',
                 request_serializer=dsec__pb2.RenameRequest.SerializeToString,
-                response_deserializer=dsec__pb2.RenameResponse.FromString,
+                response_deserializer=common__pb2.RenameResponse.FromString,
                 _registered_method=True)
 
 
@@ -734,37 +735,37 @@ def add_FilesServicer_to_server(servicer, server):
             'Read': grpc.unary_stream_rpc_method_handler(
                     servicer.Read,
                     request_deserializer=dsec__pb2.ReadFileRequest.FromString,
-                    response_serializer=dsec__pb2.FileChunk.SerializeToString,
+                    response_serializer=common__pb2.FileChunk.SerializeToString,
             ),
             'Write': grpc.stream_unary_rpc_method_handler(
                     servicer.Write,
                     request_deserializer=dsec__pb2.WriteFileRequest.FromString,
-                    response_serializer=dsec__pb2.WriteFileResponse.SerializeToString,
+                    response_serializer=common__pb2.WriteFileResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
                     request_deserializer=dsec__pb2.ListDirRequest.FromString,
-                    response_serializer=dsec__pb2.ListDirResponse.SerializeToString,
+                    response_serializer=common__pb2.ListDirResponse.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
                     servicer.Stat,
                     request_deserializer=dsec__pb2.StatRequest.FromString,
-                    response_serializer=dsec__pb2.FileInfo.SerializeToString,
+                    response_serializer=common__pb2.FileInfo.SerializeToString,
             ),
             'Mkdir': grpc.unary_unary_rpc_method_handler(
                     servicer.Mkdir,
                     request_deserializer=dsec__pb2.MkdirRequest.FromString,
-                    response_serializer=dsec__pb2.MkdirResponse.SerializeToString,
+                    response_serializer=common__pb2.MkdirResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
                     request_deserializer=dsec__pb2.RemoveRequest.FromString,
-                    response_serializer=dsec__pb2.RemoveResponse.SerializeToString,
+                    response_serializer=common__pb2.RemoveResponse.SerializeToString,
             ),
             'Rename': grpc.unary_unary_rpc_method_handler(
                     servicer.Rename,
                     request_deserializer=dsec__pb2.RenameRequest.FromString,
-                    response_serializer=dsec__pb2.RenameResponse.SerializeToString,
+                    response_serializer=common__pb2.RenameResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -798,7 +799,7 @@ class Files:
             target,
             '/dsec.v1.Files/Read',
             dsec__pb2.ReadFileRequest.SerializeToString,
-            dsec__pb2.FileChunk.FromString,
+            common__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -825,7 +826,7 @@ class Files:
             target,
             '/dsec.v1.Files/Write',
             dsec__pb2.WriteFileRequest.SerializeToString,
-            dsec__pb2.WriteFileResponse.FromString,
+            common__pb2.WriteFileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -852,7 +853,7 @@ class Files:
             target,
             '/dsec.v1.Files/List',
             dsec__pb2.ListDirRequest.SerializeToString,
-            dsec__pb2.ListDirResponse.FromString,
+            common__pb2.ListDirResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -879,7 +880,7 @@ class Files:
             target,
             '/dsec.v1.Files/Stat',
             dsec__pb2.StatRequest.SerializeToString,
-            dsec__pb2.FileInfo.FromString,
+            common__pb2.FileInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -906,7 +907,7 @@ class Files:
             target,
             '/dsec.v1.Files/Mkdir',
             dsec__pb2.MkdirRequest.SerializeToString,
-            dsec__pb2.MkdirResponse.FromString,
+            common__pb2.MkdirResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -933,7 +934,7 @@ class Files:
             target,
             '/dsec.v1.Files/Remove',
             dsec__pb2.RemoveRequest.SerializeToString,
-            dsec__pb2.RemoveResponse.FromString,
+            common__pb2.RemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -960,7 +961,7 @@ class Files:
             target,
             '/dsec.v1.Files/Rename',
             dsec__pb2.RenameRequest.SerializeToString,
-            dsec__pb2.RenameResponse.FromString,
+            common__pb2.RenameResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -989,27 +990,27 @@ class SessionsStub:
         self.Create = channel.unary_unary(
                 '/dsec.v1.Sessions/Create',
                 request_serializer=dsec__pb2.CreateSessionRequest.SerializeToString,
-                response_deserializer=dsec__pb2.SessionInfo.FromString,
+                response_deserializer=common__pb2.SessionInfo.FromString,
                 _registered_method=True)
         self.Run = channel.unary_unary(
                 '/dsec.v1.Sessions/Run',
                 request_serializer=dsec__pb2.RunInSessionRequest.SerializeToString,
-                response_deserializer=dsec__pb2.CommandResult.FromString,
+                response_deserializer=common__pb2.CommandResult.FromString,
                 _registered_method=True)
         self.ReadOutput = channel.unary_unary(
                 '/dsec.v1.Sessions/ReadOutput',
                 request_serializer=dsec__pb2.ReadOutputRequest.SerializeToString,
-                response_deserializer=dsec__pb2.CommandResult.FromString,
+                response_deserializer=common__pb2.CommandResult.FromString,
                 _registered_method=True)
         self.Close = channel.unary_unary(
                 '/dsec.v1.Sessions/Close',
                 request_serializer=dsec__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=dsec__pb2.CloseSessionResponse.FromString,
+                response_deserializer=common__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/dsec.v1.Sessions/List',
                 request_serializer=dsec__pb2.ListSessionsRequest.SerializeToString,
-                response_deserializer=dsec__pb2.ListSessionsResponse.FromString,
+                response_deserializer=common__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
 
 
@@ -1058,27 +1059,27 @@ def add_SessionsServicer_to_server(servicer, server):
             'Create': grpc.unary_unary_rpc_method_handler(
                     servicer.Create,
                     request_deserializer=dsec__pb2.CreateSessionRequest.FromString,
-                    response_serializer=dsec__pb2.SessionInfo.SerializeToString,
+                    response_serializer=common__pb2.SessionInfo.SerializeToString,
             ),
             'Run': grpc.unary_unary_rpc_method_handler(
                     servicer.Run,
                     request_deserializer=dsec__pb2.RunInSessionRequest.FromString,
-                    response_serializer=dsec__pb2.CommandResult.SerializeToString,
+                    response_serializer=common__pb2.CommandResult.SerializeToString,
             ),
             'ReadOutput': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadOutput,
                     request_deserializer=dsec__pb2.ReadOutputRequest.FromString,
-                    response_serializer=dsec__pb2.CommandResult.SerializeToString,
+                    response_serializer=common__pb2.CommandResult.SerializeToString,
             ),
             'Close': grpc.unary_unary_rpc_method_handler(
                     servicer.Close,
                     request_deserializer=dsec__pb2.CloseSessionRequest.FromString,
-                    response_serializer=dsec__pb2.CloseSessionResponse.SerializeToString,
+                    response_serializer=common__pb2.CloseSessionResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
                     request_deserializer=dsec__pb2.ListSessionsRequest.FromString,
-                    response_serializer=dsec__pb2.ListSessionsResponse.SerializeToString,
+                    response_serializer=common__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1112,7 +1113,7 @@ class Sessions:
             target,
             '/dsec.v1.Sessions/Create',
             dsec__pb2.CreateSessionRequest.SerializeToString,
-            dsec__pb2.SessionInfo.FromString,
+            common__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1139,7 +1140,7 @@ class Sessions:
             target,
             '/dsec.v1.Sessions/Run',
             dsec__pb2.RunInSessionRequest.SerializeToString,
-            dsec__pb2.CommandResult.FromString,
+            common__pb2.CommandResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1166,7 +1167,7 @@ class Sessions:
             target,
             '/dsec.v1.Sessions/ReadOutput',
             dsec__pb2.ReadOutputRequest.SerializeToString,
-            dsec__pb2.CommandResult.FromString,
+            common__pb2.CommandResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1193,7 +1194,7 @@ class Sessions:
             target,
             '/dsec.v1.Sessions/Close',
             dsec__pb2.CloseSessionRequest.SerializeToString,
-            dsec__pb2.CloseSessionResponse.FromString,
+            common__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1220,7 +1221,7 @@ class Sessions:
             target,
             '/dsec.v1.Sessions/List',
             dsec__pb2.ListSessionsRequest.SerializeToString,
-            dsec__pb2.ListSessionsResponse.FromString,
+            common__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1248,7 +1249,7 @@ class PortsStub:
         self.Open = channel.stream_stream(
                 '/dsec.v1.Ports/Open',
                 request_serializer=dsec__pb2.PortRequest.SerializeToString,
-                response_deserializer=dsec__pb2.PortResponse.FromString,
+                response_deserializer=common__pb2.PortResponse.FromString,
                 _registered_method=True)
         self.Url = channel.unary_unary(
                 '/dsec.v1.Ports/Url',
@@ -1305,7 +1306,7 @@ def add_PortsServicer_to_server(servicer, server):
             'Open': grpc.stream_stream_rpc_method_handler(
                     servicer.Open,
                     request_deserializer=dsec__pb2.PortRequest.FromString,
-                    response_serializer=dsec__pb2.PortResponse.SerializeToString,
+                    response_serializer=common__pb2.PortResponse.SerializeToString,
             ),
             'Url': grpc.unary_unary_rpc_method_handler(
                     servicer.Url,
@@ -1348,7 +1349,7 @@ class Ports:
             target,
             '/dsec.v1.Ports/Open',
             dsec__pb2.PortRequest.SerializeToString,
-            dsec__pb2.PortResponse.FromString,
+            common__pb2.PortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,8 +20,8 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::images::{is_layerfs_mount, LayerImage, SERVER_IMAGE_FILE, SERVER_READY_FILE};
-use crate::sandbox::proc_stat;
+use super::{is_layerfs_mount, LayerImage, SERVER_IMAGE_FILE, SERVER_READY_FILE};
+use crate::backend::proc_stat;
 
 /// How long a new server may take to mount.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -1,0 +1,379 @@
+//! Snapshot and fork of microVM sandboxes: one snapshot of the parent, each child restored
+//! from it with its own vsock socket and CID, its own copy of the upper disk (disk images)
+//! and fresh entropy and clock before it is handed out.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::admission::Demand;
+use super::create::{limits_for, CreatePlan, Plan};
+use super::error::NodeError;
+use super::node::Node;
+use super::record::{new_access_token, now_ms, Entry, Record};
+use super::vmm_control::vmm_control;
+use crate::backend::{restore_microvm, BackendKind};
+use crate::error::EdgeError;
+
+impl Node {
+    /// Snapshot of a microVM sandbox into `path` (default under the state dir).
+    pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<PathBuf, NodeError> {
+        let entry = self.get(id)?;
+        let record = entry.record();
+        if record.handle.backend != BackendKind::MicroVm.as_str() {
+            return Err(NodeError::Unsupported(
+                "snapshots are implemented for microvm sandboxes only (container state is not captured yet)",
+            ));
+        }
+        let default_dir = self.config.state_dir.join("snapshots");
+        let path = snapshot_path(
+            id,
+            path,
+            record.handle.snapshot_dir.as_deref(),
+            &default_dir,
+        )?;
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| NodeError::Internal(format!("create {}: {e}", parent.display())))?;
+        }
+        vmm_control(
+            &record,
+            serde_json::json!({ "op": "snapshot", "path": path, "diff": diff }),
+        )
+        .await?;
+        entry.event(&format!("snapshot written to {}", path.display()));
+        Ok(path)
+    }
+
+    /// Forks a microVM sandbox: one snapshot, `count` children restored from it.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        count: usize,
+        labels: BTreeMap<String, String>,
+    ) -> Result<Vec<Arc<Entry>>, NodeError> {
+        let parent = self.get(id)?.record();
+        let mut merged = parent.labels.clone();
+        merged.extend(labels.clone());
+        if merged.len() > super::limits::MAX_LABELS {
+            return Err(NodeError::InvalidArgument(format!(
+                "the children would carry {} labels (the parent's and these), at most {} are allowed",
+                merged.len(),
+                super::limits::MAX_LABELS
+            )));
+        }
+        if parent.handle.backend != BackendKind::MicroVm.as_str() {
+            return Err(NodeError::Unsupported(
+                "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
+            ));
+        }
+        let on_disk = self
+            .config
+            .artifacts
+            .image(&parent.image)
+            .root_disk()
+            .is_some();
+        // On a disk image every child needs its own copy of the writable upper disk, taken
+        // while the parent is paused so that it matches the snapshot's memory exactly.
+        let was_paused = parent.paused;
+        if on_disk && !was_paused {
+            vmm_control(&parent, serde_json::json!({ "op": "pause" })).await?;
+        }
+        let frozen = async {
+            let snapshot = self.snapshot(id, "", false).await?;
+            let mut uppers = Vec::new();
+            if on_disk {
+                let src = parent.handle.dir.join("upper.ext4");
+                for i in 0..count {
+                    let dst = parent
+                        .handle
+                        .dir
+                        .join(format!("fork-{}-{i}.ext4", now_ms()));
+                    let copied = {
+                        let (src, dst) = (src.clone(), dst.clone());
+                        tokio::task::spawn_blocking(move || copy_sparse(&src, &dst))
+                            .await
+                            .map_err(|e| NodeError::Internal(format!("copy task failed: {e}")))?
+                    };
+                    if let Err(e) = copied {
+                        let _ = std::fs::remove_file(&dst);
+                        uppers.iter().for_each(|u| drop(std::fs::remove_file(u)));
+                        let _ = std::fs::remove_dir_all(&snapshot);
+                        return Err(NodeError::Internal(format!(
+                            "copy the upper disk {} for a fork child: {e}",
+                            src.display()
+                        )));
+                    }
+                    uppers.push(dst);
+                }
+            }
+            Ok::<_, NodeError>((snapshot, uppers))
+        }
+        .await;
+        if on_disk && !was_paused {
+            vmm_control(&parent, serde_json::json!({ "op": "resume" })).await?;
+        }
+        let (snapshot, uppers) = frozen?;
+        let mut uppers = uppers.into_iter();
+        let mut children = Vec::new();
+        for _ in 0..count {
+            let upper = uppers.next();
+            let mut all_labels = parent.labels.clone();
+            all_labels.extend(labels.clone());
+            let request = Plan {
+                kind: BackendKind::MicroVm,
+                image: parent.image.clone(),
+                demand: Demand {
+                    memory_mib: parent.memory_mib,
+                    ..parent.demand()
+                },
+                env: parent.env.clone(),
+                labels: all_labels,
+                ttl_s: 0,
+                idle_timeout_s: parent.idle_timeout_s,
+                allow_internet: parent.allow_internet,
+                allow: parent.allow.clone(),
+                request_id: String::new(),
+                public_ports: parent.public_ports.clone(),
+            };
+            // The parent's image and memory cgroup limit, as it was created with.
+            let plan = CreatePlan {
+                image: self.microvm_image(&parent.image),
+                limits: limits_for(&request, parent.demand().memory_mib),
+                request,
+            };
+            let child_id = self.new_id();
+            let pending = self.admit(&plan, &child_id)?;
+            let spec = plan.spec(&child_id, &pending.cgroups, None, self.config.ready_timeout);
+            let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
+            let restored = restore_microvm(
+                &self.edge,
+                &snapshot,
+                &child_id,
+                cid,
+                &spec,
+                upper.as_deref(),
+            )
+            .await;
+            // Every child restores the parent's RNG state and its clock as of the snapshot:
+            // without fresh entropy, children would produce the same "random" keys, UUIDs
+            // and nonces. A child that cannot be refreshed is not handed out.
+            let restored = match restored {
+                Ok(sandbox) => match refresh_child(&sandbox).await {
+                    Ok(()) => Ok(sandbox),
+                    Err(err) => {
+                        let _ = sandbox.destroy().await;
+                        Err(err)
+                    }
+                },
+                Err(err) => Err(err),
+            };
+            let sandbox = match restored {
+                Ok(s) => s,
+                Err(err) => {
+                    uppers.for_each(|u| drop(std::fs::remove_file(u)));
+                    let _ = std::fs::remove_dir_all(&snapshot);
+                    return Err(err.into());
+                }
+            };
+            let client = sandbox.agent().clone();
+            let now = now_ms();
+            let record = Record {
+                handle: sandbox.detach(),
+                image: plan.request.image.clone(),
+                vcpus: parent.vcpus,
+                memory_mib: parent.memory_mib,
+                disk_mib: parent.disk_mib,
+                pids_limit: parent.pids_limit,
+                env: plan.request.env.clone(),
+                labels: plan.request.labels.clone(),
+                allow_internet: plan.request.allow_internet,
+                allow: plan.request.allow.clone(),
+                created_at_ms: now,
+                expires_at_ms: 0,
+                idle_timeout_s: plan.request.idle_timeout_s,
+                paused: false,
+                parent_id: id.to_string(),
+                cgroups: pending.cgroups.clone(),
+                memory_limit_mib: plan.memory_limit_mib(),
+                request_id: String::new(),
+                request_fingerprint: String::new(),
+                access_token: new_access_token(),
+                public_ports: plan.request.public_ports.clone(),
+                image_mount: None,
+            };
+            children.push(self.register(record, client, pending).await?);
+        }
+        let _ = std::fs::remove_dir_all(&snapshot);
+        Ok(children)
+    }
+}
+
+/// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
+/// 1 GiB upper disk holds a few MiB of ext4 metadata).
+fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::unix::fs::FileExt;
+    let from = std::fs::File::open(src)?;
+    let len = from.metadata()?.len() as i64;
+    let to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)?;
+    to.set_len(len as u64)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0i64;
+    while pos < len {
+        let data = match lseek(&from, pos, Whence::SeekData) {
+            Ok(d) => d,
+            // No data after pos: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = lseek(&from, data, Whence::SeekHole)?.min(len);
+        let mut at = data;
+        while at < hole {
+            let n = ((hole - at) as usize).min(buf.len());
+            from.read_exact_at(&mut buf[..n], at as u64)?;
+            to.write_all_at(&buf[..n], at as u64)?;
+            at += n as i64;
+        }
+        pos = hole;
+    }
+    to.sync_all()
+}
+
+/// Where a snapshot of sandbox `id` goes: `requested`, or a new directory under the
+/// sandbox's jail snapshot directory (jailed VMM) or `default_dir`. A jailed VMM sees no other
+/// host path, so a requested path elsewhere is refused before the VMM is asked.
+fn snapshot_path(
+    id: &str,
+    requested: &str,
+    jail_dir: Option<&Path>,
+    default_dir: &Path,
+) -> Result<PathBuf, NodeError> {
+    let stamp = now_ms();
+    match (requested.is_empty(), jail_dir) {
+        (true, Some(dir)) => Ok(dir.join(stamp.to_string())),
+        (true, None) => Ok(default_dir.join(format!("{id}-{stamp}"))),
+        (false, Some(dir)) => {
+            let p = PathBuf::from(requested);
+            let inside = p.is_absolute()
+                && p.starts_with(dir)
+                && p != dir
+                && !p
+                    .components()
+                    .any(|c| matches!(c, std::path::Component::ParentDir));
+            if inside {
+                Ok(p)
+            } else {
+                Err(NodeError::InvalidArgument(format!(
+                    "snapshot path {requested:?}: this sandbox's VMM runs in a jail and can write \
+                     snapshots only under {}; leave the path empty or name a directory there \
+                     (or start the node with --no-jail)",
+                    dir.display()
+                )))
+            }
+        }
+        (false, None) => Ok(PathBuf::from(requested)),
+    }
+}
+
+/// Gives a forked child fresh host entropy and the host's clock (see `fork`).
+async fn refresh_child(sandbox: &crate::Sandbox) -> Result<(), EdgeError> {
+    use std::io::Read;
+    let mut entropy = vec![0u8; 64];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(|e| EdgeError::io("read host entropy for a fork child", e))?;
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        sandbox.agent().refresh(entropy, None),
+    )
+    .await
+    {
+        Ok(result) => result.map(|skew| {
+            tracing::info!(
+                sandbox = %sandbox.id(),
+                clock_skew_ms = skew.as_millis() as u64,
+                "fork child refreshed (fresh entropy, host clock)"
+            );
+        }),
+        Err(_) => Err(EdgeError::Protocol(format!(
+            "fork child {} did not take fresh entropy within 10 s; it was removed",
+            sandbox.id()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_copies_keep_data_and_holes() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let dir = std::env::temp_dir().join(format!("dsec-sparse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, dst) = (dir.join("a.img"), dir.join("b.img"));
+        let f = std::fs::File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"head", 0).unwrap();
+        f.write_all_at(&vec![7u8; 3 << 20], 20 << 20).unwrap();
+        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        let blocks = std::fs::metadata(&dst).unwrap().blocks() * 512;
+        assert!(
+            blocks < 8 << 20,
+            "copy allocates {blocks} bytes of a 64 MiB file"
+        );
+        // Never overwrites.
+        assert!(copy_sparse(&src, &dst).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn jailed_snapshots_stay_in_the_jail_snapshot_dir() {
+        let jail = Path::new("/run/dsec/edge/snapshots/vm-1");
+        let default = Path::new("/run/dsec/edge/snapshots");
+        let p = snapshot_path("vm-1", "", Some(jail), default).unwrap();
+        assert_eq!(p.parent(), Some(jail));
+        let p = snapshot_path("vm-1", "", None, default).unwrap();
+        assert_eq!(p.parent(), Some(default));
+        assert!(p
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("vm-1-"));
+        assert_eq!(
+            snapshot_path(
+                "vm-1",
+                "/run/dsec/edge/snapshots/vm-1/a",
+                Some(jail),
+                default
+            )
+            .unwrap(),
+            Path::new("/run/dsec/edge/snapshots/vm-1/a")
+        );
+        assert_eq!(
+            snapshot_path("vm-1", "/srv/snap", None, default).unwrap(),
+            Path::new("/srv/snap")
+        );
+        for outside in [
+            "/srv/snap",
+            "/run/dsec/edge/snapshots/vm-1",
+            "/run/dsec/edge/snapshots/vm-1/../vm-2/x",
+            "/run/dsec/edge/snapshots/vm-10/x",
+            "run/dsec/edge/snapshots/vm-1/x",
+        ] {
+            let err = snapshot_path("vm-1", outside, Some(jail), default).unwrap_err();
+            assert!(matches!(err, NodeError::InvalidArgument(_)), "{outside}");
+            assert!(err.to_string().contains("--no-jail"), "{err}");
+        }
+    }
+}

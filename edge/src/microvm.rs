@@ -46,6 +46,7 @@ use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde::de::DeserializeOwned;
 
+use crate::paths::log_tail;
 use crate::{AgentAddr, AgentClient, EdgeError, Result};
 
 /// Bounds of one readiness attempt (connect + Info): before the guest's vsock driver is up
@@ -56,8 +57,6 @@ const ATTEMPT_MAX: Duration = Duration::from_secs(5);
 pub const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bytes of host entropy a restored guest is reseeded with.
 const REFRESH_ENTROPY: usize = 64;
-/// How much of a log a failure message quotes.
-const LOG_TAIL_BYTES: usize = 2000;
 
 /// The directory one microVM's sockets and logs live in.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,22 +132,6 @@ impl MicroVmDir {
                     o.serial = Some(serial);
                 }
             }
-        }
-    }
-
-    /// The last lines of one of this VM's logs, as `; last lines of LABEL (PATH):\n...`
-    /// (empty when the log is missing or empty).
-    pub fn log_tail(path: &Path, label: &str) -> String {
-        match std::fs::read(path) {
-            Ok(bytes) if !bytes.is_empty() => {
-                let start = bytes.len().saturating_sub(LOG_TAIL_BYTES);
-                format!(
-                    "; last lines of {label} ({}):\n{}",
-                    path.display(),
-                    String::from_utf8_lossy(&bytes[start..]).trim_end()
-                )
-            }
-            _ => String::new(),
         }
     }
 
@@ -444,8 +427,8 @@ impl StartingMicroVm {
                         id: self.dir.name(),
                         detail: format!(
                             " (VMM exited: {status}){}{}",
-                            MicroVmDir::log_tail(&self.dir.vmm_log(), "VMM log"),
-                            MicroVmDir::log_tail(&self.dir.serial_log(), "serial console")
+                            log_tail(&self.dir.vmm_log(), "VMM log"),
+                            log_tail(&self.dir.serial_log(), "serial console")
                         ),
                     });
                 }
@@ -472,7 +455,7 @@ impl StartingMicroVm {
                 return Err(EdgeError::AgentNotReady {
                     id: self.dir.name(),
                     timeout,
-                    detail: MicroVmDir::log_tail(&self.dir.serial_log(), "serial console"),
+                    detail: log_tail(&self.dir.serial_log(), "serial console"),
                 });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -503,7 +486,7 @@ impl StartingMicroVm {
                 "restored guest {} did not take fresh entropy within {} s, so it was stopped{}",
                 self.dir.name(),
                 REFRESH_TIMEOUT.as_secs(),
-                MicroVmDir::log_tail(&self.dir.serial_log(), "serial console")
+                log_tail(&self.dir.serial_log(), "serial console")
             ))),
         }
     }

@@ -130,3 +130,19 @@ fn is_executable(path: &Path) -> bool {
         .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
         .unwrap_or(false)
 }
+
+/// The last 2000 bytes of a log, as `; last lines of LABEL (PATH):\n...` for an error
+/// message (empty when the log is missing or empty).
+pub fn log_tail(path: &Path, label: &str) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) if !bytes.is_empty() => {
+            let start = bytes.len().saturating_sub(2000);
+            format!(
+                "; last lines of {label} ({}):\n{}",
+                path.display(),
+                String::from_utf8_lossy(&bytes[start..]).trim_end()
+            )
+        }
+        _ => String::new(),
+    }
+}

@@ -13,10 +13,10 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::host::{HostResources, Runtime};
-use super::{new_sandbox_id, tail_of, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
+use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 use crate::client::{AgentAddr, AgentClient};
 use crate::error::{EdgeError, Result};
-use crate::paths::find_binary;
+use crate::paths::{find_binary, log_tail};
 
 fn cstring(s: impl AsRef<std::ffi::OsStr>) -> Result<CString> {
     CString::new(s.as_ref().as_bytes())
@@ -77,7 +77,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
             host.runtime = Runtime::Gone;
             return Err(EdgeError::SandboxDied {
                 id,
-                detail: format!(" ({status:?}){}", tail_of(&log_path, "agent log")),
+                detail: format!(" ({status:?}){}", log_tail(&log_path, "agent log")),
             });
         }
         if socket.exists() {
@@ -99,7 +99,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
             return Err(EdgeError::AgentNotReady {
                 id,
                 timeout: spec.ready_timeout,
-                detail: tail_of(&log_path, "agent log"),
+                detail: log_tail(&log_path, "agent log"),
             });
         }
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -4,13 +4,15 @@
 
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+
+use dsec_vmm_api::launch::Exposure;
+use dsec_vmm_api::{DriveConfig, JailLaunch, RestoreLaunch, VmConfig, VmmLaunch};
 
 use super::host::{HostResources, Runtime};
-use super::{new_sandbox_id, tail_of, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
-use crate::client::{AgentAddr, AgentClient};
+use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 use crate::error::{EdgeError, Result};
 use crate::kvm::KvmStatus;
+use crate::microvm::{MicroVm, MicroVmDir, SpawnOptions};
 use crate::paths::find_binary;
 
 /// How microVM sandboxes' VMMs are jailed: each runs in its own PID, mount, IPC, UTS and
@@ -50,21 +52,15 @@ impl VmmJail {
         self.roots.join(id)
     }
 
-    /// `dsec-vmm` arguments that jail it, with the snapshot directory as its one writable
-    /// extra.
-    fn args(&self, id: &str, snapshot_dir: &Path) -> Vec<std::ffi::OsString> {
-        let mut expose = snapshot_dir.as_os_str().to_owned();
-        expose.push(",rw");
-        vec![
-            "--jail".into(),
-            self.root(id).into_os_string(),
-            "--jail-uid".into(),
-            self.uid.to_string().into(),
-            "--jail-gid".into(),
-            self.gid.to_string().into(),
-            "--jail-expose".into(),
-            expose,
-        ]
+    /// How the VMM of sandbox `id` jails itself: its snapshot directory is its one
+    /// writable extra.
+    fn launch(&self, id: &str, snapshot_dir: &Path) -> JailLaunch {
+        let mut jail = JailLaunch::new(self.root(id), self.uid, self.gid);
+        jail.expose.push(Exposure {
+            path: snapshot_dir.to_path_buf(),
+            writable: true,
+        });
+        jail
     }
 }
 
@@ -99,12 +95,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
                 hint: "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
             });
         }
-        if root.as_os_str().as_bytes().contains(&b',') {
-            return Err(EdgeError::InvalidSpec(format!(
-                "root disk path {} contains ',', which the VMM's --drive flag cannot take",
-                root.display()
-            )));
-        }
+        check_drive_path(root)?;
     }
     let kvm = KvmStatus::detect();
     if let Some(reason) = kvm.why_not_microvm() {
@@ -113,100 +104,102 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
             reason: format!("{reason}; use --backend container (or auto)"),
         });
     }
-    let vmm_bin = vmm_binary(config)?;
+    let vcpus = u8::try_from(spec.vcpus).map_err(|_| {
+        EdgeError::InvalidSpec(format!(
+            "{} vCPUs: a microVM takes at most {}",
+            spec.vcpus,
+            dsec_vmm_api::config::MAX_VCPUS
+        ))
+    })?;
+    let options = spawn_options(config, spec)?;
     let id = spec
         .id
         .clone()
         .unwrap_or_else(|| new_sandbox_id(BackendKind::MicroVm));
     let host = HostResources::create(config, &id)?;
-    let dir = host.dir.clone();
-    let vsock = dir.join("vsock.sock");
-    let serial = dir.join("serial.log");
-    let api_sock = dir.join("api.sock");
-    let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
-    let mut drives = Vec::new();
+    let mut vm = VmConfig::new(&kernel);
+    vm.initrd = Some(initrd);
+    vm.cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
+    vm.vcpus = vcpus;
+    vm.mem_mib = u64::from(spec.mem_mib);
     if let Some(root) = &spec.root_disk {
-        let upper = dir.join("upper.ext4");
-        let mib = spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB);
-        make_upper_disk(&upper, mib).await?;
-        let mut ro = root.clone().into_os_string();
-        ro.push(",ro");
-        drives.push(ro);
-        drives.push(upper.into_os_string());
+        let upper = host.dir.join("upper.ext4");
+        make_upper_disk(&upper, spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB)).await?;
+        vm.drives = root_and_upper(root, upper);
         // Read by the agent from /proc/cmdline (dotted words never reach init's argv).
-        cmdline.push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
+        vm.cmdline
+            .push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
     }
     if let Some(extra) = &spec.extra_cmdline {
-        cmdline.push(' ');
-        cmdline.push_str(extra);
+        vm.cmdline.push(' ');
+        vm.cmdline.push_str(extra);
     }
-    let mut command = tokio::process::Command::new(&vmm_bin);
-    command
-        .arg("--kernel")
-        .arg(&kernel)
-        .arg("--initrd")
-        .arg(&initrd)
-        .arg("--cmdline")
-        .arg(&cmdline)
-        .arg("--vcpus")
-        .arg(spec.vcpus.to_string())
-        .arg("--mem-mib")
-        .arg(spec.mem_mib.to_string())
-        .arg("--vsock-uds")
-        .arg(&vsock)
-        .arg("--serial-log")
-        .arg(&serial)
-        .arg("--api-sock")
-        .arg(&api_sock);
-    for drive in &drives {
-        command.arg("--drive").arg(drive);
-    }
-    launch(config, host, command, &vmm_bin, id, spec).await
+    start(config, host, VmmLaunch::boot(vm), &options, id, spec).await
 }
 
-/// The `dsec-vmm` to run: the configured one, else found next to this executable, in
-/// $DSEC_HOME/bin or PATH.
-fn vmm_binary(config: &EdgeConfig) -> Result<PathBuf> {
-    match &config.vmm_bin {
-        Some(path) => Ok(path.clone()),
-        None => find_binary("dsec-vmm").ok_or(EdgeError::MissingBinary {
-            what: "VMM",
-            name: "dsec-vmm",
-            hint: "build it with `cargo build --release -p dsec-vmm`",
-        }),
-    }
+/// The image's read-only root disk and the sandbox's own writable upper disk.
+fn root_and_upper(root: &Path, upper: PathBuf) -> Vec<DriveConfig> {
+    vec![
+        DriveConfig {
+            path: root.to_path_buf(),
+            read_only: true,
+        },
+        DriveConfig {
+            path: upper,
+            read_only: false,
+        },
+    ]
 }
 
-/// Jails (when the edge jails its VMMs) and starts the VMM of `host`'s sandbox, logging to
-/// `vmm.log` in its directory, then waits until its agent answers.
-async fn launch(
+/// The VMM's `--drive PATH[,ro]` flag cannot carry a path with a comma.
+fn check_drive_path(path: &Path) -> Result<()> {
+    if path.as_os_str().as_bytes().contains(&b',') {
+        return Err(EdgeError::InvalidSpec(format!(
+            "disk path {} contains ',', which the VMM's --drive flag cannot take",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The `dsec-vmm` to run (the configured one, else found next to this executable, in
+/// $DSEC_HOME/bin or PATH), joining the sandbox's cgroups before it runs.
+fn spawn_options(config: &EdgeConfig, spec: &SandboxSpec) -> Result<SpawnOptions> {
+    let mut options = SpawnOptions::find(config.vmm_bin.as_deref())?;
+    options.cgroup_procs = spec.cgroup_procs.clone();
+    Ok(options)
+}
+
+/// Jails the launch (when the edge jails its VMMs), starts the VMM of `host`'s sandbox and
+/// waits until its agent answers; a restored guest is refreshed (entropy, clock) first. On
+/// failure the VMM is killed and `host` frees the rest.
+async fn start(
     config: &EdgeConfig,
     mut host: HostResources,
-    mut command: tokio::process::Command,
-    vmm_bin: &Path,
+    mut launch: VmmLaunch,
+    options: &SpawnOptions,
     id: String,
     spec: &SandboxSpec,
 ) -> Result<Sandbox> {
-    let vmm_log = host.dir.join("vmm.log");
-    let log = std::fs::File::create(&vmm_log)
-        .map_err(|e| EdgeError::io(format!("create {}", vmm_log.display()), e))?;
-    let log_err = log
-        .try_clone()
-        .map_err(|e| EdgeError::io("dup log fd", e))?;
-    host.snapshot_dir = jail_vmm(config, &mut command, &id)?;
-    command
-        .stdin(std::process::Stdio::null())
-        .stdout(log)
-        .stderr(log_err);
-    let vmm = spawn_vmm(command, &spec.cgroup_procs)
-        .map_err(|e| EdgeError::io(format!("start {}", vmm_bin.display()), e))?;
-    host.runtime = Runtime::MicroVm { vmm };
-    host.jail_root = host
-        .snapshot_dir
-        .as_ref()
-        .and(config.jail.as_ref())
-        .map(|j| j.root(&id));
-    wait_microvm_ready(id, host, spec.ready_timeout).await
+    if let Some(jail) = &config.jail {
+        let snapshots = jail.snapshot_dir(&id)?;
+        launch.jail = Some(jail.launch(&id, &snapshots));
+        host.jail_root = Some(jail.root(&id));
+        host.snapshot_dir = Some(snapshots);
+    }
+    let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?
+        .ready(spec.ready_timeout)
+        .await?;
+    let client = vm.agent().clone();
+    host.runtime = Runtime::MicroVm {
+        vmm: vm.into_child(),
+    };
+    Ok(Sandbox {
+        id,
+        kind: BackendKind::MicroVm,
+        client,
+        host,
+    })
 }
 
 /// Size of a microVM's writable upper disk when the spec gives none.
@@ -267,113 +260,6 @@ async fn make_upper_disk(path: &Path, mib: u32) -> Result<()> {
     Ok(())
 }
 
-async fn wait_microvm_ready(
-    id: String,
-    mut host: HostResources,
-    ready_timeout: Duration,
-) -> Result<Sandbox> {
-    let kind = BackendKind::MicroVm;
-    let vsock = host.dir.join("vsock.sock");
-    let serial = host.dir.join("serial.log");
-    let vmm_log = host.dir.join("vmm.log");
-    let deadline = Instant::now() + ready_timeout;
-    let addr = AgentAddr::VsockUds {
-        uds: vsock.clone(),
-        port: dsec_api::AGENT_VSOCK_PORT,
-    };
-    loop {
-        if let Runtime::MicroVm { vmm } = &mut host.runtime {
-            if let Ok(Some(status)) = vmm.try_wait() {
-                host.runtime = Runtime::Gone;
-                let detail = format!(
-                    " (VMM exited: {status}){}{}",
-                    tail_of(&vmm_log, "VMM log"),
-                    tail_of(&serial, "serial console")
-                );
-                return Err(EdgeError::SandboxDied { id, detail });
-            }
-        }
-        if vsock.exists() {
-            // Bound the whole attempt: before the guest's vsock driver is up the VMM accepts
-            // the connection but cannot answer the handshake yet, and a handshake that is
-            // never answered must turn into a retry, not a hang.
-            let attempt = tokio::time::timeout(Duration::from_secs(5), async {
-                let client = AgentClient::connect(addr.clone()).await?;
-                client.info().await.map(|_| client)
-            });
-            if let Ok(Ok(client)) = attempt.await {
-                return Ok(Sandbox {
-                    id,
-                    kind,
-                    client,
-                    host,
-                });
-            }
-        }
-        if Instant::now() > deadline {
-            return Err(EdgeError::AgentNotReady {
-                id,
-                timeout: ready_timeout,
-                detail: tail_of(&serial, "serial console"),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Starts a VMM in its own session (it must outlive a daemon that is killed) and moves it
-/// into the given cgroups. Teardown (not drop) kills it.
-/// Adds the jail arguments when the edge jails its VMMs; returns the sandbox's snapshot
-/// directory then.
-fn jail_vmm(
-    config: &EdgeConfig,
-    command: &mut tokio::process::Command,
-    id: &str,
-) -> Result<Option<PathBuf>> {
-    let Some(jail) = &config.jail else {
-        return Ok(None);
-    };
-    let snapshots = jail.snapshot_dir(id)?;
-    command.args(jail.args(id, &snapshots));
-    Ok(Some(snapshots))
-}
-
-fn spawn_vmm(
-    mut command: tokio::process::Command,
-    cgroup_procs: &[PathBuf],
-) -> std::io::Result<tokio::process::Child> {
-    use std::os::fd::AsRawFd;
-    // Opened here, written by the child before exec: the VMM is in its cgroups before it
-    // runs, so a jailed VMM's forked child cannot start outside them.
-    let procs = cgroup_procs
-        .iter()
-        .map(|p| {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(p)
-                .map_err(|e| std::io::Error::new(e.kind(), format!("open {}: {e}", p.display())))
-        })
-        .collect::<std::io::Result<Vec<_>>>()?;
-    let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
-    // SAFETY: setsid and write are async-signal-safe; the closure only reads `fds` (copied
-    // into it) and a static byte string.
-    unsafe {
-        command.pre_exec(move || {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            for fd in &fds {
-                // "0" moves the writing process (this child) into the cgroup.
-                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
-            Ok(())
-        });
-    }
-    let child = command.spawn();
-    drop(procs);
-    child
-}
-
 /// Restores a microVM from a snapshot directory written by the VMM (`{"op":"snapshot"}`),
 /// with its own vsock socket and context id, and waits until its agent answers. A sandbox on
 /// a disk image gets `upper`, its own copy of the parent's upper disk (moved into its
@@ -386,33 +272,27 @@ pub async fn restore_microvm(
     spec: &SandboxSpec,
     upper: Option<&Path>,
 ) -> Result<Sandbox> {
-    let vmm_bin = vmm_binary(config)?;
+    let options = spawn_options(config, spec)?;
     let host = HostResources::create(config, id)?;
-    let dir = host.dir.clone();
-    let vsock = dir.join("vsock.sock");
-    let serial = dir.join("serial.log");
-    let mut command = tokio::process::Command::new(&vmm_bin);
-    command
-        .arg("--restore")
-        .arg(snapshot)
-        .arg("--vsock-uds")
-        .arg(&vsock)
-        .arg("--vsock-cid")
-        .arg(vsock_cid.to_string())
-        .arg("--serial-log")
-        .arg(&serial)
-        .arg("--api-sock")
-        .arg(dir.join("api.sock"));
+    let mut restore = RestoreLaunch::new(snapshot);
+    restore.overrides.vsock_cid = Some(vsock_cid);
     if let (Some(root), Some(upper)) = (&spec.root_disk, upper) {
-        let own = dir.join("upper.ext4");
+        check_drive_path(root)?;
+        let own = host.dir.join("upper.ext4");
         std::fs::rename(upper, &own).map_err(|e| {
             EdgeError::io(format!("move {} to {}", upper.display(), own.display()), e)
         })?;
-        let mut ro = root.clone().into_os_string();
-        ro.push(",ro");
-        command.arg("--drive").arg(ro).arg("--drive").arg(own);
+        restore.overrides.drives = root_and_upper(root, own);
     }
-    launch(config, host, command, &vmm_bin, id.to_string(), spec).await
+    start(
+        config,
+        host,
+        VmmLaunch::restore(restore),
+        &options,
+        id.to_string(),
+        spec,
+    )
+    .await
 }
 
 #[cfg(test)]
@@ -420,7 +300,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn jailed_vmms_get_a_private_snapshot_dir_and_the_jail_flags() {
+    fn jailed_vmms_get_a_private_snapshot_dir_exposed_writable() {
         use std::os::unix::fs::MetadataExt;
         if !nix::unistd::geteuid().is_root() {
             panic!("this test needs root (chown to the jail uid)");
@@ -438,23 +318,15 @@ mod tests {
             (meta.uid(), meta.gid(), meta.mode() & 0o777),
             (JAIL_UID, JAIL_GID, 0o700)
         );
-        let args: Vec<String> = jail
-            .args("vm-1", &dir)
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
+        let launch = jail.launch("vm-1", &dir);
+        assert_eq!(launch.root, PathBuf::from("/run/dsec/jails/vm-1"));
+        assert_eq!((launch.uid, launch.gid), (JAIL_UID, JAIL_GID));
         assert_eq!(
-            args,
-            [
-                "--jail",
-                "/run/dsec/jails/vm-1",
-                "--jail-uid",
-                "65534",
-                "--jail-gid",
-                "65534",
-                "--jail-expose",
-                &format!("{},rw", dir.display()),
-            ]
+            launch.expose,
+            [Exposure {
+                path: dir.clone(),
+                writable: true
+            }]
         );
         std::fs::remove_dir_all(&base).unwrap();
     }

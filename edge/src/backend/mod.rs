@@ -199,17 +199,3 @@ impl Sandbox {
             .map_err(|e| EdgeError::Protocol(format!("teardown task failed: {e}")))?
     }
 }
-
-fn tail_of(path: &Path, label: &str) -> String {
-    match std::fs::read(path) {
-        Ok(bytes) if !bytes.is_empty() => {
-            let start = bytes.len().saturating_sub(2000);
-            format!(
-                "; last lines of {label} ({}):\n{}",
-                path.display(),
-                String::from_utf8_lossy(&bytes[start..]).trim_end()
-            )
-        }
-        _ => String::new(),
-    }
-}

@@ -6,8 +6,6 @@ use std::sync::Arc;
 use crate::error::EdgeError;
 use crate::images::ImageError;
 
-use super::vmm_control::VmmControlError;
-
 /// Why a node operation failed; each message says what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -40,7 +38,7 @@ pub enum NodeError {
     #[error(transparent)]
     Edge(#[from] EdgeError),
     #[error(transparent)]
-    Vmm(#[from] VmmControlError),
+    Vmm(#[from] dsec_vmm_api::ControlError),
     /// The first Create with the same request_id failed with this.
     #[error(transparent)]
     FirstAttempt(Arc<NodeError>),

@@ -6,16 +6,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::admission::Demand;
 use super::create::{limits_for, CreatePlan, Plan};
 use super::error::NodeError;
 use super::node::Node;
 use super::record::{new_access_token, now_ms, Entry, Record};
-use super::vmm_control::vmm_control;
+use super::vmm_control;
 use crate::backend::{restore_microvm, BackendKind};
-use crate::error::EdgeError;
 
 impl Node {
     /// Snapshot of a microVM sandbox into `path` (default under the state dir).
@@ -38,11 +36,7 @@ impl Node {
             std::fs::create_dir_all(parent)
                 .map_err(|e| NodeError::Internal(format!("create {}: {e}", parent.display())))?;
         }
-        vmm_control(
-            &record,
-            serde_json::json!({ "op": "snapshot", "path": path, "diff": diff }),
-        )
-        .await?;
+        vmm_control::snapshot(&record, path.clone(), diff).await?;
         entry.event(&format!("snapshot written to {}", path.display()));
         Ok(path)
     }
@@ -79,7 +73,7 @@ impl Node {
         // while the parent is paused so that it matches the snapshot's memory exactly.
         let was_paused = parent.paused;
         if on_disk && !was_paused {
-            vmm_control(&parent, serde_json::json!({ "op": "pause" })).await?;
+            vmm_control::pause(&parent).await?;
         }
         let frozen = async {
             let snapshot = self.snapshot(id, "", false).await?;
@@ -113,7 +107,7 @@ impl Node {
         }
         .await;
         if on_disk && !was_paused {
-            vmm_control(&parent, serde_json::json!({ "op": "resume" })).await?;
+            vmm_control::resume(&parent).await?;
         }
         let (snapshot, uppers) = frozen?;
         let mut uppers = uppers.into_iter();
@@ -148,6 +142,9 @@ impl Node {
             let pending = self.admit(&plan, &child_id)?;
             let spec = plan.spec(&child_id, &pending.cgroups, None, self.config.ready_timeout);
             let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
+            // The child is refreshed (fresh entropy, the host's clock) before it is handed
+            // out: restored from one snapshot, children would otherwise produce the same
+            // "random" keys, UUIDs and nonces. One that cannot be refreshed is not handed out.
             let restored = restore_microvm(
                 &self.edge,
                 &snapshot,
@@ -157,19 +154,6 @@ impl Node {
                 upper.as_deref(),
             )
             .await;
-            // Every child restores the parent's RNG state and its clock as of the snapshot:
-            // without fresh entropy, children would produce the same "random" keys, UUIDs
-            // and nonces. A child that cannot be refreshed is not handed out.
-            let restored = match restored {
-                Ok(sandbox) => match refresh_child(&sandbox).await {
-                    Ok(()) => Ok(sandbox),
-                    Err(err) => {
-                        let _ = sandbox.destroy().await;
-                        Err(err)
-                    }
-                },
-                Err(err) => Err(err),
-            };
             let sandbox = match restored {
                 Ok(s) => s,
                 Err(err) => {
@@ -278,33 +262,6 @@ fn snapshot_path(
             }
         }
         (false, None) => Ok(PathBuf::from(requested)),
-    }
-}
-
-/// Gives a forked child fresh host entropy and the host's clock (see `fork`).
-async fn refresh_child(sandbox: &crate::Sandbox) -> Result<(), EdgeError> {
-    use std::io::Read;
-    let mut entropy = vec![0u8; 64];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut entropy))
-        .map_err(|e| EdgeError::io("read host entropy for a fork child", e))?;
-    match tokio::time::timeout(
-        Duration::from_secs(10),
-        sandbox.agent().refresh(entropy, None),
-    )
-    .await
-    {
-        Ok(result) => result.map(|skew| {
-            tracing::info!(
-                sandbox = %sandbox.id(),
-                clock_skew_ms = skew.as_millis() as u64,
-                "fork child refreshed (fresh entropy, host clock)"
-            );
-        }),
-        Err(_) => Err(EdgeError::Protocol(format!(
-            "fork child {} did not take fresh entropy within 10 s; it was removed",
-            sandbox.id()
-        ))),
     }
 }
 

@@ -16,7 +16,7 @@ use super::record::{
     TOMBSTONE_KEEP,
 };
 use super::request_ids::RequestState;
-use super::vmm_control::vmm_control;
+use super::vmm_control;
 use super::DaemonConfig;
 use crate::backend::{BackendKind, EdgeConfig};
 use crate::error::EdgeError;
@@ -249,8 +249,11 @@ impl Node {
                     NodeError::FailedPrecondition(format!("cannot pause/resume sandbox {id}: {e}"))
                 })?;
         } else {
-            let op = if paused { "pause" } else { "resume" };
-            vmm_control(&record, serde_json::json!({ "op": op })).await?;
+            if paused {
+                vmm_control::pause(&record).await?;
+            } else {
+                vmm_control::resume(&record).await?;
+            }
         }
         {
             let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());

@@ -9,9 +9,9 @@ use tonic::Status;
 use super::error::NodeError;
 use super::node::Node;
 use super::record::Entry;
-use super::vmm_control::VmmControlError;
 use crate::error::EdgeError;
 use crate::images::ImageError;
+use dsec_vmm_api::ControlError;
 
 /// Agent failures: its own status codes pass through; transport failures become UNAVAILABLE.
 pub(crate) fn agent_status(id: &str, status: Status) -> Status {
@@ -58,12 +58,14 @@ pub fn status_of(err: &NodeError) -> Status {
             _ => Status::internal(text),
         },
         NodeError::Vmm(e) => match e {
-            VmmControlError::NoSocket | VmmControlError::Refused { .. } => {
-                Status::failed_precondition(text)
+            ControlError::Refused { .. } => Status::failed_precondition(text),
+            ControlError::Timeout { .. } => Status::deadline_exceeded(text),
+            ControlError::Connect { .. }
+            | ControlError::Io { .. }
+            | ControlError::Closed { .. } => Status::unavailable(text),
+            ControlError::ReplyTooLong { .. } | ControlError::Malformed { .. } => {
+                Status::internal(text)
             }
-            VmmControlError::Timeout => Status::deadline_exceeded(text),
-            VmmControlError::Io { .. } => Status::unavailable(text),
-            VmmControlError::BadReply { .. } => Status::internal(text),
         },
         NodeError::FirstAttempt(first) => status_of(first),
         NodeError::Internal(_) => Status::internal(text),

@@ -1,75 +1,53 @@
-//! The daemon's client of a VMM's control socket (pause, resume, snapshot): one JSON
-//! request per connection, one JSON reply line.
+//! The daemon's calls on a sandbox VMM's control socket: the typed contract's client
+//! (`dsec_vmm_api`), run off the async threads with the daemon's timeout.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
+use dsec_vmm_api::control::{Done, SnapshotReply};
+use dsec_vmm_api::{ControlClient, Request};
+use serde::de::DeserializeOwned;
+
+use super::error::NodeError;
 use super::record::Record;
+use crate::error::EdgeError;
+use crate::microvm::control_call;
 
 /// How long the VMM may take to answer (a snapshot of a large guest takes a while).
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Why a control request failed.
-#[derive(Debug, thiserror::Error)]
-pub enum VmmControlError {
-    #[error("this sandbox's VMM has no control socket (a record of a VMM started without --api-sock): recreate the sandbox")]
-    NoSocket,
-    #[error("the VMM did not answer its control socket within {} s: it may be stuck; delete the sandbox", CONTROL_TIMEOUT.as_secs())]
-    Timeout,
-    #[error("VMM control socket {}: {source}", socket.display())]
-    Io {
-        socket: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("VMM control reply {reply:?}: {detail}")]
-    BadReply { reply: String, detail: String },
-    #[error("the VMM refused {request}: {reason}")]
-    Refused { request: String, reason: String },
-}
-
-/// One request on the VMM's control socket.
-pub async fn vmm_control(
+async fn call<T: DeserializeOwned + Send + 'static>(
     record: &Record,
-    request: serde_json::Value,
-) -> Result<serde_json::Value, VmmControlError> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let sock = record
+    request: Request,
+) -> Result<T, NodeError> {
+    let socket = record
         .handle
         .api_socket
         .clone()
-        .ok_or(VmmControlError::NoSocket)?;
-    let talk = async {
-        let mut stream = tokio::net::UnixStream::connect(&sock).await?;
-        let mut line = request.to_string();
-        line.push('\n');
-        stream.write_all(line.as_bytes()).await?;
-        let mut reader = tokio::io::BufReader::new(stream);
-        let mut reply = String::new();
-        reader.read_line(&mut reply).await?;
-        Ok::<_, std::io::Error>(reply)
-    };
-    let reply = tokio::time::timeout(CONTROL_TIMEOUT, talk)
-        .await
-        .map_err(|_| VmmControlError::Timeout)?
-        .map_err(|source| VmmControlError::Io {
-            socket: sock.clone(),
-            source,
-        })?;
-    let value: serde_json::Value =
-        serde_json::from_str(reply.trim()).map_err(|e| VmmControlError::BadReply {
-            reply: reply.clone(),
-            detail: e.to_string(),
-        })?;
-    if value["ok"].as_bool() == Some(true) {
-        Ok(value)
-    } else {
-        Err(VmmControlError::Refused {
-            request: request.to_string(),
-            reason: value["error"]
-                .as_str()
-                .unwrap_or("no reason given")
-                .to_string(),
-        })
-    }
+        .ok_or(NodeError::FailedPrecondition(
+            "this sandbox's VMM has no control socket (a record of a VMM started without \
+             --api-sock): recreate the sandbox"
+                .into(),
+        ))?;
+    let client = ControlClient::new(socket).reply_timeout(CONTROL_TIMEOUT);
+    control_call(client, request).await.map_err(|e| match e {
+        EdgeError::Vmm(e) => NodeError::Vmm(e),
+        other => NodeError::Edge(other),
+    })
+}
+
+pub async fn pause(record: &Record) -> Result<(), NodeError> {
+    call::<Done>(record, Request::Pause).await.map(drop)
+}
+
+pub async fn resume(record: &Record) -> Result<(), NodeError> {
+    call::<Done>(record, Request::Resume).await.map(drop)
+}
+
+/// Writes a snapshot into the new directory `path` (a running VM is paused meanwhile).
+pub async fn snapshot(
+    record: &Record,
+    path: std::path::PathBuf,
+    diff: bool,
+) -> Result<SnapshotReply, NodeError> {
+    call(record, Request::Snapshot { path, diff }).await
 }

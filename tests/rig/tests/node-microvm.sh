@@ -77,7 +77,7 @@ children=$(timeout $T dsec fork $id -n 2 2>/tmp/fork.err)
 # The daemon's log line is the check that fails when the refresh is skipped: in this rig the
 # children's streams also diverge through their own timing noise, and a fork completes in
 # well under a second, so the two direct checks guard against gross breakage only.
-n=$(grep -c 'fork child refreshed' /tmp/node.log)
+n=$(grep -c 'restored guest refreshed' /tmp/node.log)
 [ "$n" = 2 ] && ok fork-children-refreshed || bad fork-children-refreshed "$n of 2 children refreshed (daemon log)"
 random=""; clocks=""
 for c in $children; do

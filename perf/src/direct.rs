@@ -71,6 +71,12 @@ pub fn metrics() -> Vec<Metric> {
             compare: true,
         },
         Metric {
+            key: "guest_done_to_exit_ms",
+            label: "guest done -> process exit (teardown)",
+            unit: "ms",
+            compare: true,
+        },
+        Metric {
             key: "vm_exits",
             label: "VM exits per boot",
             unit: "exits",
@@ -211,6 +217,9 @@ fn one(plan: &Plan, o: &DirectOpts, index: usize) -> Sample {
     }
     if let Some(d) = r.exit {
         values.insert("spawn_to_exit_ms", ms(d));
+        if let Some(done) = r.marker {
+            values.insert("guest_done_to_exit_ms", ms(d.saturating_sub(done)));
+        }
     }
     if r.timed_out {
         errors.push(format!("timed out after {:?}, killed", o.timeout));

@@ -1,7 +1,8 @@
 //! dsec-edge: sandbox lifecycle on one node. Backends (container, microVM), the agent
-//! client, KVM detection and artifact lookup. The node daemon builds on this later.
+//! client, KVM detection and artifact lookup, and the node daemon (`daemon`).
 
 pub mod backend;
+mod cgroup_join;
 pub mod client;
 pub mod daemon;
 pub mod error;

@@ -31,11 +31,8 @@
 //! - For a sandbox already recorded (no `MicroVm` at hand, e.g. after a daemon restart), build
 //!   a [`ControlClient`] on its `api.sock` and use [`control_call`].
 //!
-//! The daemon's create, restore and fork (today `create_microvm`, `restore_microvm` and
-//! `Node::fork` with `vmm_control`) map onto this one to one: `SandboxSpec` -> `VmConfig`
-//! (cmdline, vcpus, memory, drives), `VmmJail` -> `JailLaunch`, `spec.cgroup_procs` ->
-//! `SpawnOptions::cgroup_procs`, `wait_microvm_ready` -> `ready`, `refresh_child` -> done by
-//! `ready`, `Runtime::MicroVm { vmm }` -> `into_child()`.
+//! The daemon's create, restore and fork (`backend/microvm.rs`) and `dsec vm` start every
+//! VMM this way.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -46,6 +43,7 @@ use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde::de::DeserializeOwned;
 
+use crate::cgroup_join::{join_in_child, CgroupJoin};
 use crate::paths::log_tail;
 use crate::{AgentAddr, AgentClient, EdgeError, Result};
 
@@ -262,7 +260,6 @@ impl MicroVm {
         dir: &MicroVmDir,
         mut launch: VmmLaunch,
     ) -> Result<StartingMicroVm> {
-        use std::os::fd::AsRawFd;
         dir.wire(&mut launch);
         let (restored, mac) = match &launch.mode {
             LaunchMode::Restore(r) => (true, r.overrides.net.as_ref().and_then(|n| n.mac.clone())),
@@ -274,35 +271,22 @@ impl MicroVm {
         let log_err = log
             .try_clone()
             .map_err(|e| EdgeError::io("duplicate the VMM log descriptor", e))?;
-        // Opened here, written by the child before exec: the VMM is in its cgroups before it
-        // runs.
-        let procs = options
-            .cgroup_procs
-            .iter()
-            .map(|p| {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(p)
-                    .map_err(|e| EdgeError::io(format!("open {}", p.display()), e))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+        // The VMM is in its cgroups before it runs.
+        let cgroups = CgroupJoin::open(&options.cgroup_procs)?;
+        let fds = cgroups.fds();
         let mut command = tokio::process::Command::new(&options.vmm_bin);
         command
             .args(launch.to_args())
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log_err);
-        // SAFETY: setsid and write are async-signal-safe; the closure only reads `fds`
-        // (copied into it) and a static byte string.
+        // SAFETY: setsid and write (join_in_child) are async-signal-safe; the closure only
+        // reads `fds`, copied into it.
         unsafe {
             command.pre_exec(move || {
                 nix::unistd::setsid().map_err(std::io::Error::from)?;
-                for fd in &fds {
-                    // "0" moves the writing process (this child) into the cgroup.
-                    if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                if !join_in_child(&fds) {
+                    return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             });
@@ -310,7 +294,7 @@ impl MicroVm {
         let child = command
             .spawn()
             .map_err(|e| EdgeError::io(format!("start {}", options.vmm_bin.display()), e))?;
-        drop(procs);
+        drop(cgroups);
         let pid = child.id().unwrap_or(0);
         let process = Process {
             child: Some(child),

@@ -534,6 +534,12 @@ pub enum PmemFileError {
 /// Checks that `path` opens as a regular file (for writing unless `read_only`) whose size
 /// can be a pmem window; returns the size.
 pub fn check_pmem_file(path: &Path, read_only: bool) -> Result<u64, PmemFileError> {
+    open_pmem_file(path, read_only).map(|(_, size)| size)
+}
+
+/// Opens `path` as a pmem file (for writing unless `read_only`): a regular file whose size
+/// is a non-zero multiple of 2 MiB. Returns the file and its size.
+pub fn open_pmem_file(path: &Path, read_only: bool) -> Result<(std::fs::File, u64), PmemFileError> {
     let open_err = |source| PmemFileError::Open {
         path: path.to_owned(),
         mode: if read_only {
@@ -563,7 +569,7 @@ pub fn check_pmem_file(path: &Path, read_only: bool) -> Result<u64, PmemFileErro
             padded: size.div_ceil(PMEM_ALIGN) * PMEM_ALIGN,
         });
     }
-    Ok(size)
+    Ok((file, size))
 }
 
 /// MemAvailable from /proc/meminfo, in MiB.

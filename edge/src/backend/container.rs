@@ -14,6 +14,7 @@ use nix::unistd::Pid;
 
 use super::host::{HostResources, Runtime};
 use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
+use crate::cgroup_join::{join_in_child, CgroupJoin};
 use crate::client::{AgentAddr, AgentClient};
 use crate::error::{EdgeError, Result};
 use crate::paths::{find_binary, log_tail};
@@ -173,17 +174,8 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
     std::fs::File::from(launch_w)
         .write_all(&launch)
         .map_err(|e| EdgeError::io("write the container launch", e))?;
-    let procs = start
-        .cgroup_procs
-        .iter()
-        .map(|p| {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(p)
-                .map_err(|e| EdgeError::io(format!("open {}", p.display()), e))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let cgroup_fds: Vec<i32> = procs.iter().map(|f| f.as_raw_fd()).collect();
+    let cgroups = CgroupJoin::open(start.cgroup_procs)?;
+    let cgroup_fds = cgroups.fds();
     let inherited = [listener.as_raw_fd(), launch_r.as_raw_fd()];
     // Everything the child touches is prepared here: after clone only async-signal-safe
     // calls (write, fcntl, dup2, execve) may run, so no allocation happens in the child.
@@ -232,12 +224,10 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         unsafe {
             // Into the sandbox's cgroups before anything runs ("0" = the writer): the
             // agent's cgroup namespace is rooted there.
-            for fd in &cgroup_fds {
-                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                    let msg = b"dsec-edge: the agent could not join its cgroups\n";
-                    libc::write(log_fd, msg.as_ptr().cast(), msg.len());
-                    libc::_exit(126);
-                }
+            if !join_in_child(&cgroup_fds) {
+                let msg = b"dsec-edge: the agent could not join its cgroups\n";
+                libc::write(log_fd, msg.as_ptr().cast(), msg.len());
+                libc::_exit(126);
             }
             // Own session: the sandbox must outlive the daemon (no SIGHUP from its terminal).
             libc::setsid();
@@ -270,6 +260,6 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         .map_err(|e| EdgeError::io("clone the sandbox's namespaces (are we root?)", e.into()))?;
     // Our copies close here: the agent holds the only listening descriptor, so a dead
     // agent refuses connections at once instead of leaving them pending.
-    drop((listener, launch_r, procs));
+    drop((listener, launch_r, cgroups));
     Ok(pid)
 }

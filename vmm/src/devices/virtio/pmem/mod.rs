@@ -5,7 +5,7 @@
 //! ones MAP_SHARED, so guest stores land in the host page cache. The one request queue carries
 //! flushes: fdatasync(2) of the file for a writable mapping, nothing to do for a read-only one.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -29,7 +29,7 @@ pub const VIRTIO_ID_PMEM: u32 = 27;
 const QUEUE_SIZES: [u16; 1] = [32];
 /// Start and size of every pmem window: Linux hot-adds the range as ZONE_DEVICE memory in
 /// 2 MiB subsections.
-pub const ALIGN: u64 = 2 << 20;
+pub const ALIGN: u64 = dsec_vmm_api::config::PMEM_ALIGN;
 /// KVM memory slot of pmem device `i` is `KVM_SLOT_BASE + i` (RAM uses slots 0 and 1).
 pub const KVM_SLOT_BASE: u32 = 16;
 /// The only request type (`VIRTIO_PMEM_REQ_TYPE_FLUSH`).
@@ -40,22 +40,10 @@ pub const RESP_EIO: u32 = 1;
 /// Why a pmem file could not be mapped or restored.
 #[derive(Debug, thiserror::Error)]
 pub enum PmemError {
-    #[error("cannot open pmem file {path}{mode}: {source}")]
-    Open {
-        path: PathBuf,
-        mode: &'static str,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] dsec_vmm_api::config::PmemFileError),
     #[error("pmem file {0} is in use by another VM (locked); map it read-only (,ro) or shared (,shared) in every VM, or give each VM its own copy")]
     Locked(PathBuf),
-    #[error("pmem file {0} is empty; it needs a non-zero size that is a multiple of 2 MiB")]
-    Empty(PathBuf),
-    #[error("pmem file {path} is {size} bytes, not a multiple of 2 MiB (the guest maps it in 2 MiB units); pad it, e.g. truncate -s {padded} {path}")]
-    Unaligned {
-        path: PathBuf,
-        size: u64,
-        padded: u64,
-    },
     #[error("cannot map pmem file {path} ({size} bytes): {source}")]
     Map {
         path: PathBuf,
@@ -92,43 +80,10 @@ unsafe impl Send for Backing {}
 // SAFETY: as above; every method takes `&self` and only uses the file descriptor.
 unsafe impl Sync for Backing {}
 
-/// The file's size if it can be a pmem window: non-zero, a multiple of [`ALIGN`].
-pub fn check_size(path: &Path, size: u64) -> Result<u64, PmemError> {
-    if size == 0 {
-        return Err(PmemError::Empty(path.to_owned()));
-    }
-    if !size.is_multiple_of(ALIGN) {
-        return Err(PmemError::Unaligned {
-            path: path.to_owned(),
-            size,
-            padded: size.div_ceil(ALIGN) * ALIGN,
-        });
-    }
-    Ok(size)
-}
-
-/// Opens `path` as a pmem file and checks its size (config validation and [`Backing::open`]).
+/// Opens `path` as a pmem file and checks its size (the contract's check, shared with
+/// config validation).
 pub fn open_file(path: &Path, read_only: bool) -> Result<(File, u64), PmemError> {
-    let open_err = |source| PmemError::Open {
-        path: path.to_owned(),
-        mode: if read_only {
-            ""
-        } else {
-            " for writing (add ,ro?)"
-        },
-        source,
-    };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)
-        .map_err(open_err)?;
-    let meta = file.metadata().map_err(open_err)?;
-    if !meta.is_file() {
-        return Err(open_err(std::io::Error::other("not a regular file")));
-    }
-    let size = check_size(path, meta.len())?;
-    Ok((file, size))
+    Ok(dsec_vmm_api::config::open_pmem_file(path, read_only)?)
 }
 
 /// Where the first pmem window goes: above RAM and the 32-bit MMIO hole, at a 1 GiB boundary.
@@ -160,10 +115,12 @@ impl Backing {
         if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } != 0 {
             return Err(PmemError::Locked(path.to_owned()));
         }
-        let meta = file.metadata().map_err(|source| PmemError::Open {
-            path: path.to_owned(),
-            mode: "",
-            source,
+        let meta = file.metadata().map_err(|source| {
+            PmemError::File(dsec_vmm_api::config::PmemFileError::Open {
+                path: path.to_owned(),
+                mode: "",
+                source,
+            })
         })?;
         let (prot, flags) = if read_only {
             (libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_NORESERVE)

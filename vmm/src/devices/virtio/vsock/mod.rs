@@ -81,9 +81,10 @@ impl Vsock {
 }
 
 impl Drop for Vsock {
+    // The socket file stays: the last reference may go on a vCPU thread, whose seccomp
+    // filter has no unlink. The VMM's main thread removes it when the VM is over.
     fn drop(&mut self) {
         self.stop_worker();
-        let _ = std::fs::remove_file(&self.uds_path);
     }
 }
 

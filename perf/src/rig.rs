@@ -165,7 +165,9 @@ pub fn inner_command(
                     },
                 ];
             }
-            Ok((o.vmm.clone(), VmmLaunch::boot(config).to_args()))
+            let mut launch = VmmLaunch::boot(config);
+            launch.metrics_json = Some(metrics_path(&o.workdir, index));
+            Ok((o.vmm.clone(), launch.to_args()))
         }
         "qemu" => {
             push(&[
@@ -216,6 +218,15 @@ pub fn inner_command(
     }
 }
 
+/// Where our VMM writes its metrics (build steps, exits by device and by time) for boot
+/// `index`; it writes them when it is stopped with SIGTERM after agent-ready.
+pub fn metrics_path(workdir: &Path, index: usize) -> PathBuf {
+    workdir.join(format!("ours-{index}.metrics.json"))
+}
+
+/// Console lines kept per boot in the rig console (a verbose boot log has a few hundred).
+const CONSOLE_LINES_KEPT: usize = 2000;
+
 /// Runs the boots in `o.order` one after another; prints one `PERF-RIG` line each.
 /// Returns the number of failed boots.
 pub fn inner(o: &InnerOpts) -> usize {
@@ -237,11 +248,27 @@ pub fn inner(o: &InnerOpts) -> usize {
                     marker: Some(READY_LINE.into()),
                     kill_after_marker: true,
                     ready_path: None,
-                    stop_signal: libc::SIGKILL,
+                    // Ours stops cleanly so that it writes its metrics; timing ends before.
+                    stop_signal: if c == "ours" {
+                        libc::SIGTERM
+                    } else {
+                        libc::SIGKILL
+                    },
                     stop_delay: Duration::ZERO,
                     die_with_parent: false,
                 };
-                match run::run(&spec) {
+                let result = run::run(&spec);
+                if c == "ours" {
+                    match std::fs::read_to_string(metrics_path(&o.workdir, i)) {
+                        Ok(text) => println!("PERF-RIG-METRICS {c}#{i} {}", text.trim()),
+                        Err(e) => println!(
+                            "PERF-RIG-METRICS {c}#{i} unavailable ({e}); exit {:?}; stderr tail: {:?}",
+                            result.as_ref().ok().and_then(|r| r.status),
+                            run::read_tail(&spec.stderr_path, 300)
+                        ),
+                    }
+                }
+                match result {
                     Err(e) => format!("contender={c} index={i} ok=0 error=spawn: {e}"),
                     Ok(r) => {
                         let f = |d: Option<Duration>| {
@@ -267,7 +294,7 @@ pub fn inner(o: &InnerOpts) -> usize {
                             ));
                         }
                         // The guest console with arrival times, for diagnosis (rig console).
-                        for (t, text) in r.timeline.iter().rev().take(80).rev() {
+                        for (t, text) in r.timeline.iter().rev().take(CONSOLE_LINES_KEPT).rev() {
                             println!(
                                 "PERF-RIG-CONSOLE {c}#{i} +{:.1}ms {text}",
                                 t.as_secs_f64() * 1e3

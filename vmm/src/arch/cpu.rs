@@ -240,15 +240,46 @@ pub fn setup_lapic(vcpu: &VcpuFd) -> Result<(), CpuError> {
     vcpu.set_lapic(&lapic).map_err(kvm("lapic"))
 }
 
-/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology.
-pub fn setup_cpuid(vcpu: &VcpuFd, base: &CpuId, id: u8, count: u8) -> Result<(), CpuError> {
+/// What the host's KVM can give the guest beyond what `KVM_GET_SUPPORTED_CPUID` lists.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostCaps {
+    /// `KVM_CAP_TSC_DEADLINE_TIMER`: the in-kernel LAPIC emulates the TSC-deadline timer mode.
+    /// KVM never lists this bit in its supported CPUID; a VMM has to set it itself.
+    pub tsc_deadline_timer: bool,
+}
+
+impl HostCaps {
+    pub fn of(kvm: &kvm_ioctls::Kvm) -> HostCaps {
+        HostCaps {
+            tsc_deadline_timer: kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer),
+        }
+    }
+}
+
+const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
+const CPUID_1_ECX_HYPERVISOR: u32 = 1 << 31;
+
+/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology, TSC-deadline timer.
+pub fn setup_cpuid(
+    vcpu: &VcpuFd,
+    base: &CpuId,
+    caps: HostCaps,
+    id: u8,
+    count: u8,
+) -> Result<(), CpuError> {
     let mut cpuid = base.clone();
     for entry in cpuid.as_mut_slice() {
         match entry.function {
             0x1 => {
                 entry.ebx =
                     (entry.ebx & 0x0000_ffff) | (u32::from(id) << 24) | (u32::from(count) << 16);
-                entry.ecx |= 1 << 31; // running under a hypervisor
+                entry.ecx |= CPUID_1_ECX_HYPERVISOR;
+                // Without it Linux calibrates the LAPIC timer against the PIT at boot (100 ms
+                // of ticks, far more under nested virtualization) and runs its tick from the
+                // periodic LAPIC mode.
+                if caps.tsc_deadline_timer {
+                    entry.ecx |= CPUID_1_ECX_TSC_DEADLINE;
+                }
                 if count > 1 {
                     entry.edx |= 1 << 28; // HTT: more than one logical CPU
                 }

@@ -535,8 +535,15 @@ mod tests {
         assert_eq!(by_address[0].last_ms, 250.0);
         assert_eq!(by_address[1].count, 1);
         let by_time = stats.by_time();
-        assert_eq!(by_time.len(), EXIT_BUCKETS, "late exits land in the last bucket");
-        assert_eq!((by_time[0], by_time[2], by_time[EXIT_BUCKETS - 1]), (2, 1, 1));
+        assert_eq!(
+            by_time.len(),
+            EXIT_BUCKETS,
+            "late exits land in the last bucket"
+        );
+        assert_eq!(
+            (by_time[0], by_time[2], by_time[EXIT_BUCKETS - 1]),
+            (2, 1, 1)
+        );
     }
 
     #[test]

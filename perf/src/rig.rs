@@ -227,7 +227,7 @@ pub fn inner_command(
             a.push("--log-path".into());
             a.push(o.workdir.join(format!("firecracker-{index}.log")).into());
             a.push("--level".into());
-            a.push("Warn".into());
+            a.push("Info".into());
             Ok((o.firecracker.clone(), a))
         }
         other => Err(format!(
@@ -327,6 +327,13 @@ pub fn inner(o: &InnerOpts) -> usize {
                     die_with_parent: false,
                 };
                 let result = run::run(&spec);
+                if c == FIRECRACKER {
+                    // Its own log (with timestamps) shows where its startup goes.
+                    let log = o.workdir.join(format!("firecracker-{i}.log"));
+                    for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
+                        println!("PERF-RIG-FCLOG {c}#{i} {line}");
+                    }
+                }
                 if c == "ours" {
                     match std::fs::read_to_string(metrics_path(&o.workdir, i)) {
                         Ok(text) => println!("PERF-RIG-METRICS {c}#{i} {}", text.trim()),

@@ -267,6 +267,12 @@ pub fn setup_cpuid(
     id: u8,
     count: u8,
 ) -> Result<(), CpuError> {
+    vcpu.set_cpuid2(&guest_cpuid(base, caps, id, count))
+        .map_err(kvm("cpuid"))
+}
+
+/// The CPUID vCPU `id` of `count` sees, from KVM's supported CPUID.
+pub fn guest_cpuid(base: &CpuId, caps: HostCaps, id: u8, count: u8) -> CpuId {
     let mut cpuid = base.clone();
     for entry in cpuid.as_mut_slice() {
         match entry.function {
@@ -301,12 +307,37 @@ pub fn setup_cpuid(
             _ => {}
         }
     }
-    vcpu.set_cpuid2(&cpuid).map_err(kvm("cpuid"))
+    cpuid
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_cpuid_sets_identity_hypervisor_and_tsc_deadline_bits() {
+        use kvm_bindings::kvm_cpuid_entry2;
+        let leaf = |function, ecx| kvm_cpuid_entry2 {
+            function,
+            ecx,
+            ebx: 0x0000_0800,
+            ..Default::default()
+        };
+        let base = CpuId::from_entries(&[leaf(0, 0), leaf(1, 0x1)]).unwrap();
+        let caps = HostCaps {
+            tsc_deadline_timer: true,
+        };
+        let cpuid = guest_cpuid(&base, caps, 1, 2);
+        let leaf1 = cpuid.as_slice()[1];
+        assert_eq!(
+            leaf1.ecx,
+            0x1 | CPUID_1_ECX_TSC_DEADLINE | CPUID_1_ECX_HYPERVISOR
+        );
+        assert_eq!(leaf1.ebx, 0x0000_0800 | (1 << 24) | (2 << 16));
+        assert_eq!(cpuid.as_slice()[0].ecx, 0, "other leaves untouched");
+        let without = guest_cpuid(&base, HostCaps::default(), 0, 1);
+        assert_eq!(without.as_slice()[1].ecx & CPUID_1_ECX_TSC_DEADLINE, 0);
+    }
 
     #[test]
     fn gdt_segment_round_trip() {

@@ -220,31 +220,43 @@ impl Vm {
     pub fn new(config: VmConfig) -> Result<Vm, VmError> {
         config.validate()?;
         let times = Arc::new(BootTimes::default());
-        let kvm = open_kvm()?;
-        let fd = create_vm_fd(&kvm)?;
-        times.mark("kvm_vm_created");
         let mem_bytes = config.mem_mib << 20;
         let regions = memory::layout_for(mem_bytes);
         let mem = memory::anonymous(mem_bytes)?;
-        memory::register(&fd, &mem, false)?;
-        times.mark("memory_registered");
-        let (exit_tx, exit_rx) = channel();
-        let sink = serial_sink(&config.serial, &times)?;
-        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
-        times.mark("devices_attached");
         let cmdline = kernel_cmdline(&config);
-        let boot_info = boot::load(
-            &mem,
-            mem_bytes,
-            &config.kernel,
-            config.initrd.as_deref(),
-            &cmdline,
-        )?;
-        times.mark("kernel_and_initrd_loaded");
-        mptable::setup(&mem, config.vcpus)?;
-        let base_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(kvm_err("report supported CPUID"))?;
+        let (exit_tx, exit_rx) = channel();
+        let (kvm, fd, devices, base_cpuid, boot_info) = std::thread::scope(|scope| {
+            // Copying the kernel and initrd is CPU work; most of the KVM setup below waits
+            // (RCU/SRCU grace periods when the VM, its memory slots and irqfds change), so
+            // the two overlap even on one host CPU.
+            let loader = scope.spawn(|| -> Result<boot::BootInfo, VmError> {
+                let info = boot::load(
+                    &mem,
+                    mem_bytes,
+                    &config.kernel,
+                    config.initrd.as_deref(),
+                    &cmdline,
+                )?;
+                mptable::setup(&mem, config.vcpus)?;
+                times.mark("kernel_and_initrd_loaded");
+                Ok(info)
+            });
+            let kvm = open_kvm()?;
+            let fd = create_vm_fd(&kvm)?;
+            times.mark("kvm_vm_created");
+            memory::register(&fd, &mem, false)?;
+            times.mark("memory_registered");
+            let sink = serial_sink(&config.serial, &times)?;
+            let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
+            times.mark("devices_attached");
+            let base_cpuid = kvm
+                .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+                .map_err(kvm_err("report supported CPUID"))?;
+            let boot_info = loader.join().unwrap_or_else(|panic| {
+                std::panic::resume_unwind(panic);
+            })?;
+            Ok::<_, VmError>((kvm, fd, devices, base_cpuid, boot_info))
+        })?;
         let host_caps = cpu::HostCaps::of(&kvm);
         let mut vm = Vm::assemble(
             config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,

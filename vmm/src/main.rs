@@ -107,6 +107,7 @@ fn main() -> ExitCode {
             "exits_by_address": report.exits_by_address,
             "exit_bucket_ms": dsec_vmm::vcpu::EXIT_BUCKET_MS,
             "exits_by_time": report.exits_by_time,
+            "kvm_vcpu_stats": report.kvm_vcpu_stats,
         });
         if let Err(e) = std::fs::write(path, metrics.to_string()) {
             eprintln!("dsec-vmm: cannot write metrics to {}: {e}", path.display());

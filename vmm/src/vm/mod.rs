@@ -109,6 +109,8 @@ pub struct RunReport {
     pub exits_by_address: Vec<vcpu::ExitCount>,
     /// Exits per [`vcpu::EXIT_BUCKET_MS`] since the first KVM_RUN.
     pub exits_by_time: Vec<u64>,
+    /// KVM's own per-vCPU statistics summed over the vCPUs (in-kernel exits included).
+    pub kvm_vcpu_stats: std::collections::BTreeMap<String, u64>,
 }
 
 /// Records the time of the first console byte, then passes bytes through.
@@ -385,6 +387,12 @@ impl Vm {
             steps: self.times.steps(),
             exits_by_address: self.stats.by_address(),
             exits_by_time: self.stats.by_time(),
+            kvm_vcpu_stats: self.vcpus.iter().fold(Default::default(), |mut sum, v| {
+                for (name, value) in crate::kvm_stats::vcpu_stats(v.raw_fd) {
+                    *sum.entry(name).or_insert(0) += value;
+                }
+                sum
+            }),
         }
     }
 

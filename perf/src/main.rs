@@ -131,6 +131,10 @@ struct BootArgs {
     /// Root disk image of that scenario [default: $DSEC_HOME/images/debian/rootfs.img].
     #[arg(long, value_name = "PATH")]
     root_disk: Option<PathBuf>,
+    /// A Firecracker binary: a third contender in the rig scenarios (`--no-api
+    /// --config-file`, the same kernel, initramfs, cmdline, memory, 1 vCPU, a vsock device).
+    #[arg(long, value_name = "PATH")]
+    firecracker: Option<PathBuf>,
     /// Keep the scratch directory (stderr of every contender, rig logs and consoles).
     #[arg(long)]
     keep_workdir: bool,
@@ -338,6 +342,8 @@ struct RigInnerArgs {
     vmm: PathBuf,
     #[arg(long, default_value = "/usr/bin/qemu-system-x86_64")]
     qemu: PathBuf,
+    #[arg(long, default_value = "/bin/firecracker")]
+    firecracker: PathBuf,
     #[arg(long, default_value = "/guest/vmlinux")]
     kernel: PathBuf,
     #[arg(long, default_value = "/guest/initramfs.cpio")]
@@ -501,6 +507,7 @@ fn boot(a: BootArgs) -> Result<(), String> {
             .or_else(|| default_initramfs(&root)),
         vmm,
         qemu,
+        firecracker: a.firecracker.clone(),
         mem_mib: a.rig_mem_mib,
         boot_timeout: Duration::from_secs(a.rig_boot_timeout_s),
         workdir: workdir.join("rig"),
@@ -894,6 +901,7 @@ fn main() -> ExitCode {
                 order: a.order,
                 vmm: a.vmm,
                 qemu: a.qemu,
+                firecracker: a.firecracker,
                 kernel: a.kernel,
                 initrd: a.initrd,
                 mem_mib: a.mem_mib,

@@ -22,6 +22,9 @@ pub const READY_LINE: &str = "dsec-agent ready";
 pub const GUEST_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
 const SCRIPT_TEMPLATE: &str = include_str!("../rig/boot-in-l1.sh");
 pub const CONTENDERS: [&str; 2] = ["ours", "qemu"];
+/// The optional third contender (`--firecracker PATH`), and where its binary goes in L1.
+pub const FIRECRACKER: &str = "firecracker";
+const L1_FIRECRACKER: &str = "/bin/firecracker";
 
 pub fn metrics() -> Vec<Metric> {
     vec![
@@ -53,6 +56,8 @@ pub struct InnerOpts {
     pub order: Vec<String>,
     pub vmm: PathBuf,
     pub qemu: PathBuf,
+    /// Firecracker, when it is a contender (`--no-api --config-file`, config written per boot).
+    pub firecracker: PathBuf,
     pub kernel: PathBuf,
     pub initrd: PathBuf,
     pub mem_mib: u32,
@@ -165,7 +170,9 @@ pub fn inner_command(
                     },
                 ];
             }
-            Ok((o.vmm.clone(), VmmLaunch::boot(config).to_args()))
+            let mut launch = VmmLaunch::boot(config);
+            launch.metrics_json = Some(metrics_path(&o.workdir, index));
+            Ok((o.vmm.clone(), launch.to_args()))
         }
         "qemu" => {
             push(&[
@@ -212,9 +219,81 @@ pub fn inner_command(
             }
             Ok((o.qemu.clone(), a))
         }
-        other => Err(format!("unknown contender '{other}' (ours, qemu)")),
+        FIRECRACKER => {
+            a.push("--no-api".into());
+            a.push("--config-file".into());
+            a.push(firecracker_config_path(&o.workdir, index).into());
+            // Its log would otherwise go to stdout, where the console is timed.
+            a.push("--log-path".into());
+            a.push(o.workdir.join(format!("firecracker-{index}.log")).into());
+            a.push("--level".into());
+            a.push("Info".into());
+            Ok((o.firecracker.clone(), a))
+        }
+        other => Err(format!(
+            "unknown contender '{other}' (ours, qemu, {FIRECRACKER})"
+        )),
     }
 }
+
+/// Where boot `index`'s Firecracker configuration is written.
+pub fn firecracker_config_path(workdir: &Path, index: usize) -> PathBuf {
+    workdir.join(format!("firecracker-{index}.json"))
+}
+
+/// Firecracker's configuration for boot `index`: the same kernel, initrd, cmdline, memory,
+/// one vCPU, a vsock device and (on a root disk) the same two disks in the same order.
+pub fn firecracker_config(o: &InnerOpts, index: usize) -> serde_json::Value {
+    let mut cmdline = guest_cmdline(&o.cmdline_extra);
+    let mut drives = Vec::new();
+    if let Some(root) = &o.root_disk {
+        cmdline = format!("{cmdline} {DISK_ROOT_CMDLINE}");
+        for (id, path, read_only) in [
+            ("root", root.image.clone(), true),
+            ("upper", upper_path(&o.workdir, index), false),
+        ] {
+            drives.push(serde_json::json!({
+                "drive_id": id,
+                "path_on_host": path,
+                "is_root_device": false,
+                "is_read_only": read_only,
+            }));
+        }
+    }
+    serde_json::json!({
+        "boot-source": {
+            "kernel_image_path": o.kernel,
+            "initrd_path": o.initrd,
+            "boot_args": cmdline,
+        },
+        "drives": drives,
+        "machine-config": {"vcpu_count": 1, "mem_size_mib": o.mem_mib, "smt": false},
+        "vsock": {
+            "guest_cid": dsec_vmm_api::config::MIN_GUEST_CID,
+            "uds_path": o.workdir.join(format!("firecracker-vsock-{index}.sock")),
+        },
+    })
+}
+
+/// Writes what a contender needs on disk before its spawn (outside the timed span).
+fn prepare(contender: &str, o: &InnerOpts, index: usize) -> Result<(), String> {
+    if contender == FIRECRACKER {
+        let path = firecracker_config_path(&o.workdir, index);
+        std::fs::write(&path, firecracker_config(o, index).to_string())
+            .map_err(|e| format!("write {}: {e}", path.display()))?;
+        let _ = std::fs::remove_file(o.workdir.join(format!("firecracker-vsock-{index}.sock")));
+    }
+    Ok(())
+}
+
+/// Where our VMM writes its metrics (build steps, exits by device and by time) for boot
+/// `index`; it writes them when it is stopped with SIGTERM after agent-ready.
+pub fn metrics_path(workdir: &Path, index: usize) -> PathBuf {
+    workdir.join(format!("ours-{index}.metrics.json"))
+}
+
+/// Console lines kept per boot in the rig console (a verbose boot log has a few hundred).
+const CONSOLE_LINES_KEPT: usize = 2000;
 
 /// Runs the boots in `o.order` one after another; prints one `PERF-RIG` line each.
 /// Returns the number of failed boots.
@@ -226,6 +305,7 @@ pub fn inner(o: &InnerOpts) -> usize {
             Some(root) => make_upper(root, &upper_path(&o.workdir, i)),
             None => Ok(()),
         };
+        let made = made.and_then(|()| prepare(c, o, i));
         let line = match made.and_then(|()| inner_command(c, o, i)) {
             Err(e) => format!("contender={c} index={i} ok=0 error={e}"),
             Ok((program, args)) => {
@@ -237,11 +317,34 @@ pub fn inner(o: &InnerOpts) -> usize {
                     marker: Some(READY_LINE.into()),
                     kill_after_marker: true,
                     ready_path: None,
-                    stop_signal: libc::SIGKILL,
+                    // Ours stops cleanly so that it writes its metrics; timing ends before.
+                    stop_signal: if c == "ours" {
+                        libc::SIGTERM
+                    } else {
+                        libc::SIGKILL
+                    },
                     stop_delay: Duration::ZERO,
                     die_with_parent: false,
                 };
-                match run::run(&spec) {
+                let result = run::run(&spec);
+                if c == FIRECRACKER {
+                    // Its own log (with timestamps) shows where its startup goes.
+                    let log = o.workdir.join(format!("firecracker-{i}.log"));
+                    for line in std::fs::read_to_string(log).unwrap_or_default().lines() {
+                        println!("PERF-RIG-FCLOG {c}#{i} {line}");
+                    }
+                }
+                if c == "ours" {
+                    match std::fs::read_to_string(metrics_path(&o.workdir, i)) {
+                        Ok(text) => println!("PERF-RIG-METRICS {c}#{i} {}", text.trim()),
+                        Err(e) => println!(
+                            "PERF-RIG-METRICS {c}#{i} unavailable ({e}); exit {:?}; stderr tail: {:?}",
+                            result.as_ref().ok().and_then(|r| r.status),
+                            run::read_tail(&spec.stderr_path, 300)
+                        ),
+                    }
+                }
+                match result {
                     Err(e) => format!("contender={c} index={i} ok=0 error=spawn: {e}"),
                     Ok(r) => {
                         let f = |d: Option<Duration>| {
@@ -267,7 +370,7 @@ pub fn inner(o: &InnerOpts) -> usize {
                             ));
                         }
                         // The guest console with arrival times, for diagnosis (rig console).
-                        for (t, text) in r.timeline.iter().rev().take(80).rev() {
+                        for (t, text) in r.timeline.iter().rev().take(CONSOLE_LINES_KEPT).rev() {
                             println!(
                                 "PERF-RIG-CONSOLE {c}#{i} +{:.1}ms {text}",
                                 t.as_secs_f64() * 1e3
@@ -302,6 +405,8 @@ pub struct OuterOpts {
     pub initramfs: Option<PathBuf>,
     pub vmm: PathBuf,
     pub qemu: PathBuf,
+    /// A Firecracker binary: a third contender when given.
+    pub firecracker: Option<PathBuf>,
     pub mem_mib: u32,
     pub boot_timeout: Duration,
     pub workdir: PathBuf,
@@ -484,11 +589,21 @@ fn sample_from_line(m: &BTreeMap<String, String>, index: usize, l1_boot_s: Optio
     }
 }
 
+/// The contenders of a run: ours and QEMU, and Firecracker when given.
+pub fn contenders(o: &OuterOpts) -> Vec<&'static str> {
+    let mut list = CONTENDERS.to_vec();
+    if o.firecracker.is_some() {
+        list.push(FIRECRACKER);
+    }
+    list
+}
+
 pub fn skeleton(o: &OuterOpts) -> Scenario {
     let io = InnerOpts {
         order: vec![],
         vmm: "/bin/dsec-vmm".into(),
         qemu: "/usr/bin/qemu-system-x86_64".into(),
+        firecracker: L1_FIRECRACKER.into(),
         kernel: "/guest/vmlinux".into(),
         initrd: "/guest/initramfs.cpio".into(),
         mem_mib: o.mem_mib,
@@ -507,7 +622,8 @@ pub fn skeleton(o: &OuterOpts) -> Scenario {
     } else {
         "agent initramfs"
     };
-    let contenders = CONTENDERS
+    let names = contenders(o);
+    let contenders = names
         .iter()
         .map(|c| {
             let (p, a) = inner_command(c, &io, 0).expect("known contender");
@@ -525,6 +641,7 @@ pub fn skeleton(o: &OuterOpts) -> Scenario {
                 name: c.to_string(),
                 description: match *c {
                     "ours" => format!("dsec-vmm in L1 (PVH vmlinux + {guest}, virtio-mmio vsock)"),
+                    FIRECRACKER => format!("Firecracker in L1, --no-api --config-file (same kernel, {guest}, cmdline, memory, 1 vCPU, virtio-mmio vsock)"),
                     _ => format!("qemu-system-x86_64 -M microvm -accel kvm in L1 (same kernel, {guest}, cmdline; vhost-vsock-device if L1 has /dev/vhost-vsock)"),
                 },
                 command: cmd,
@@ -559,7 +676,14 @@ pub fn skeleton(o: &OuterOpts) -> Scenario {
         ),
         metrics: metrics(),
         contenders,
-        comparisons: vec![("ours".into(), "qemu".into())],
+        comparisons: {
+            let mut pairs = vec![("ours".to_string(), "qemu".to_string())];
+            if names.contains(&FIRECRACKER) {
+                pairs.push(("ours".into(), FIRECRACKER.into()));
+                pairs.push((FIRECRACKER.into(), "qemu".into()));
+            }
+            pairs
+        },
         samples: Vec::new(),
         skipped: None,
         notes: vec![
@@ -590,6 +714,11 @@ fn check_inputs(o: &OuterOpts) -> Result<(PathBuf, PathBuf), String> {
     }
     if !o.vmm.is_file() {
         return Err(format!("dsec-vmm {} not found", o.vmm.display()));
+    }
+    if let Some(firecracker) = &o.firecracker {
+        if !firecracker.is_file() {
+            return Err(format!("Firecracker {} not found", firecracker.display()));
+        }
     }
     if crate::direct::which(&o.qemu).is_none() {
         return Err(format!(
@@ -647,6 +776,9 @@ fn run_l1(o: &OuterOpts, kernel: &Path, initramfs: &Path, order: &[&str], tag: &
         .arg(format!("{}=/bin/dsec-vmm", o.vmm.display()))
         .arg(format!("{}=/guest/vmlinux", kernel.display()))
         .arg(format!("{}=/guest/initramfs.cpio", initramfs.display()));
+    if let Some(firecracker) = &o.firecracker {
+        command.arg(format!("{}={L1_FIRECRACKER}", firecracker.display()));
+    }
     if let Some(disk) = &o.root_disk {
         let mkfs = host_mkfs().ok_or("mke2fs not found (apt-get install e2fsprogs)")?;
         command
@@ -717,13 +849,14 @@ pub fn bench(o: &OuterOpts) -> Scenario {
     };
     let _ = std::fs::create_dir_all(&o.workdir);
     let started = Instant::now();
+    let names = contenders(o);
     if o.shared_l1 {
-        let order: Vec<&str> = (0..o.samples).flat_map(|_| CONTENDERS).collect();
+        let order: Vec<&str> = (0..o.samples).flat_map(|_| names.clone()).collect();
         let res = run_l1(o, &kernel, &initramfs, &order, "shared");
-        record(&mut sc, &order, |k| k / CONTENDERS.len(), res);
+        record(&mut sc, &order, |k| k / names.len(), res);
     } else {
         for i in 0..o.samples {
-            for c in CONTENDERS {
+            for &c in &names {
                 let res = run_l1(o, &kernel, &initramfs, &[c], &format!("{c}-{i}"));
                 record(&mut sc, &[c], |_| i, res);
                 let last = sc.samples.last().expect("just pushed");
@@ -806,6 +939,7 @@ mod tests {
             order: vec![],
             vmm: "/bin/dsec-vmm".into(),
             qemu: "/usr/bin/qemu-system-x86_64".into(),
+            firecracker: L1_FIRECRACKER.into(),
             kernel: "/guest/vmlinux".into(),
             initrd: "/guest/initramfs.cpio".into(),
             mem_mib: 256,
@@ -857,6 +991,26 @@ mod tests {
             .position(|w| w.ends_with("file=/tmp/upper-0.ext4"))
             .unwrap();
         assert!(root < upper, "{qemu:?}");
+
+        // Firecracker reads all of it from its config file, written before the spawn.
+        let fc = words(FIRECRACKER, &o);
+        assert_eq!(
+            fc[..3],
+            ["--no-api", "--config-file", "/tmp/firecracker-0.json"]
+        );
+        let config = firecracker_config(&o, 0);
+        assert_eq!(config["boot-source"]["kernel_image_path"], "/guest/vmlinux");
+        assert_eq!(
+            config["boot-source"]["initrd_path"],
+            "/guest/initramfs.cpio"
+        );
+        assert_eq!(config["boot-source"]["boot_args"], cmdline.as_str());
+        assert_eq!(config["machine-config"]["mem_size_mib"], 256);
+        assert_eq!(config["machine-config"]["vcpu_count"], 1);
+        assert_eq!(config["vsock"]["guest_cid"], 3);
+        assert_eq!(config["drives"][0]["path_on_host"], "/guest/rootfs.img");
+        assert_eq!(config["drives"][0]["is_read_only"], true);
+        assert_eq!(config["drives"][1]["path_on_host"], "/tmp/upper-0.ext4");
     }
 
     #[test]

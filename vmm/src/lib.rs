@@ -10,6 +10,7 @@ pub mod control;
 pub mod devices;
 pub mod exit;
 pub mod jail;
+pub mod kvm_stats;
 pub mod memory;
 pub mod persist;
 pub mod seccomp;

@@ -68,6 +68,7 @@ fn main() -> ExitCode {
     // signal thread receives them: SIGTERM/SIGINT end the VM cleanly (sockets removed,
     // metrics written) instead of killing the process mid-write.
     let stop_signals = block_stop_signals();
+    let args_parsed_ns = dsec_vmm::vm::now_ns();
     if !launch.no_seccomp {
         if let Err(e) = dsec_vmm::seccomp::enable() {
             eprintln!("dsec-vmm: {e}");
@@ -83,6 +84,7 @@ fn main() -> ExitCode {
             return jail_check(jail, path);
         }
     }
+    let setup_done_ns = dsec_vmm::vm::now_ns();
     let (result, loaded_ns) = build_and_run(&launch, stop_signals);
     let report = match result {
         Ok(r) => r,
@@ -96,9 +98,16 @@ fn main() -> ExitCode {
             "exit_reason": report.reason.to_string(),
             "vm_exits": report.exits,
             "process_start_ns": started_ns,
+            "args_parsed_ns": args_parsed_ns,
+            "seccomp_and_jail_ready_ns": setup_done_ns,
             "vm_ready_ns": loaded_ns,
             "first_kvm_run_ns": report.first_kvm_run_ns,
             "first_serial_byte_ns": report.first_serial_byte_ns,
+            "build_steps_ns": report.steps.iter().map(|(step, ns)| serde_json::json!({"step": step, "ns": ns})).collect::<Vec<_>>(),
+            "exits_by_address": report.exits_by_address,
+            "exit_bucket_ms": dsec_vmm::vcpu::EXIT_BUCKET_MS,
+            "exits_by_time": report.exits_by_time,
+            "kvm_vcpu_stats": report.kvm_vcpu_stats,
         });
         if let Err(e) = std::fs::write(path, metrics.to_string()) {
             eprintln!("dsec-vmm: cannot write metrics to {}: {e}", path.display());
@@ -406,6 +415,11 @@ fn build_and_run(
         return (Err(MainError::Control(e)), loaded_ns);
     }
     let report = vm.wait();
+    // The process is about to exit without tearing anything down (see `defer_teardown`):
+    // keep the VM alive until then, so that the last reference to a device is never dropped
+    // on a vCPU thread, whose seccomp filter forbids what a device's drop does (the vsock
+    // device unlinks its socket: SIGSYS, exit status 159, metrics never written).
+    std::mem::forget(vm.clone());
     // Device threads die with the process: remove the sockets they own here.
     if let Some(uds) = uds {
         let _ = std::fs::remove_file(uds);

@@ -1,6 +1,7 @@
 //! vCPU threads: run KVM_RUN, dispatch exits to the buses, park on request so the VM can be
 //! paused and its state saved, and save/restore the architectural state.
 
+use std::collections::BTreeMap;
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -43,9 +44,95 @@ pub enum VcpuError {
 }
 
 /// Exit counters shared by all vCPUs (exits dominate boot time on nested hosts).
-#[derive(Default)]
 pub struct VcpuStats {
     pub exits: AtomicU64,
+    /// Exits by kind and device address (I/O port, or the 4 KiB MMIO page), for the metrics:
+    /// count, first and last time (ns since the first KVM_RUN).
+    by_address: Mutex<BTreeMap<(&'static str, u64), AddressExits>>,
+    /// Exits per [`EXIT_BUCKET_MS`] since the first KVM_RUN: shows where a boot stalls.
+    by_time: [AtomicU64; EXIT_BUCKETS],
+}
+
+/// Exits to one device address: how many, the first and the last (ns since the first KVM_RUN).
+#[derive(Clone, Copy)]
+struct AddressExits {
+    count: u64,
+    first_ns: u64,
+    last_ns: u64,
+}
+
+/// Width of one `by_time` bucket.
+pub const EXIT_BUCKET_MS: u64 = 100;
+const EXIT_BUCKETS: usize = 100;
+
+/// One line of the exit breakdown: kind (`io_in`, `io_out`, `mmio_read`, `mmio_write`),
+/// address and count.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExitCount {
+    pub kind: &'static str,
+    pub address: String,
+    pub count: u64,
+    /// First and last such exit, in ms after the first KVM_RUN.
+    pub first_ms: f64,
+    pub last_ms: f64,
+}
+
+impl Default for VcpuStats {
+    fn default() -> Self {
+        VcpuStats {
+            exits: AtomicU64::new(0),
+            by_address: Mutex::default(),
+            by_time: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl VcpuStats {
+    fn count(&self, kind: &'static str, address: u64, since_first_run_ns: u64) {
+        let mut map = lock(&self.by_address);
+        let entry = map.entry((kind, address)).or_insert(AddressExits {
+            count: 0,
+            first_ns: since_first_run_ns,
+            last_ns: 0,
+        });
+        entry.count += 1;
+        entry.last_ns = since_first_run_ns;
+    }
+
+    fn count_at(&self, since_first_run_ns: u64) {
+        let bucket = (since_first_run_ns / (EXIT_BUCKET_MS * 1_000_000)) as usize;
+        self.by_time[bucket.min(EXIT_BUCKETS - 1)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Device exits, most frequent first.
+    pub fn by_address(&self) -> Vec<ExitCount> {
+        let mut counts: Vec<ExitCount> = lock(&self.by_address)
+            .iter()
+            .map(|(&(kind, address), exits)| ExitCount {
+                kind,
+                address: format!("{address:#x}"),
+                count: exits.count,
+                first_ms: exits.first_ns as f64 / 1e6,
+                last_ms: exits.last_ns as f64 / 1e6,
+            })
+            .collect();
+        counts.sort_by_key(|c| std::cmp::Reverse(c.count));
+        counts
+    }
+
+    /// Exits per [`EXIT_BUCKET_MS`] since the first KVM_RUN, trailing empty buckets dropped
+    /// (the last bucket also holds everything later).
+    pub fn by_time(&self) -> Vec<u64> {
+        let mut buckets: Vec<u64> = self
+            .by_time
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        while buckets.last() == Some(&0) {
+            buckets.pop();
+        }
+        buckets
+    }
 }
 
 const KVM_SYSTEM_EVENT_SHUTDOWN: u32 = 1;
@@ -235,6 +322,9 @@ impl Runner {
     fn run_once(&self, fd: &mut VcpuFd) -> Option<VmExitReason> {
         let exit = fd.run();
         self.stats.exits.fetch_add(1, Ordering::Relaxed);
+        let since_first_run =
+            now_ns().saturating_sub(self.times.first_kvm_run_ns.load(Ordering::Relaxed));
+        self.stats.count_at(since_first_run);
         let error = |message: String| {
             Some(VmExitReason::VcpuError {
                 vcpu: self.id,
@@ -243,6 +333,7 @@ impl Runner {
         };
         match exit {
             Ok(VcpuExit::IoIn(port, data)) => {
+                self.stats.count("io_in", u64::from(port), since_first_run);
                 if !self.pio.read(u64::from(port), data) {
                     // Nothing there: the bus floats high, as on real hardware.
                     data.fill(0xff);
@@ -250,16 +341,21 @@ impl Runner {
                 None
             }
             Ok(VcpuExit::IoOut(port, data)) => {
+                self.stats.count("io_out", u64::from(port), since_first_run);
                 self.pio.write(u64::from(port), data);
                 None
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
+                self.stats
+                    .count("mmio_read", addr & !0xfff, since_first_run);
                 if !self.mmio.read(addr, data) {
                     data.fill(0xff);
                 }
                 None
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
+                self.stats
+                    .count("mmio_write", addr & !0xfff, since_first_run);
                 self.mmio.write(addr, data);
                 None
             }
@@ -421,6 +517,33 @@ mod tests {
             data,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn exits_are_counted_by_address_and_by_time() {
+        let stats = VcpuStats::default();
+        stats.count("io_out", 0x3f8, 5_000_000);
+        stats.count("io_out", 0x3f8, 250_000_000);
+        stats.count("io_in", 0x64, 7_000_000);
+        for at in [5_000_000, 250_000_000, 7_000_000, u64::MAX] {
+            stats.count_at(at);
+        }
+        let by_address = stats.by_address();
+        assert_eq!(by_address[0].address, "0x3f8");
+        assert_eq!(by_address[0].count, 2);
+        assert_eq!(by_address[0].first_ms, 5.0);
+        assert_eq!(by_address[0].last_ms, 250.0);
+        assert_eq!(by_address[1].count, 1);
+        let by_time = stats.by_time();
+        assert_eq!(
+            by_time.len(),
+            EXIT_BUCKETS,
+            "late exits land in the last bucket"
+        );
+        assert_eq!(
+            (by_time[0], by_time[2], by_time[EXIT_BUCKETS - 1]),
+            (2, 1, 1)
+        );
     }
 
     #[test]

@@ -115,7 +115,10 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
         nspid.ends_with(" 1") || nspid.ends_with("\t1"),
         "NSpid {nspid}"
     );
-    assert_eq!(status_field(pid, "Seccomp:"), "2", "no seccomp filter");
+    // The main thread installs its filter just after the switch to the jail uid.
+    wait_until("the jailed VMM's seccomp filter (Seccomp: 2)", || {
+        status_field(pid, "Seccomp:") == "2"
+    });
     let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
     let vm_ns = std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
     assert_ne!(

@@ -2,6 +2,7 @@
 //! writes the boot structures each protocol expects.
 
 use std::fs::File;
+use std::io::{Seek, SeekFrom};
 use std::path::Path;
 
 use crate::memory::GuestMemory;
@@ -165,6 +166,9 @@ fn load_kernel(
             source,
         })
     };
+    for (addr, len) in elf_load_ranges(&mut open()?) {
+        crate::memory::populate(mem, addr, len);
+    }
     let elf_err = match Elf::load(mem, None, &mut open()?, Some(GuestAddress(HIMEM_START))) {
         Ok(result) => {
             return Ok(match result.pvh_boot_cap {
@@ -187,6 +191,37 @@ fn load_kernel(
             bzimage: bz_err.to_string(),
         }),
     }
+}
+
+/// Where a 64-bit ELF's loadable segments go (physical address, bytes in the file); empty
+/// for anything else. Only used to populate those pages before the loader copies them.
+fn elf_load_ranges(file: &mut File) -> Vec<(u64, usize)> {
+    use std::io::Read;
+    const PT_LOAD: u32 = 1;
+    let mut header = [0u8; 64];
+    if file.read_exact(&mut header).is_err() || &header[..5] != b"\x7fELF\x02" {
+        return Vec::new();
+    }
+    let u16_at = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
+    let u64_at =
+        |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or_default());
+    let (phoff, phentsize, phnum) = (
+        u64_at(&header, 0x20),
+        usize::from(u16_at(&header, 0x36)),
+        usize::from(u16_at(&header, 0x38)),
+    );
+    if phentsize < 0x30 || phnum > 64 {
+        return Vec::new();
+    }
+    let mut table = vec![0u8; phentsize * phnum];
+    if file.seek(SeekFrom::Start(phoff)).is_err() || file.read_exact(&mut table).is_err() {
+        return Vec::new();
+    }
+    table
+        .chunks_exact(phentsize)
+        .filter(|ph| u32::from_le_bytes([ph[0], ph[1], ph[2], ph[3]]) == PT_LOAD)
+        .map(|ph| (u64_at(ph, 0x18), u64_at(ph, 0x20) as usize))
+        .collect()
 }
 
 /// Places the initrd page-aligned at the top of low RAM (as bootloaders do) and returns (addr, size).
@@ -219,6 +254,7 @@ fn load_initrd(
     if addr < kernel_end.max(HIMEM_START) {
         return Err(too_large());
     }
+    crate::memory::populate(mem, addr, size as usize);
     mem.read_volatile_from(GuestAddress(addr), &mut file, size as usize)
         .map_err(BootError::Memory)?;
     Ok((addr, size))

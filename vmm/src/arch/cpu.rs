@@ -240,15 +240,52 @@ pub fn setup_lapic(vcpu: &VcpuFd) -> Result<(), CpuError> {
     vcpu.set_lapic(&lapic).map_err(kvm("lapic"))
 }
 
-/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology.
-pub fn setup_cpuid(vcpu: &VcpuFd, base: &CpuId, id: u8, count: u8) -> Result<(), CpuError> {
+/// What the host's KVM can give the guest beyond what `KVM_GET_SUPPORTED_CPUID` lists.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostCaps {
+    /// `KVM_CAP_TSC_DEADLINE_TIMER`: the in-kernel LAPIC emulates the TSC-deadline timer mode.
+    /// KVM never lists this bit in its supported CPUID; a VMM has to set it itself.
+    pub tsc_deadline_timer: bool,
+}
+
+impl HostCaps {
+    pub fn of(kvm: &kvm_ioctls::Kvm) -> HostCaps {
+        HostCaps {
+            tsc_deadline_timer: kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer),
+        }
+    }
+}
+
+const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
+const CPUID_1_ECX_HYPERVISOR: u32 = 1 << 31;
+
+/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology, TSC-deadline timer.
+pub fn setup_cpuid(
+    vcpu: &VcpuFd,
+    base: &CpuId,
+    caps: HostCaps,
+    id: u8,
+    count: u8,
+) -> Result<(), CpuError> {
+    vcpu.set_cpuid2(&guest_cpuid(base, caps, id, count))
+        .map_err(kvm("cpuid"))
+}
+
+/// The CPUID vCPU `id` of `count` sees, from KVM's supported CPUID.
+pub fn guest_cpuid(base: &CpuId, caps: HostCaps, id: u8, count: u8) -> CpuId {
     let mut cpuid = base.clone();
     for entry in cpuid.as_mut_slice() {
         match entry.function {
             0x1 => {
                 entry.ebx =
                     (entry.ebx & 0x0000_ffff) | (u32::from(id) << 24) | (u32::from(count) << 16);
-                entry.ecx |= 1 << 31; // running under a hypervisor
+                entry.ecx |= CPUID_1_ECX_HYPERVISOR;
+                // Without it Linux calibrates the LAPIC timer against the PIT at boot (100 ms
+                // of ticks, far more under nested virtualization) and runs its tick from the
+                // periodic LAPIC mode.
+                if caps.tsc_deadline_timer {
+                    entry.ecx |= CPUID_1_ECX_TSC_DEADLINE;
+                }
                 if count > 1 {
                     entry.edx |= 1 << 28; // HTT: more than one logical CPU
                 }
@@ -270,12 +307,37 @@ pub fn setup_cpuid(vcpu: &VcpuFd, base: &CpuId, id: u8, count: u8) -> Result<(),
             _ => {}
         }
     }
-    vcpu.set_cpuid2(&cpuid).map_err(kvm("cpuid"))
+    cpuid
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_cpuid_sets_identity_hypervisor_and_tsc_deadline_bits() {
+        use kvm_bindings::kvm_cpuid_entry2;
+        let leaf = |function, ecx| kvm_cpuid_entry2 {
+            function,
+            ecx,
+            ebx: 0x0000_0800,
+            ..Default::default()
+        };
+        let base = CpuId::from_entries(&[leaf(0, 0), leaf(1, 0x1)]).unwrap();
+        let caps = HostCaps {
+            tsc_deadline_timer: true,
+        };
+        let cpuid = guest_cpuid(&base, caps, 1, 2);
+        let leaf1 = cpuid.as_slice()[1];
+        assert_eq!(
+            leaf1.ecx,
+            0x1 | CPUID_1_ECX_TSC_DEADLINE | CPUID_1_ECX_HYPERVISOR
+        );
+        assert_eq!(leaf1.ebx, 0x0000_0800 | (1 << 24) | (2 << 16));
+        assert_eq!(cpuid.as_slice()[0].ecx, 0, "other leaves untouched");
+        let without = guest_cpuid(&base, HostCaps::default(), 0, 1);
+        assert_eq!(without.as_slice()[1].ecx & CPUID_1_ECX_TSC_DEADLINE, 0);
+    }
 
     #[test]
     fn gdt_segment_round_trip() {

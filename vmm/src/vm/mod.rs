@@ -104,6 +104,13 @@ pub struct RunReport {
     pub exits: u64,
     pub first_kvm_run_ns: u64,
     pub first_serial_byte_ns: u64,
+    /// Build steps with their end times (CLOCK_REALTIME ns), in order.
+    pub steps: Vec<(&'static str, u64)>,
+    pub exits_by_address: Vec<vcpu::ExitCount>,
+    /// Exits per [`vcpu::EXIT_BUCKET_MS`] since the first KVM_RUN.
+    pub exits_by_time: Vec<u64>,
+    /// KVM's own per-vCPU statistics summed over the vCPUs (in-kernel exits included).
+    pub kvm_vcpu_stats: std::collections::BTreeMap<String, u64>,
 }
 
 /// Records the time of the first console byte, then passes bytes through.
@@ -214,28 +221,45 @@ impl Vm {
     /// Builds a VM ready to boot `config.kernel`; call [`Vm::start`] to run it.
     pub fn new(config: VmConfig) -> Result<Vm, VmError> {
         config.validate()?;
-        let kvm = open_kvm()?;
-        let fd = create_vm_fd(&kvm)?;
+        let times = Arc::new(BootTimes::default());
         let mem_bytes = config.mem_mib << 20;
         let regions = memory::layout_for(mem_bytes);
         let mem = memory::anonymous(mem_bytes)?;
-        memory::register(&fd, &mem, false)?;
-        let (exit_tx, exit_rx) = channel();
-        let times = Arc::new(BootTimes::default());
-        let sink = serial_sink(&config.serial, &times)?;
-        let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
         let cmdline = kernel_cmdline(&config);
-        let boot_info = boot::load(
-            &mem,
-            mem_bytes,
-            &config.kernel,
-            config.initrd.as_deref(),
-            &cmdline,
-        )?;
-        mptable::setup(&mem, config.vcpus)?;
-        let base_cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(kvm_err("report supported CPUID"))?;
+        let (exit_tx, exit_rx) = channel();
+        let (kvm, fd, devices, base_cpuid, boot_info) = std::thread::scope(|scope| {
+            // Copying the kernel and initrd is CPU work; most of the KVM setup below waits
+            // (RCU/SRCU grace periods when the VM, its memory slots and irqfds change), so
+            // the two overlap even on one host CPU.
+            let loader = scope.spawn(|| -> Result<boot::BootInfo, VmError> {
+                let info = boot::load(
+                    &mem,
+                    mem_bytes,
+                    &config.kernel,
+                    config.initrd.as_deref(),
+                    &cmdline,
+                )?;
+                mptable::setup(&mem, config.vcpus)?;
+                times.mark("kernel_and_initrd_loaded");
+                Ok(info)
+            });
+            let kvm = open_kvm()?;
+            let fd = create_vm_fd(&kvm)?;
+            times.mark("kvm_vm_created");
+            memory::register(&fd, &mem, false)?;
+            times.mark("memory_registered");
+            let sink = serial_sink(&config.serial, &times)?;
+            let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, None)?;
+            times.mark("devices_attached");
+            let base_cpuid = kvm
+                .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+                .map_err(kvm_err("report supported CPUID"))?;
+            let boot_info = loader.join().unwrap_or_else(|panic| {
+                std::panic::resume_unwind(panic);
+            })?;
+            Ok::<_, VmError>((kvm, fd, devices, base_cpuid, boot_info))
+        })?;
+        let host_caps = cpu::HostCaps::of(&kvm);
         let mut vm = Vm::assemble(
             config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
         );
@@ -244,7 +268,7 @@ impl Vm {
                 .fd
                 .create_vcpu(u64::from(id))
                 .map_err(kvm_err("create a vCPU"))?;
-            cpu::setup_cpuid(&vcpu, &base_cpuid, id, vm.config.vcpus)?;
+            cpu::setup_cpuid(&vcpu, &base_cpuid, host_caps, id, vm.config.vcpus)?;
             cpu::setup_msrs(&vcpu)?;
             cpu::setup_sregs(&vm.mem, &vcpu, boot_info.mode)?;
             cpu::setup_regs(&vcpu, boot_info.mode, boot_info.entry)?;
@@ -252,6 +276,7 @@ impl Vm {
             cpu::setup_lapic(&vcpu)?;
             vm.spawn_vcpu(id, vcpu, true)?;
         }
+        vm.times.mark("vcpus_created");
         Ok(vm)
     }
 
@@ -359,6 +384,15 @@ impl Vm {
             exits: self.stats.exits.load(Ordering::Relaxed),
             first_kvm_run_ns: self.times.first_kvm_run_ns.load(Ordering::Relaxed),
             first_serial_byte_ns: self.times.first_serial_byte_ns.load(Ordering::Relaxed),
+            steps: self.times.steps(),
+            exits_by_address: self.stats.by_address(),
+            exits_by_time: self.stats.by_time(),
+            kvm_vcpu_stats: self.vcpus.iter().fold(Default::default(), |mut sum, v| {
+                for (name, value) in crate::kvm_stats::vcpu_stats(v.raw_fd) {
+                    *sum.entry(name).or_insert(0) += value;
+                }
+                sum
+            }),
         }
     }
 

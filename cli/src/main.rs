@@ -1,6 +1,7 @@
 //! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
 //! daemon (`up`) and drive it (create, ls, exec, cp, ...).
 
+mod cluster;
 mod cp;
 mod image;
 mod node;
@@ -51,7 +52,36 @@ enum Command {
     /// Show KVM status, artifacts and versions on this host.
     Info,
     /// Start the node daemon with embedded defaults (same as `dsec-edge`).
-    Up(dsec_edge::daemon::DaemonArgs),
+    Up(Box<dsec_edge::daemon::DaemonArgs>),
+    /// The cluster's apiserver: `up` serves it, `init` creates the first organization and
+    /// cluster admin (same as `dsec-control`).
+    #[command(subcommand)]
+    Control(dsec_control::command::ControlCommand),
+    /// Check an API token against the apiserver (--endpoint) and save endpoint, token and
+    /// project for later commands (~/.config/dsec/login.json, mode 0600).
+    Login {
+        /// Default: $DSEC_TOKEN.
+        #[arg(long)]
+        token: Option<String>,
+        /// Default project of Create and List (default: $DSEC_PROJECT).
+        #[arg(long)]
+        project: Option<String>,
+    },
+    /// Projects and their quotas (cluster).
+    #[command(subcommand)]
+    Project(cluster::ProjectCommand),
+    /// API tokens (cluster).
+    #[command(subcommand)]
+    Token(cluster::TokenCommand),
+    /// Users and service accounts (cluster).
+    #[command(subcommand)]
+    Account(cluster::AccountCommand),
+    /// Roles on projects (cluster).
+    #[command(subcommand)]
+    Role(cluster::RoleCommand),
+    /// The cluster's nodes: ls, cordon, drain.
+    #[command(subcommand)]
+    Node(cluster::NodeCommand),
     /// Create sandboxes on the node; prints their ids.
     Create {
         #[arg(long, default_value = "auto")]
@@ -237,6 +267,8 @@ enum CliError {
     Edge(#[from] EdgeError),
     #[error(transparent)]
     Node(node::NodeError),
+    #[error(transparent)]
+    Cluster(cluster::ClusterError),
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
     #[error(transparent)]
@@ -262,6 +294,21 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+    // What `dsec login` saved fills in what the environment leaves unset (before any thread
+    // starts).
+    if std::env::var_os("DSEC_TOKEN").is_none() {
+        if let Some(login) = cluster::Login::load() {
+            for (name, value) in [
+                ("DSEC_TOKEN", login.token),
+                ("DSEC_PROJECT", login.project),
+                ("DSEC_ENDPOINT", login.endpoint),
+            ] {
+                if std::env::var_os(name).is_none() && !value.is_empty() {
+                    std::env::set_var(name, value);
+                }
+            }
+        }
+    }
     let cli = Cli::parse();
     // Commands that only print die quietly when their reader goes away (`dsec inspect ID |
     // grep -q`), as Unix tools do; the streaming ones (run, exec, cp, logs, shell, ports)
@@ -291,8 +338,31 @@ fn main() -> ExitCode {
         Command::Up(mut args) => {
             // Image servers are started as `dsec up --serve-image DIR`.
             args.invocation = vec!["up".into()];
-            return dsec_edge::daemon::main_with(args);
+            return dsec_edge::daemon::main_with(*args);
         }
+        Command::Control(command) => return dsec_control::command::run(command),
+        Command::Login { token, project } => {
+            let token = token.or_else(|| std::env::var("DSEC_TOKEN").ok());
+            match token {
+                Some(token) => cluster_command(
+                    &endpoint,
+                    cluster::ClusterCommand::Login { token, project },
+                    json,
+                ),
+                None => Err(CliError::Usage(
+                    "dsec login needs --token TOKEN or DSEC_TOKEN".into(),
+                )),
+            }
+        }
+        Command::Project(c) => {
+            cluster_command(&endpoint, cluster::ClusterCommand::Project(c), json)
+        }
+        Command::Token(c) => cluster_command(&endpoint, cluster::ClusterCommand::Token(c), json),
+        Command::Account(c) => {
+            cluster_command(&endpoint, cluster::ClusterCommand::Account(c), json)
+        }
+        Command::Role(c) => cluster_command(&endpoint, cluster::ClusterCommand::Role(c), json),
+        Command::Node(c) => cluster_command(&endpoint, cluster::ClusterCommand::Node(c), json),
         other => node_command(&endpoint, other, json),
     };
     match result {
@@ -302,6 +372,20 @@ fn main() -> ExitCode {
             ExitCode::from(125)
         }
     }
+}
+
+fn cluster_command(
+    endpoint: &str,
+    command: cluster::ClusterCommand,
+    json: bool,
+) -> Result<i32, CliError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    runtime
+        .block_on(cluster::run(endpoint, command, json))
+        .map_err(CliError::Cluster)
 }
 
 /// What `dsec run` records of its sandbox (`<state dir>/<id>/run.json`): `dsec inspect ID`
@@ -404,6 +488,13 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 Command::Run(_)
                 | Command::Info
                 | Command::Up(_)
+                | Command::Control(_)
+                | Command::Login { .. }
+                | Command::Project(_)
+                | Command::Token(_)
+                | Command::Account(_)
+                | Command::Role(_)
+                | Command::Node(_)
                 | Command::Vm(_)
                 | Command::Image(_) => Ok(0),
             }

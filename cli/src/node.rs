@@ -28,6 +28,7 @@ fn state(s: &Sandbox) -> &'static str {
         1 => "creating",
         4 => "stopping",
         5 => "dead",
+        6 => "lost",
         _ => "unknown",
     }
 }

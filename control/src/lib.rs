@@ -1,12 +1,14 @@
 //! The DSec control plane: the store it keeps its state in, identity and access, nested
 //! quotas, placement and the node watcher. See README.md for the layout.
 
+pub mod api;
+pub mod command;
 pub mod iam;
 pub mod keys;
 pub mod placement;
 pub mod quota;
 pub mod resources;
-pub mod sandbox_id;
+pub use dsec_api::sandbox_id;
 pub mod store;
 pub mod watcher;
 

@@ -386,6 +386,20 @@ impl Placer {
         self.lock().nodes.remove(name);
     }
 
+    /// The operator flags this placer last saw for a node.
+    pub fn admin(&self, node: &str) -> Option<NodeAdmin> {
+        self.lock().nodes.get(node).map(|n| n.admin)
+    }
+
+    /// Every node this placer knows, with its address, in name order.
+    pub fn nodes(&self) -> Vec<(String, String)> {
+        self.lock()
+            .nodes
+            .iter()
+            .map(|(name, n)| (name.clone(), n.record.address.clone()))
+            .collect()
+    }
+
     /// The node's address, for runtime calls routed by sandbox id.
     pub fn address(&self, node: &str) -> Result<String, PlacementError> {
         self.lock()

@@ -10,7 +10,9 @@
 //!   cleared.
 //! - On start, every minute, and after any watch failure, it lists everything again: nodes
 //!   that hold reservations but are not registered are lost (whatever happened while no
-//!   watcher ran, or a create reserved on a node just after it vanished).
+//!   watcher ran, or a create reserved on a node just after it vanished). Every minute it
+//!   also reconciles each registered node with what it runs (a create whose apiserver died
+//!   between reserving and answering leaves a reservation the node may not back).
 //! - The [`Placer`] (if given) follows every change.
 
 use std::collections::BTreeSet;
@@ -112,6 +114,7 @@ impl Watcher {
             tokio::select! {
                 _ = resync.tick() => {
                     self.resync().await?;
+                    self.reconcile_live().await?;
                 }
                 event = nodes.next() => {
                     let Some(event) = event else { break };
@@ -180,6 +183,27 @@ impl Watcher {
             .revision
             .min(admin.revision)
             .min(reservations.revision))
+    }
+
+    /// Reconciles every registered node with what it runs: creates whose apiserver died
+    /// after reserving (the node dropped the sandbox, or never made it) give their quota
+    /// back once older than the grace. A node that cannot answer is left for next time.
+    async fn reconcile_live(&mut self) -> Result<(), WatcherError> {
+        let nodes = self.store.range(keys::NODES).await?;
+        for kv in &nodes.kvs {
+            let record: NodeRecord = from_json(kv)?;
+            match self.inventory.running(&record).await {
+                Ok(running) => {
+                    self.quotas
+                        .reconcile_node(&record.name, &running, RECONCILE_GRACE)
+                        .await?;
+                }
+                Err(why) => {
+                    tracing::warn!(node = %record.name, %why, "cannot reconcile the node now")
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn node_up(&mut self, record: NodeRecord) -> Result<(), WatcherError> {

@@ -251,9 +251,56 @@ impl Node {
 
     /// Admits, creates, persists and registers a sandbox.
     pub async fn create(self: &Arc<Self>, request: Plan) -> Result<Arc<Entry>, NodeError> {
+        self.create_as(request, None).await
+    }
+
+    /// The id a create gets: the apiserver's choice (`chosen`, which must name this node and
+    /// be new), else a fresh one. Draining nodes take nothing (UNAVAILABLE: try elsewhere).
+    fn id_for_create(&self, chosen: Option<String>) -> Result<String, NodeError> {
+        if super::registration::draining() {
+            return Err(NodeError::Unavailable(
+                "this node is being drained and takes no new sandboxes: create it on another node"
+                    .into(),
+            ));
+        }
+        let Some(id) = chosen else {
+            return Ok(self.new_id());
+        };
+        let parsed: dsec_api::sandbox_id::SandboxId =
+            id.parse().map_err(|e: dsec_api::sandbox_id::IdError| {
+                NodeError::InvalidArgument(e.to_string())
+            })?;
+        match &self.config.node_name {
+            Some(name) if parsed.node() == name => {}
+            Some(name) => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "sandbox id {id} names node {}, but this is node {name}",
+                    parsed.node()
+                )))
+            }
+            None => {
+                return Err(NodeError::InvalidArgument(format!(
+                    "sandbox id {id} was chosen by an apiserver, but this node has no --node-name"
+                )))
+            }
+        }
+        if self.get(&id).is_ok() {
+            return Err(NodeError::InvalidArgument(format!(
+                "sandbox id {id} is taken on this node"
+            )));
+        }
+        Ok(id)
+    }
+
+    /// [`Node::create`] under the id the apiserver chose, if any.
+    pub async fn create_as(
+        self: &Arc<Self>,
+        request: Plan,
+        chosen_id: Option<String>,
+    ) -> Result<Arc<Entry>, NodeError> {
         let started = Instant::now();
+        let id = self.id_for_create(chosen_id)?;
         let plan = self.resolve(request)?;
-        let id = self.new_id();
         let result = self.create_admitted(&plan, &id).await;
         match &result {
             Ok(_) => {

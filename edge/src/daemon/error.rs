@@ -26,6 +26,9 @@ pub enum NodeError {
     /// The sandbox or node is not in a state that allows the operation.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The node takes no new sandboxes now (an operator is draining it): try another node.
+    #[error("{0}")]
+    Unavailable(String),
     /// A node budget (memory, vCPUs, pids, disk) cannot take the sandbox.
     #[error("{0}")]
     BudgetSpent(String),

@@ -33,6 +33,14 @@ fn backend_of(kind: &str) -> i32 {
     }
 }
 
+/// The project an apiserver created the sandbox for ("" for the node's own clients).
+fn project_of(labels: &std::collections::BTreeMap<String, String>) -> String {
+    labels
+        .get(dsec_api::PROJECT_LABEL)
+        .cloned()
+        .unwrap_or_default()
+}
+
 pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
     let r = entry.record();
     let (memory_bytes, cpu_usage_ns, pids) = node.usage(&r);
@@ -73,6 +81,8 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
             .unwrap_or(r.memory_limit_mib << 20),
         death_reason: String::new(),
         died_at_unix_ms: 0,
+        project: project_of(&r.labels),
+        node: node.config.node_name.clone().unwrap_or_default(),
     }
 }
 
@@ -103,6 +113,8 @@ fn tombstone_proto(t: &Tombstone) -> api::Sandbox {
         public_ports: Vec::new(),
         death_reason: t.reason.clone(),
         died_at_unix_ms: t.died_at_ms,
+        project: project_of(&r.labels),
+        node: String::new(),
     }
 }
 
@@ -154,12 +166,13 @@ const ABANDONED_KEEP: Duration = Duration::from_secs(60);
 async fn spawn_create(
     node: Arc<Node>,
     plan: Plan,
+    chosen_id: Option<String>,
     claim: Option<(String, tokio::sync::watch::Sender<CreateOutcome>)>,
 ) -> Result<Arc<Entry>, Status> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let request_id = plan.request_id.clone();
-        let result = node.create(plan).await.map_err(Arc::new);
+        let result = node.create_as(plan, chosen_id).await.map_err(Arc::new);
         if let Some((fingerprint, done)) = claim {
             node.finish_claim(&request_id, &fingerprint, &result, done);
         }
@@ -340,9 +353,11 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         &self,
         request: Request<CreateSandboxRequest>,
     ) -> Result<Response<api::Sandbox>, Status> {
-        let plan = plan(&self.0, request.into_inner())?;
+        let request = request.into_inner();
+        let chosen_id = Some(request.sandbox_id.clone()).filter(|id| !id.is_empty());
+        let plan = plan(&self.0, request)?;
         if plan.request_id.is_empty() {
-            let entry = spawn_create(self.0.clone(), plan, None).await?;
+            let entry = spawn_create(self.0.clone(), plan, chosen_id, None).await?;
             return Ok(Response::new(sandbox_proto(&self.0, &entry)));
         }
         let fingerprint = plan.fingerprint();
@@ -352,7 +367,13 @@ impl sandboxes_server::Sandboxes for SandboxesService {
                     return Ok(Response::new(sandbox_proto(&self.0, &entry)));
                 }
                 Claim::Create(tx) => {
-                    let entry = spawn_create(self.0.clone(), plan, Some((fingerprint, tx))).await?;
+                    let entry = spawn_create(
+                        self.0.clone(),
+                        plan,
+                        chosen_id.clone(),
+                        Some((fingerprint, tx)),
+                    )
+                    .await?;
                     return Ok(Response::new(sandbox_proto(&self.0, &entry)));
                 }
                 Claim::Wait(mut done) => {

@@ -19,6 +19,7 @@ pub mod node;
 pub mod ports;
 mod reaper;
 pub mod record;
+pub mod registration;
 mod request_ids;
 mod runtime;
 mod status;
@@ -89,6 +90,10 @@ pub struct DaemonConfig {
     pub invocation: Vec<OsString>,
     /// Run microVMs' VMMs in a jail (namespaces, pivot_root, unprivileged uid); needs root.
     pub jail_vmms: bool,
+    /// This node's name in a cluster: its sandbox ids become `sb-<name>-<12 of a-z2-7>`.
+    pub node_name: Option<String>,
+    /// Apiservers to register with (needs `node_name` and a TCP API to advertise).
+    pub registration: Option<registration::Registration>,
 }
 
 impl Default for DaemonConfig {
@@ -122,6 +127,8 @@ impl Default for DaemonConfig {
             cgroup_name: "dsec-edge".into(),
             invocation: Vec::new(),
             jail_vmms: nix::unistd::geteuid().is_root(),
+            node_name: None,
+            registration: None,
         }
     }
 }
@@ -244,6 +251,10 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         });
     }
+    let lease = std::sync::Arc::new(registration::Lease::default());
+    if let Some(cluster) = config.registration.clone() {
+        tokio::spawn(registration::run(node.clone(), cluster, lease.clone()));
+    }
     tracing::info!(socket = %socket.display(), sandboxes = node.count(), "dsec-edge ready");
     println!("dsec-edge ready on unix:{}", socket.display());
     // The Unix socket is root-only (0600): its callers can run anything in any sandbox.
@@ -251,6 +262,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         .serve_with_incoming_shutdown(UnixListenerStream::new(unix), shutdown)
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
+    registration::deregister(&lease).await;
     let _ = std::fs::remove_file(&socket);
     // Image mounts of running sandboxes stay (the sandboxes do); the rest are unmounted.
     let in_use = node
@@ -325,6 +337,20 @@ pub struct DaemonArgs {
     /// own namespaces, pivot_rooted into the sandbox's `jail` directory, as uid 65534.
     #[arg(long)]
     pub no_jail: bool,
+    /// This node's name in a cluster (1-8 of a-z, 0-9, '-'): sandbox ids become
+    /// `sb-<name>-<12 of a-z2-7>` and Create accepts ids the apiserver chose.
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
+    /// Register with these apiservers (`dsec control up`), comma-separated: heartbeats, and
+    /// the cluster's creates arrive on `--listen`. Needs --node-name and --listen.
+    #[arg(long, value_name = "ADDR[,ADDR]")]
+    pub control: Option<String>,
+    /// Address the apiservers reach this node's API at (default: the --listen address).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub advertise: Option<String>,
+    /// Node label for placement (`--label gpu=a100`), repeatable.
+    #[arg(long = "label", value_name = "K=V")]
+    pub labels: Vec<String>,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
     #[arg(long, value_name = "DIR", hide = true)]
     pub serve_image: Option<PathBuf>,
@@ -397,6 +423,53 @@ impl DaemonArgs {
         config.default_ttl = self.default_ttl.map(Duration::from_secs);
         config.cgroup_name = self.cgroup_name;
         config.invocation = self.invocation;
+        if let Some(name) = &self.node_name {
+            if !dsec_api::sandbox_id::valid_node_name(name) {
+                return Err(EdgeError::InvalidSpec(format!(
+                    "--node-name {name:?}: give 1-8 of a-z, 0-9 and '-', not starting or ending with '-'"
+                )));
+            }
+        }
+        config.node_name = self.node_name.clone();
+        if let Some(control) = &self.control {
+            let node_name = self
+                .node_name
+                .clone()
+                .ok_or_else(|| EdgeError::InvalidSpec("--control needs --node-name NAME".into()))?;
+            let advertise = match (&self.advertise, config.listen_tcp) {
+                (Some(addr), _) => addr.clone(),
+                (None, Some(addr)) if !addr.ip().is_unspecified() => addr.to_string(),
+                _ => {
+                    return Err(EdgeError::InvalidSpec(
+                        "--control needs --listen HOST:PORT (the apiservers call the node there) and, when it listens on all addresses, --advertise HOST:PORT".into(),
+                    ))
+                }
+            };
+            let mut labels = std::collections::BTreeMap::new();
+            for label in &self.labels {
+                let (k, v) = label.split_once('=').ok_or_else(|| {
+                    EdgeError::InvalidSpec(format!("--label {label:?}: expected KEY=VALUE"))
+                })?;
+                labels.insert(k.to_string(), v.to_string());
+            }
+            let control: Vec<String> = control
+                .split(',')
+                .map(str::trim)
+                .filter(|a| !a.is_empty())
+                .map(str::to_string)
+                .collect();
+            if control.is_empty() {
+                return Err(EdgeError::InvalidSpec(
+                    "--control needs at least one apiserver address".into(),
+                ));
+            }
+            config.registration = Some(registration::Registration {
+                node_name,
+                control,
+                advertise,
+                labels,
+            });
+        }
         Ok(config)
     }
 }

@@ -198,7 +198,13 @@ impl Node {
     }
 
     pub(super) fn new_id(&self) -> String {
-        format!("sb-{}", random_hex(6))
+        match &self.config.node_name {
+            // A cluster id names its node, so the apiserver routes by id alone.
+            Some(name) => dsec_api::sandbox_id::SandboxId::new(name)
+                .map(|id| id.to_string())
+                .unwrap_or_else(|_| format!("sb-{}", random_hex(6))),
+            None => format!("sb-{}", random_hex(6)),
+        }
     }
 
     /// Removes the sandbox from the node and frees everything it held.

@@ -38,6 +38,7 @@ pub fn status_of(err: &NodeError) -> Status {
             Status::failed_precondition(text)
         }
         NodeError::BudgetSpent(_) => Status::resource_exhausted(text),
+        NodeError::Unavailable(_) => Status::unavailable(text),
         NodeError::RequestIdReused { .. } => Status::already_exists(text),
         NodeError::Unsupported(_) => Status::unimplemented(text),
         NodeError::Image(e) => match e {

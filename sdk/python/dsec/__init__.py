@@ -5,14 +5,16 @@ sessions, pause/resume/fork, reach servers inside sandboxes (port streams, HTTP 
 from .client import (DEFAULT_TARGET, AsyncClient, AsyncExecStream, AsyncPortStream,
                      AsyncSandbox, AsyncSession, Client, CommandResult, DsecError, ExecEvent,
                      ExecResult, ExecStream, FailedPrecondition, FileInfo, InvalidArgument,
-                     NotFound, PortStream, PortUrl, Pty, ResourceExhausted, Sandbox,
-                     SandboxInfo, Session, Unavailable, Unimplemented, default_target)
+                     NotFound, PermissionDenied, PortStream, PortUrl, Pty, ResourceExhausted, Sandbox,
+                     SandboxInfo, Session, Unauthenticated, Unavailable, Unimplemented,
+                     default_target)
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "AsyncExecStream", "AsyncPortStream", "AsyncSandbox",
     "AsyncSession", "Client", "CommandResult", "DsecError", "ExecEvent", "ExecResult",
     "ExecStream", "FailedPrecondition", "FileInfo", "InvalidArgument", "NotFound",
-    "PortStream", "PortUrl", "Pty", "ResourceExhausted", "Sandbox",
-    "SandboxInfo", "Session", "Unavailable", "Unimplemented", "default_target",
+    "PermissionDenied", "PortStream", "PortUrl", "Pty", "ResourceExhausted", "Sandbox",
+    "SandboxInfo", "Session", "Unauthenticated", "Unavailable", "Unimplemented",
+    "default_target",
 ]
 __version__ = "0.1.0"

@@ -32,6 +32,62 @@ def default_target() -> str:
     return os.environ.get("DSEC_ENDPOINT") or DEFAULT_TARGET
 
 
+def _grpc_target(target: str) -> str:
+    """``http://HOST:PORT`` -> ``HOST:PORT``; several addresses (apiserver replicas,
+    comma-separated) -> one ``ipv4:``/``ipv6:`` target that gRPC balances over, going on on
+    the others when one fails."""
+    parts = [t.strip() for t in target.split(",") if t.strip()]
+    parts = [p[len("http://"):] if p.startswith("http://") else p for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    scheme = "ipv6" if parts[0].startswith("[") else "ipv4"
+    return f"{scheme}:" + ",".join(parts)
+
+
+class _WithMetadata:
+    """A stub method that sends the client's credentials with every call."""
+
+    def __init__(self, method, metadata: Tuple[Tuple[str, str], ...]):
+        self._method = method
+        self._metadata = metadata
+
+    def __call__(self, request, *args, metadata=None, **kwargs):
+        return self._method(request, *args, metadata=tuple(metadata or ()) + self._metadata,
+                            **kwargs)
+
+
+class _CredentialChannel:
+    """A channel whose stubs send ``authorization: Bearer TOKEN`` and ``x-dsec-project``
+    (what an apiserver needs; a lone node ignores them)."""
+
+    def __init__(self, channel, metadata: Tuple[Tuple[str, str], ...]):
+        self._channel = channel
+        self._metadata = metadata
+
+    def _wrap(self, kind: str):
+        def make(*args, **kwargs):
+            return _WithMetadata(getattr(self._channel, kind)(*args, **kwargs), self._metadata)
+        return make
+
+    def __getattr__(self, name):
+        if name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            return self._wrap(name)
+        return getattr(self._channel, name)
+
+
+def _credentials(token: Optional[str], project: Optional[str]) -> Tuple[str, Tuple[Tuple[str, str], ...]]:
+    """The project and the metadata of every call, from the arguments or DSEC_TOKEN /
+    DSEC_PROJECT."""
+    token = token if token is not None else os.environ.get("DSEC_TOKEN", "")
+    project = project if project is not None else os.environ.get("DSEC_PROJECT", "")
+    metadata: List[Tuple[str, str]] = []
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
+    if project:
+        metadata.append(("x-dsec-project", project))
+    return project, tuple(metadata)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -69,6 +125,14 @@ class Unimplemented(DsecError):
     pass
 
 
+class Unauthenticated(DsecError):
+    """(apiserver) The API token is missing, malformed, unknown, revoked or expired."""
+
+
+class PermissionDenied(DsecError):
+    """(apiserver) The token's principal lacks the role the call needs on the project."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -76,6 +140,8 @@ _ERRORS = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -611,10 +677,12 @@ class AsyncExecStream:
 
 def _channel_options():
     # gRPC derives the HTTP/2 :authority of a unix: target from the socket path, which the
-    # server's HTTP/2 stack rejects as malformed; any fixed host name will do.
+    # server's HTTP/2 stack rejects as malformed; any fixed host name will do. Round robin
+    # spreads calls over several addresses and skips those that are down.
     return [("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.default_authority", "localhost")]
+            ("grpc.default_authority", "localhost"),
+            ("grpc.lb_policy_name", "round_robin")]
 
 
 # ---------------------------------------------------------------- sync API
@@ -623,14 +691,22 @@ def _channel_options():
 class Client:
     """Synchronous client. ``Client()`` talks to the local node on its default socket."""
 
-    def __init__(self, target: Optional[str] = None):
+    def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
+                 project: Optional[str] = None):
+        """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
+        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
+        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
+        apiserver needs."""
         self.target = target or default_target()
-        self._channel = grpc.insecure_channel(self.target, options=_channel_options())
-        self._sandboxes = rpc.SandboxesStub(self._channel)
-        self._process = rpc.ProcessStub(self._channel)
-        self._files = rpc.FilesStub(self._channel)
-        self._sessions = rpc.SessionsStub(self._channel)
-        self._ports = rpc.PortsStub(self._channel)
+        self.project, metadata = _credentials(token, project)
+        self._channel = grpc.insecure_channel(_grpc_target(self.target),
+                                              options=_channel_options())
+        channel = _CredentialChannel(self._channel, metadata)
+        self._sandboxes = rpc.SandboxesStub(channel)
+        self._process = rpc.ProcessStub(channel)
+        self._files = rpc.FilesStub(channel)
+        self._sessions = rpc.SessionsStub(channel)
+        self._ports = rpc.PortsStub(channel)
 
     def _call(self, fn, request):
         try:
@@ -651,6 +727,7 @@ class Client:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 s = self._call(self._sandboxes.Create, req)
@@ -673,7 +750,8 @@ class Client:
         token = ""
         while True:
             r = self._call(self._sandboxes.List, pb.ListSandboxesRequest(
-                labels=dict(labels or {}), page_size=page_size, page_token=token))
+                labels=dict(labels or {}), page_size=page_size, page_token=token,
+                project=self.project))
             out += [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
             if not r.next_page_token or r.next_page_token == token:
                 return out
@@ -998,14 +1076,22 @@ class Session:
 class AsyncClient:
     """asyncio client (grpc.aio); same calls as :class:`Client`, awaited."""
 
-    def __init__(self, target: Optional[str] = None):
+    def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
+                 project: Optional[str] = None):
+        """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
+        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
+        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
+        apiserver needs."""
         self.target = target or default_target()
-        self._channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
-        self._sandboxes = rpc.SandboxesStub(self._channel)
-        self._process = rpc.ProcessStub(self._channel)
-        self._files = rpc.FilesStub(self._channel)
-        self._sessions = rpc.SessionsStub(self._channel)
-        self._ports = rpc.PortsStub(self._channel)
+        self.project, metadata = _credentials(token, project)
+        self._channel = grpc.aio.insecure_channel(_grpc_target(self.target),
+                                              options=_channel_options())
+        channel = _CredentialChannel(self._channel, metadata)
+        self._sandboxes = rpc.SandboxesStub(channel)
+        self._process = rpc.ProcessStub(channel)
+        self._files = rpc.FilesStub(channel)
+        self._sessions = rpc.SessionsStub(channel)
+        self._ports = rpc.PortsStub(channel)
 
     async def _call(self, fn, request):
         try:
@@ -1023,6 +1109,7 @@ class AsyncClient:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
                 s = await self._call(self._sandboxes.Create, req)
@@ -1044,7 +1131,8 @@ class AsyncClient:
         token = ""
         while True:
             r = await self._call(self._sandboxes.List, pb.ListSandboxesRequest(
-                labels=dict(labels or {}), page_size=page_size, page_token=token))
+                labels=dict(labels or {}), page_size=page_size, page_token=token,
+                project=self.project))
             out += [AsyncSandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
             if not r.next_page_token or r.next_page_token == token:
                 return out

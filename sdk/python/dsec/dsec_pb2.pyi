@@ -48,6 +48,7 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_PAUSED: _ClassVar[SandboxState]
     SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
     SANDBOX_STATE_DEAD: _ClassVar[SandboxState]
+    SANDBOX_STATE_LOST: _ClassVar[SandboxState]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CONTAINER: Backend
 BACKEND_MICROVM: Backend
@@ -57,6 +58,7 @@ SANDBOX_STATE_RUNNING: SandboxState
 SANDBOX_STATE_PAUSED: SandboxState
 SANDBOX_STATE_STOPPING: SandboxState
 SANDBOX_STATE_DEAD: SandboxState
+SANDBOX_STATE_LOST: SandboxState
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow_internet", "allow")
@@ -67,7 +69,7 @@ class NetworkPolicy(_message.Message):
     def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports")
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,13 @@ class CreateSandboxRequest(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class NodeLabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +104,9 @@ class CreateSandboxRequest(_message.Message):
     PIDS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    NODE_LABELS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     image: str
     vcpus: int
@@ -108,7 +120,10 @@ class CreateSandboxRequest(_message.Message):
     pids_limit: int
     request_id: str
     public_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    project: str
+    node_labels: _containers.ScalarMap[str, str]
+    sandbox_id: str
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., project: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")
@@ -121,7 +136,7 @@ class ResourceUsage(_message.Message):
     def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class Sandbox(_message.Message):
-    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports", "death_reason", "died_at_unix_ms")
+    __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports", "death_reason", "died_at_unix_ms", "project", "node")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +167,8 @@ class Sandbox(_message.Message):
     PUBLIC_PORTS_FIELD_NUMBER: _ClassVar[int]
     DEATH_REASON_FIELD_NUMBER: _ClassVar[int]
     DIED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     id: str
     backend: Backend
     image: str
@@ -175,7 +192,9 @@ class Sandbox(_message.Message):
     public_ports: _containers.RepeatedScalarFieldContainer[int]
     death_reason: str
     died_at_unix_ms: int
-    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., access_token: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., death_reason: _Optional[str] = ..., died_at_unix_ms: _Optional[int] = ...) -> None: ...
+    project: str
+    node: str
+    def __init__(self, id: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., state: _Optional[_Union[SandboxState, str]] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., pids_limit: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., last_activity_unix_ms: _Optional[int] = ..., pid: _Optional[int] = ..., parent_id: _Optional[str] = ..., usage: _Optional[_Union[ResourceUsage, _Mapping]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., memory_limit_bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., access_token: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., death_reason: _Optional[str] = ..., died_at_unix_ms: _Optional[int] = ..., project: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class GetSandboxRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -184,7 +203,7 @@ class GetSandboxRequest(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
 
 class ListSandboxesRequest(_message.Message):
-    __slots__ = ("labels", "page_size", "page_token")
+    __slots__ = ("labels", "page_size", "page_token", "project")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,10 +214,12 @@ class ListSandboxesRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
     labels: _containers.ScalarMap[str, str]
     page_size: int
     page_token: str
-    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    project: str
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., project: _Optional[str] = ...) -> None: ...
 
 class ListSandboxesResponse(_message.Message):
     __slots__ = ("sandboxes", "next_page_token")

@@ -22,6 +22,8 @@ pub use dsec_api::v1::*;
 use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::AsciiMetadataValue;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
 /// Where the local node listens unless `DSEC_ENDPOINT` says otherwise.
@@ -32,6 +34,60 @@ pub fn default_target() -> String {
         .ok()
         .filter(|v| !v.is_empty())
         .unwrap_or_else(|| DEFAULT_TARGET.to_string())
+}
+
+/// What every call of a [`Client`] goes through: a channel (to one node, or balanced over an
+/// apiserver's replicas) that adds the credentials.
+pub type Transport = InterceptedService<Channel, Credentials>;
+
+/// The API token and project sent with every call (`authorization: Bearer TOKEN`,
+/// `x-dsec-project`); a lone node needs neither, an apiserver both.
+#[derive(Clone, Debug, Default)]
+pub struct Credentials {
+    token: Option<AsciiMetadataValue>,
+    project: Option<AsciiMetadataValue>,
+    project_name: String,
+}
+
+impl Credentials {
+    /// From `DSEC_TOKEN` and `DSEC_PROJECT` (each optional).
+    pub fn from_env() -> Self {
+        let var = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
+        Self::new(var("DSEC_TOKEN").as_deref(), var("DSEC_PROJECT").as_deref())
+    }
+
+    /// Unprintable values are left out (the apiserver then says what is missing).
+    pub fn new(token: Option<&str>, project: Option<&str>) -> Self {
+        Credentials {
+            token: token.and_then(|t| format!("Bearer {t}").parse().ok()),
+            project: project.and_then(|p| p.parse().ok()),
+            project_name: project.unwrap_or_default().to_string(),
+        }
+    }
+
+    /// The project Create and List name when the request names none.
+    pub fn project(&self) -> &str {
+        &self.project_name
+    }
+}
+
+impl tonic::service::Interceptor for Credentials {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.token {
+            request
+                .metadata_mut()
+                .insert("authorization", token.clone());
+        }
+        if let Some(project) = &self.project {
+            request
+                .metadata_mut()
+                .insert("x-dsec-project", project.clone());
+        }
+        Ok(request)
+    }
 }
 
 /// How often [`Client::create`] tries when the node is unreachable.
@@ -303,14 +359,55 @@ impl ExecSession {
 /// A connection to one node.
 #[derive(Clone, Debug)]
 pub struct Client {
-    channel: Channel,
+    channel: Transport,
     /// Connected over TCP: port streams need the sandbox's access token there.
     tcp: bool,
+    credentials: Credentials,
 }
 
 impl Client {
-    /// `unix:/path/edge.sock` or `http://host:port`.
+    /// `unix:/path/edge.sock` or `http://host:port`, or several `http://` addresses
+    /// separated by commas (apiserver replicas: calls are spread over them and go on on the
+    /// others when one fails). Credentials from `DSEC_TOKEN` and `DSEC_PROJECT`.
     pub async fn connect(target: &str) -> Result<Self> {
+        Self::connect_with(target, Credentials::from_env()).await
+    }
+
+    /// [`Client::connect`] with explicit credentials.
+    pub async fn connect_with(target: &str, credentials: Credentials) -> Result<Self> {
+        let targets: Vec<&str> = target
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .collect();
+        if targets.len() > 1 {
+            let mut endpoints = Vec::with_capacity(targets.len());
+            for t in &targets {
+                endpoints.push(Endpoint::from_shared(t.to_string()).map_err(|e| {
+                    Error::Connect {
+                        target: t.to_string(),
+                        reason: e.to_string(),
+                    }
+                })?);
+            }
+            return Ok(Self {
+                channel: InterceptedService::new(
+                    Channel::balance_list(endpoints.into_iter()),
+                    credentials.clone(),
+                ),
+                tcp: true,
+                credentials,
+            });
+        }
+        let channel = Self::connect_one(target).await?;
+        Ok(Self {
+            channel: InterceptedService::new(channel, credentials.clone()),
+            tcp: !target.starts_with("unix:"),
+            credentials,
+        })
+    }
+
+    async fn connect_one(target: &str) -> Result<Channel> {
         let err = |reason: String| Error::Connect {
             target: target.to_string(),
             reason,
@@ -336,21 +433,18 @@ impl Client {
                 .await
                 .map_err(|e| err(e.to_string()))?
         };
-        Ok(Self {
-            channel,
-            tcp: !target.starts_with("unix:"),
-        })
+        Ok(channel)
     }
 
-    fn sandboxes(&self) -> SandboxesClient<Channel> {
+    fn sandboxes(&self) -> SandboxesClient<Transport> {
         SandboxesClient::new(self.channel.clone())
     }
 
-    fn files(&self) -> FilesClient<Channel> {
+    fn files(&self) -> FilesClient<Transport> {
         FilesClient::new(self.channel.clone()).max_decoding_message_size(32 << 20)
     }
 
-    pub fn sessions(&self) -> SessionsClient<Channel> {
+    pub fn sessions(&self) -> SessionsClient<Transport> {
         SessionsClient::new(self.channel.clone())
     }
 
@@ -360,6 +454,9 @@ impl Client {
     pub async fn create(&self, mut request: CreateSandboxRequest) -> Result<Sandbox> {
         if request.request_id.is_empty() {
             request.request_id = new_request_id();
+        }
+        if request.project.is_empty() {
+            request.project = self.credentials.project().to_string();
         }
         let mut attempt = 1;
         loop {
@@ -400,6 +497,7 @@ impl Client {
                     labels: labels.clone(),
                     page_size: 0,
                     page_token: page_token.clone(),
+                    project: self.credentials.project().to_string(),
                 })
                 .await?;
             all.extend(page.sandboxes);

@@ -30,8 +30,16 @@ impl IdError {
     }
 }
 
+/// 1 to 8 of `a-z 0-9 -`, not starting or ending with `-` (a project path segment that is
+/// short enough).
 pub fn valid_node_name(name: &str) -> bool {
-    crate::iam::valid_segment(name) && name.len() <= MAX_NODE_NAME
+    !name.is_empty()
+        && name.len() <= MAX_NODE_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -50,6 +58,13 @@ impl SandboxId {
             .map(|b| BASE32[(b & 31) as usize] as char)
             .collect();
         Ok(SandboxId(format!("{PREFIX}{node}-{random}")))
+    }
+
+    /// The node named by an id, if `text` is a cluster sandbox id.
+    pub fn node_of(text: &str) -> Option<&str> {
+        text.parse::<SandboxId>()
+            .ok()
+            .map(|_| &text[PREFIX.len()..text.len() - RANDOM_LEN - 1])
     }
 
     /// The node the sandbox lives on.

@@ -1,0 +1,214 @@
+//! Nodes as the apiserver sees them: the registry service they call, one lazily connected
+//! channel per node address, and the watcher's inventory (the node's own List).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dsec_api::node::v1 as pb;
+use dsec_api::node::v1::registry_server::Registry;
+use dsec_api::v1::sandboxes_client::SandboxesClient;
+use dsec_api::v1::ListSandboxesRequest;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use super::Shared;
+use crate::now_ms;
+use crate::placement::{Backend, NodeRecord, PlacementError, Placer};
+use crate::quota::RunningSandbox;
+use crate::resources::Resources;
+use crate::store::StoreError;
+use crate::watcher::NodeInventory;
+
+/// How long the apiserver waits for a node to accept a connection.
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Channels to nodes, by address (lazily connected, shared by every call to the node).
+#[derive(Clone, Debug)]
+pub struct NodeChannels {
+    placer: Arc<Placer>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+impl NodeChannels {
+    pub fn new(placer: Arc<Placer>) -> Self {
+        NodeChannels {
+            placer,
+            channels: Arc::default(),
+        }
+    }
+
+    /// The channel to a node by address.
+    pub fn to_address(&self, address: &str) -> Result<Channel, Status> {
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(channel) = channels.get(address) {
+            return Ok(channel.clone());
+        }
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| Status::internal(format!("node address {address:?} is invalid: {e}")))?
+            .connect_timeout(NODE_CONNECT_TIMEOUT)
+            .tcp_nodelay(true);
+        let channel = endpoint.connect_lazy();
+        channels.insert(address.to_string(), channel.clone());
+        Ok(channel)
+    }
+
+    /// The channel to a registered node by name.
+    pub fn to_node(&self, node: &str) -> Result<Channel, Status> {
+        let address = self.placer.address(node).map_err(|e| match e {
+            PlacementError::UnknownNode(_) => Status::unavailable(format!(
+                "node {node} is not registered (its lease expired or it never joined): its sandboxes cannot be reached now"
+            )),
+            other => other.into(),
+        })?;
+        self.to_address(&address)
+    }
+}
+
+pub(super) fn resources_of(r: Option<pb::Resources>) -> Resources {
+    let r = r.unwrap_or_default();
+    Resources::new(r.sandboxes, r.vcpus, r.memory_mib, r.disk_mib)
+}
+
+fn backend_of(name: &str) -> Option<Backend> {
+    match name {
+        "container" => Some(Backend::Container),
+        "microvm" => Some(Backend::Microvm),
+        "fullvm" => Some(Backend::Fullvm),
+        "fncall" => Some(Backend::Fncall),
+        _ => None,
+    }
+}
+
+fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
+    let info = info.ok_or_else(|| Status::invalid_argument("the request carries no node"))?;
+    if info.address.is_empty() || info.address.len() > 256 {
+        return Err(Status::invalid_argument(format!(
+            "node {} gave no usable address (host:port, at most 256 bytes)",
+            info.name
+        )));
+    }
+    Ok(NodeRecord {
+        backends: info.backends.iter().filter_map(|b| backend_of(b)).collect(),
+        images: info.images.into_iter().collect(),
+        labels: info.labels.into_iter().collect::<BTreeMap<_, _>>(),
+        capacity: resources_of(info.capacity),
+        allocated: resources_of(info.allocated),
+        name: info.name,
+        address: info.address,
+        heartbeat_ms: now_ms(),
+    })
+}
+
+/// `dsec.node.v1.Registry`.
+pub struct RegistryApi(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl Registry for RegistryApi {
+    async fn register(
+        &self,
+        request: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let record = record_of(request.into_inner().node)?;
+        let ttl = self.0.config.node_ttl;
+        let lease = self.0.registry.register(&record, ttl).await?;
+        self.0.placer.update_node(record.clone());
+        tracing::info!(node = %record.name, address = %record.address, lease, "node registered");
+        Ok(Response::new(pb::RegisterResponse {
+            lease_id: lease,
+            ttl_seconds: ttl.as_secs() as u32,
+            heartbeat_interval_ms: (ttl.as_millis() / 3) as u32,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let request = request.into_inner();
+        let record = record_of(request.node)?;
+        match self.0.registry.heartbeat(request.lease_id, &record).await {
+            Ok(()) => {}
+            Err(PlacementError::Store(StoreError::LeaseNotFound(_))) => {
+                return Err(Status::not_found(format!(
+                    "lease {} of node {} is gone: register again",
+                    request.lease_id, record.name
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let admin = self.0.placer.admin(&record.name).unwrap_or_default();
+        self.0.placer.update_node(record);
+        Ok(Response::new(pb::HeartbeatResponse {
+            cordoned: admin.cordoned,
+            draining: admin.draining,
+        }))
+    }
+
+    async fn deregister(
+        &self,
+        request: Request<pb::DeregisterRequest>,
+    ) -> Result<Response<pb::DeregisterResponse>, Status> {
+        match self
+            .0
+            .registry
+            .deregister(request.into_inner().lease_id)
+            .await
+        {
+            Ok(()) | Err(PlacementError::Store(StoreError::LeaseNotFound(_))) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(Response::new(pb::DeregisterResponse {}))
+    }
+}
+
+/// What a node runs, from its own List: the sandboxes an apiserver made (they carry their
+/// project).
+pub struct ListInventory(pub NodeChannels);
+
+#[async_trait::async_trait]
+impl NodeInventory for ListInventory {
+    async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        let channel = self
+            .0
+            .to_address(&node.address)
+            .map_err(|s| s.message().to_string())?;
+        let mut client = SandboxesClient::new(channel);
+        let mut running = Vec::new();
+        let mut page_token = String::new();
+        // Bounded: 1,000 pages of up to 1,000 sandboxes.
+        for _ in 0..1000 {
+            let page = client
+                .list(ListSandboxesRequest {
+                    page_size: 1000,
+                    page_token: page_token.clone(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|s| format!("List: {}", s.message()))?
+                .into_inner();
+            for sandbox in page.sandboxes {
+                let Some(project) = sandbox.labels.get(dsec_api::PROJECT_LABEL) else {
+                    continue;
+                };
+                let Ok(project) = project.parse() else {
+                    continue;
+                };
+                running.push(RunningSandbox {
+                    sandbox: sandbox.id,
+                    project,
+                    resources: Resources::sandbox(
+                        sandbox.vcpus.max(0) as u64,
+                        sandbox.memory_mib.max(0) as u64,
+                        sandbox.disk_mib.max(0) as u64,
+                    ),
+                });
+            }
+            if page.next_page_token.is_empty() || page.next_page_token == page_token {
+                return Ok(running);
+            }
+            page_token = page.next_page_token;
+        }
+        Ok(running)
+    }
+}

@@ -1,0 +1,128 @@
+//! The command line of `dsec-control` and `dsec control`: `up` serves the apiserver, `init`
+//! creates a fresh control plane's first organization and admin.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::api::{self, ApiConfig, StoreConfig};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct StoreArgs {
+    /// etcd endpoints (comma-separated, e.g. http://10.0.0.1:2379,http://10.0.0.2:2379);
+    /// without it the embedded store under --state-dir (one apiserver only).
+    #[arg(long, value_name = "URL[,URL]")]
+    pub etcd: Option<String>,
+    /// Key prefix in etcd, so that clusters can share one etcd.
+    #[arg(long, default_value = "dsec")]
+    pub etcd_namespace: String,
+    /// Directory of the embedded store.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/dsec/control")]
+    pub state_dir: PathBuf,
+}
+
+impl StoreArgs {
+    fn config(&self) -> StoreConfig {
+        match &self.etcd {
+            Some(urls) => StoreConfig::Etcd {
+                endpoints: urls
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|u| !u.is_empty())
+                    .map(|u| {
+                        if u.contains("://") {
+                            u.to_string()
+                        } else {
+                            format!("http://{u}")
+                        }
+                    })
+                    .collect(),
+                namespace: format!("/{}", self.etcd_namespace.trim_matches('/')),
+            },
+            None => StoreConfig::Embedded(self.state_dir.clone()),
+        }
+    }
+}
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum ControlCommand {
+    /// Serve the apiserver: the public API over the cluster's nodes, the admin API and the
+    /// node registry.
+    Up {
+        #[command(flatten)]
+        store: StoreArgs,
+        /// Where clients and nodes reach this apiserver.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7000")]
+        listen: SocketAddr,
+        /// Lease of a node's registration in seconds (nodes heartbeat every third of it).
+        #[arg(long, value_name = "S", default_value_t = 10)]
+        node_ttl: u64,
+    },
+    /// Create a fresh control plane's organization (unlimited quota) and its first user (a
+    /// cluster admin); prints that user's API token, once.
+    Init {
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long, default_value = "default")]
+        org: String,
+        #[arg(long, default_value = "admin")]
+        admin: String,
+    },
+}
+
+/// Runs a control command with logging on stderr; the exit code says how it went.
+pub fn run(command: ControlCommand) -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("dsec-control: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match command {
+            ControlCommand::Up {
+                store,
+                listen,
+                node_ttl,
+            } => {
+                if !(1..=3600).contains(&node_ttl) {
+                    return Err(format!("--node-ttl {node_ttl}: give 1 to 3600 seconds"));
+                }
+                let store = store.config().open().await.map_err(|e| e.to_string())?;
+                let config = ApiConfig {
+                    listen,
+                    node_ttl: Duration::from_secs(node_ttl),
+                    ..ApiConfig::default()
+                };
+                api::serve(store, config).await
+            }
+            ControlCommand::Init { store, org, admin } => {
+                let store = store.config().open().await.map_err(|e| e.to_string())?;
+                let token = api::init(store, &org, &admin).await?;
+                println!("{}", token.secret);
+                eprintln!(
+                    "organization {org} and cluster admin user:{admin} created; the token above is shown once: export DSEC_TOKEN=... or `dsec login`"
+                );
+                Ok(())
+            }
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("dsec-control: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

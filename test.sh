@@ -39,6 +39,8 @@ suite main-job main_job
 # The node daemon through the Python SDK: 100 concurrent creates, SIGKILL + re-adoption, status codes, TTL, floods.
 python_sdk() { cargo build --release -p dsec-edge -p dsec-agent && pip install -q ./sdk/python && DSEC_EDGE_BIN=target/release/dsec-edge python3 -m unittest discover -s sdk/python/tests -v; }
 suite python-sdk python_sdk
+# The control plane with real processes: etcd, 2 apiservers, 3 nodes, through the Python SDK.
+suite cluster env DSEC_BIN=target/release/dsec python3 control/tests/cluster.py
 if ((run_rig)); then
     suite rig tests/rig/run-tests.sh
 fi

@@ -82,16 +82,19 @@ n=$(grep -c 'restored guest refreshed' /tmp/node.log)
 random=""; clocks=""
 for c in $children; do
     random="$random $(timeout $T dsec exec $c -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')"
-    guest=$(timeout $T dsec exec $c -- date +%s); host=$(date +%s)
-    clocks="$clocks $((host - guest))"
+    # The guest's clock is read somewhere inside the exec (slow under TCG): compare it with
+    # the host's clock before and after the call.
+    before=$(date +%s); guest=$(timeout $T dsec exec $c -- date +%s); after=$(date +%s)
+    if [ "$guest" -ge $((before - 1)) ] && [ "$guest" -le $((after + 1)) ]; then
+        clocks="$clocks 0"
+    else
+        clocks="$clocks guest=$guest,host=$before..$after"
+    fi
 done
 set -- $random
 [ $# = 2 ] && [ ${#1} = 64 ] && [ "$1" != "$2" ] && ok fork-children-random-differs \
     || bad fork-children-random-differs "first urandom reads: '$random'"
-skew_ok=1; set -- $clocks
-[ $# = 2 ] || skew_ok=0
-for d in "$@"; do [ "$d" -ge -1 ] && [ "$d" -le 1 ] || skew_ok=0; done
-[ $skew_ok = 1 ] && ok fork-children-clock || bad fork-children-clock "host minus guest seconds:$clocks"
+[ "$clocks" = " 0 0" ] && ok fork-children-clock || bad fork-children-clock "clocks outside the host's +-1 s:$clocks"
 n=0
 for c in $children; do
     timeout $T dsec exec $c -- sh -c "echo $c >/root/who" && [ "$(timeout $T dsec exec $c -- cat /root/who)" = "$c" ] && n=$((n + 1))

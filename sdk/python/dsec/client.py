@@ -51,9 +51,16 @@ class _WithMetadata:
         self._method = method
         self._metadata = metadata
 
-    def __call__(self, request, *args, metadata=None, **kwargs):
-        return self._method(request, *args, metadata=tuple(metadata or ()) + self._metadata,
-                            **kwargs)
+    def __call__(self, *args, metadata=None, **kwargs):
+        # No positional request for an async stream-stream call (written to afterwards).
+        return self._method(*args, metadata=tuple(metadata or ()) + self._metadata, **kwargs)
+
+    def __getattr__(self, name):
+        # with_call / future take the same arguments as a call.
+        attr = getattr(self._method, name)
+        if name in ("with_call", "future"):
+            return _WithMetadata(attr, self._metadata)
+        return attr
 
 
 class _CredentialChannel:

@@ -79,18 +79,22 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let result = network.attach(&dir, agent_pid.as_raw(), &policy);
-            tracing::debug!(
-                elapsed_us = started.elapsed().as_micros() as u64,
-                "network attached"
-            );
-            result
+            (result, started.elapsed())
         })
     });
     let ready = wait_ready(&mut host, &id, agent_pid, &socket, &log_path, spec).await;
     if let Some(attach) = attach {
-        let attached = attach
+        let agent_ready = Instant::now();
+        let (attached, setup) = attach
             .await
             .map_err(|e| EdgeError::Protocol(format!("network setup task failed: {e}")))?;
+        // What the network cost this create: the setup itself, and how much of it was
+        // still running when the agent answered (the latency it added).
+        tracing::debug!(
+            setup_us = setup.as_micros() as u64,
+            added_us = agent_ready.elapsed().as_micros() as u64,
+            "network attached"
+        );
         attached?;
     }
     Ok(Sandbox {

@@ -162,6 +162,9 @@ impl Internet {
             policies.display().to_string(),
             "--listen".into(),
             format!("{}:{api_port}", self.gateway()),
+            // The mirror plays the resolver (reachable only where a policy allows it).
+            "--net-dns".into(),
+            self.mirror.to_string(),
         ]
     }
 
@@ -310,6 +313,13 @@ async fn policies_are_enforced_against_a_test_internet() {
     let open_addr = address_of(&client, &open).await;
     assert!(closed_addr.to_string().starts_with(&net.pool_prefix));
     assert_ne!(closed_addr, open_addr);
+    let (_, resolv) = run(
+        &client,
+        &closed,
+        "cat /etc/resolv.conf; stat -c %u /etc/resolv.conf",
+    )
+    .await;
+    assert_eq!(resolv, format!("nameserver {}\n0\n", net.mirror));
     let (_, routes) = run(&client, &closed, "ip route").await;
     assert!(
         routes.contains(&format!("default via {}", net.gateway())),

@@ -68,6 +68,12 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
                 shm_mib: (u64::from(spec.mem_mib) / 4).clamp(1, 64),
                 ids,
                 cgroup_procs: &spec.cgroup_procs,
+                resolv_conf: config
+                    .network
+                    .as_ref()
+                    .and_then(|n| n.resolver)
+                    .map(|ip| format!("nameserver {ip}\n"))
+                    .unwrap_or_default(),
             })
         });
     let agent_pid = started?;
@@ -167,6 +173,8 @@ struct ContainerStart<'a> {
     shm_mib: u64,
     ids: crate::idpool::IdRange,
     cgroup_procs: &'a [PathBuf],
+    /// The sandbox's /etc/resolv.conf; empty: the image's.
+    resolv_conf: String,
 }
 
 /// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces, already in the
@@ -203,6 +211,7 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         id_base: start.ids.base,
         id_count: start.ids.count,
         shm_mib: start.shm_mib,
+        resolv_conf: start.resolv_conf.clone(),
     }
     .encode_to_vec();
     let (launch_r, launch_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)

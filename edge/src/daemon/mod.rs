@@ -377,6 +377,10 @@ pub struct DaemonArgs {
     /// (rules as in NetworkPolicy), referenced by name in sandboxes' policies.
     #[arg(long, value_name = "FILE")]
     pub policies: Option<PathBuf>,
+    /// Resolver written into sandboxes' /etc/resolv.conf (default: the host's first IPv4
+    /// nameserver outside 127/8); reachable only where a policy allows `udp:ADDR:53`.
+    #[arg(long, value_name = "ADDR")]
+    pub net_dns: Option<std::net::Ipv4Addr>,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
     #[arg(long, value_name = "DIR", hide = true)]
     pub serve_image: Option<PathBuf>,
@@ -459,9 +463,9 @@ impl DaemonArgs {
         config.node_name = self.node_name.clone();
         config.network = match self.net_bridge.as_str() {
             "off" | "" => {
-                if self.net_pool.is_some() || self.policies.is_some() {
+                if self.net_pool.is_some() || self.policies.is_some() || self.net_dns.is_some() {
                     return Err(EdgeError::InvalidSpec(
-                        "--net-pool and --policies need a sandbox network: add --net-bridge NAME"
+                        "--net-pool, --net-dns and --policies need a sandbox network: add --net-bridge NAME"
                             .into(),
                     ));
                 }
@@ -479,6 +483,7 @@ impl DaemonArgs {
                         .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?,
                     None => Default::default(),
                 },
+                resolver: self.net_dns,
             }),
         };
         if let Some(control) = &self.control {

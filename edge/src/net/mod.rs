@@ -45,6 +45,10 @@ pub struct NetConfig {
     /// The pool; None picks a free 10.x.0.0/16 (not overlapping the host's routes).
     pub pool: Option<(Ipv4Addr, u8)>,
     pub policies: NamedPolicies,
+    /// The resolver written into sandboxes' /etc/resolv.conf; None: the host's first IPv4
+    /// nameserver that is not a loopback address (sandboxes reach it only if their policy
+    /// allows `udp:ADDR:53`).
+    pub resolver: Option<Ipv4Addr>,
 }
 
 /// Parses `A.B.C.D/LEN` for `--net-pool` (8 <= LEN <= 28, no host bits).
@@ -67,6 +71,7 @@ pub struct Network {
     pub pool: (Ipv4Addr, u8),
     pub gateway: Ipv4Addr,
     pub policies: NamedPolicies,
+    pub resolver: Option<Ipv4Addr>,
     slots: PathBuf,
 }
 
@@ -126,6 +131,7 @@ impl Network {
             pool,
             gateway,
             policies: config.policies.clone(),
+            resolver: config.resolver.or_else(host_resolver),
             slots,
         }))
     }
@@ -380,6 +386,17 @@ fn write_sysctl(name: &str, value: &str) -> Result<(), NetError> {
     let path = Path::new("/proc/sys").join(name);
     std::fs::write(&path, value)
         .map_err(|e| NetError::Setup(format!("write {value} to {}: {e}", path.display())))
+}
+
+/// The host's first IPv4 nameserver outside 127.0.0.0/8 (a loopback resolver is the host's
+/// own, not the sandbox's).
+fn host_resolver() -> Option<Ipv4Addr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .ok()?
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
+        .find(|ip| !ip.is_loopback())
 }
 
 /// The first 10.N.0.0/16 (N from 200 up) that no host route overlaps.

@@ -351,6 +351,19 @@ async fn policies_are_enforced_against_a_test_internet() {
     assert!(!reaches(&client, &open, net.mirror, 8081).await);
     assert!(!reaches(&client, &open, net.forbidden, 8080).await);
     assert!(!reaches(&client, &open, net.forbidden, 22).await);
+    // Those refused attempts are counted per sandbox.
+    let metrics = sh(&format!("curl -sf http://{}/metrics", daemon.metrics));
+    let denied = |id: &str| -> u64 {
+        let line = format!("dsec_sandbox_network_denied_packets_total{{sandbox=\"{id}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no denied count for {id} in {metrics}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(denied(&open) >= 3, "{metrics}");
+    assert!(denied(&closed) >= 3, "{metrics}");
 
     // A scan, as root in the sandbox, of the node's addresses, the bridge, the other
     // sandbox and the forbidden host finds only what the policy allows (the mirror's 8080,

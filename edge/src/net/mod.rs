@@ -245,6 +245,11 @@ impl Network {
         Ok(())
     }
 
+    /// Packets the policies rejected, per sandbox address. Blocking.
+    pub fn denied_packets(&self) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
+        nft::denied_packets(&self.bridge)
+    }
+
     /// Removes the table and the bridge (a clean stop with no sandbox left). Blocking.
     pub fn stop(&self) {
         if let Err(err) = nft::apply(nft::delete_table(&self.bridge)) {

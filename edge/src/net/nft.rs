@@ -246,6 +246,40 @@ pub(super) fn delete_table(table: &str) -> Vec<Value> {
     ]
 }
 
+/// Packets each sandbox's chain rejected, by sandbox address (from the chains' counters).
+pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
+    let output = Command::new("nft")
+        .args(["-j", "list", "table", FAMILY, table])
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| NetError::Tool {
+            tool: "nft",
+            detail: e.to_string(),
+        })?;
+    let listing: Value = serde_json::from_slice(&output.stdout).map_err(|e| NetError::Tool {
+        tool: "nft",
+        detail: format!("unreadable listing of table {table}: {e}"),
+    })?;
+    let mut denied: std::collections::BTreeMap<Ipv4Addr, u64> = Default::default();
+    for item in listing["nftables"].as_array().into_iter().flatten() {
+        let rule = &item["rule"];
+        let Some(addr) = rule["chain"]
+            .as_str()
+            .and_then(|c| c.strip_prefix("sb_"))
+            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+            .map(Ipv4Addr::from)
+        else {
+            continue;
+        };
+        for expr in rule["expr"].as_array().into_iter().flatten() {
+            if let Some(packets) = expr["counter"]["packets"].as_u64() {
+                *denied.entry(addr).or_default() += packets;
+            }
+        }
+    }
+    Ok(denied.into_iter().collect())
+}
+
 /// Runs one transaction through `nft -j -f -`.
 pub(super) fn apply(commands: Vec<Value>) -> Result<(), NetError> {
     let input = json!({"nftables": commands}).to_string();

@@ -318,7 +318,10 @@ pub fn release(sandbox_dir: &Path) {
         return;
     };
     if let Err(err) = nft::apply(nft::remove_sandbox(&held.table, held.addr)) {
-        tracing::debug!(%err, addr = %held.addr, "sandbox rules already gone");
+        // One transaction fails as a whole: without a map entry the chain may still be there.
+        if let Err(again) = nft::apply(nft::remove_sandbox_chain(&held.table, held.addr)) {
+            tracing::debug!(%err, %again, addr = %held.addr, "sandbox rules already gone");
+        }
     }
     let veth = veth_name(held.addr);
     if Path::new("/sys/class/net").join(&veth).exists() {

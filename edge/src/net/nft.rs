@@ -159,15 +159,19 @@ pub(super) fn add_sandbox(
     let chain = chain_name(addr);
     let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
     let mut cmds = Vec::new();
+    // Flushed after "add": whatever a sandbox that had this address left (a release that
+    // failed) must not become this one's policy.
     for name in [&allow_set, &deny_set] {
         cmds.push(
             json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
             "type": ["ipv4_addr", "inet_proto", "inet_service"], "flags": ["interval"]}}}),
         );
+        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
     }
     cmds.extend(set_elements("add", table, &allow_set, allow));
     cmds.extend(set_elements("add", table, &deny_set, deny));
     cmds.push(json!({"add": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
+    cmds.push(json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
     let reject = |set: Option<&str>| {
         let mut tcp = Vec::new();
         let mut other = Vec::new();
@@ -224,10 +228,18 @@ pub(super) fn replace_policy(
 
 /// Removes a sandbox's map entry, chain and sets.
 pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr) -> Vec<Value> {
-    let chain = chain_name(addr);
     let mut cmds = vec![
         json!({"delete": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
             "elem": [addr.to_string()]}}}),
+    ];
+    cmds.extend(remove_sandbox_chain(table, addr));
+    cmds
+}
+
+/// Removes a sandbox's chain and sets (once nothing jumps to the chain).
+pub(super) fn remove_sandbox_chain(table: &str, addr: Ipv4Addr) -> Vec<Value> {
+    let chain = chain_name(addr);
+    let mut cmds = vec![
         json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
         json!({"delete": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
     ];

@@ -68,12 +68,19 @@ fn element(e: &Element) -> Value {
 /// old rules hold until the new ones do).
 pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec<Value> {
     let t = json!({"family": FAMILY, "name": table});
-    let from_bridge = || is(meta("iifname"), json!(bridge));
-    let to_bridge = || is(meta("oifname"), json!(bridge));
     let base_chain = |name: &str, kind: &str, hook: &str, prio: i32| {
         json!({"add": {"chain": {"family": FAMILY, "table": table, "name": name,
             "type": kind, "hook": hook, "prio": prio, "policy": "accept"}}})
     };
+    // A rule of `chain` for packets coming in from (or going out to) the bridge.
+    let on_bridge = |chain: &str, dir: &str, rest: Vec<Value>| {
+        let mut expr = vec![is(meta(dir), json!(bridge))];
+        expr.extend(rest);
+        rule(table, chain, expr)
+    };
+    let ct_replies = json!({"match": {"op": "in", "left": {"ct": {"key": "state"}},
+        "right": ["established", "related"]}});
+    let (counter, drop) = (json!({"counter": null}), json!({"drop": null}));
     vec![
         json!({"add": {"table": t}}),
         json!({"delete": {"table": t}}),
@@ -81,54 +88,34 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
         json!({"add": {"map": {"family": FAMILY, "table": table, "name": "sandboxes",
             "type": "ipv4_addr", "map": "verdict"}}}),
         base_chain("forward", "filter", "forward", 0),
-        rule(
-            table,
+        on_bridge(
             "forward",
+            "iifname",
             vec![
-                from_bridge(),
                 is(ip("daddr"), prefix(pool.0, pool.1)),
-                json!({"counter": null}),
-                json!({"drop": null}),
+                counter.clone(),
+                drop.clone(),
             ],
         ),
-        rule(
-            table,
+        on_bridge(
             "forward",
-            vec![
-                from_bridge(),
-                is(meta("nfproto"), json!("ipv6")),
-                json!({"drop": null}),
-            ],
+            "iifname",
+            vec![is(meta("nfproto"), json!("ipv6")), drop.clone()],
         ),
-        rule(
-            table,
+        on_bridge(
             "forward",
-            vec![
-                from_bridge(),
-                json!({"vmap": {"key": ip("saddr"), "data": "@sandboxes"}}),
-            ],
+            "iifname",
+            vec![json!({"vmap": {"key": ip("saddr"), "data": "@sandboxes"}})],
         ),
-        rule(table, "forward", vec![from_bridge(), json!({"drop": null})]),
-        rule(
-            table,
+        on_bridge("forward", "iifname", vec![drop.clone()]),
+        on_bridge(
             "forward",
-            vec![
-                to_bridge(),
-                json!({"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": ["established", "related"]}}),
-                json!({"accept": null}),
-            ],
+            "oifname",
+            vec![ct_replies, json!({"accept": null})],
         ),
-        rule(table, "forward", vec![to_bridge(), json!({"drop": null})]),
+        on_bridge("forward", "oifname", vec![drop.clone()]),
         base_chain("input", "filter", "input", 0),
-        rule(
-            table,
-            "input",
-            vec![
-                from_bridge(),
-                json!({"counter": null}),
-                json!({"drop": null}),
-            ],
-        ),
+        on_bridge("input", "iifname", vec![counter, drop]),
         base_chain("postrouting", "nat", "postrouting", 100),
         rule(
             table,

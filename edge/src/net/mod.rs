@@ -258,6 +258,7 @@ impl Network {
         if let Err(err) = ip_batch(&format!("link del {}\n", self.bridge), None) {
             tracing::warn!(%err, "cannot remove the sandbox bridge");
         }
+        let _ = std::fs::remove_dir(&self.slots);
     }
 
     /// Takes a free address of the pool for `sandbox_dir` (a symlink `<slots>/<addr>` ->

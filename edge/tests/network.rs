@@ -320,6 +320,16 @@ async fn policies_are_enforced_against_a_test_internet() {
     )
     .await;
     assert_eq!(resolv, format!("nameserver {}\n0\n", net.mirror));
+    // Root in the sandbox cannot move its interface, address or route elsewhere.
+    for change in [
+        format!("ip addr add {}.0.99/16 dev eth0", net.pool_prefix),
+        "ip link set eth0 down".to_string(),
+        "ip route del default".to_string(),
+        "ip link add x type dummy".to_string(),
+    ] {
+        let (code, out) = run(&client, &closed, &change).await;
+        assert_ne!(code, 0, "{change} worked: {out}");
+    }
     let (_, routes) = run(&client, &closed, "ip route").await;
     assert!(
         routes.contains(&format!("default via {}", net.gateway())),

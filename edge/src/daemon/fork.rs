@@ -129,6 +129,8 @@ impl Node {
                 idle_timeout_s: parent.idle_timeout_s,
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
+                deny: parent.deny.clone(),
+                network: Default::default(),
                 request_id: String::new(),
                 public_ports: parent.public_ports.clone(),
             };
@@ -175,6 +177,7 @@ impl Node {
                 labels: plan.request.labels.clone(),
                 allow_internet: plan.request.allow_internet,
                 allow: plan.request.allow.clone(),
+                deny: plan.request.deny.clone(),
                 created_at_ms: now,
                 expires_at_ms: 0,
                 idle_timeout_s: plan.request.idle_timeout_s,

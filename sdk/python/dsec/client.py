@@ -333,6 +333,13 @@ def _argv(command: Command) -> List[str]:
     return list(command)
 
 
+def _network_policy(allow: Iterable[str], deny: Iterable[str],
+                    allow_internet: bool) -> pb.NetworkPolicy:
+    if isinstance(allow, str) or isinstance(deny, str):
+        raise ValueError("allow and deny are lists of rules or policy names, not one string")
+    return pb.NetworkPolicy(allow=list(allow), deny=list(deny), allow_internet=allow_internet)
+
+
 _BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
              "container": pb.BACKEND_CONTAINER, "microvm": pb.BACKEND_MICROVM}
 
@@ -714,6 +721,7 @@ class Client:
         self._files = rpc.FilesStub(channel)
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
+        self._network = rpc.NetworkStub(channel)
 
     def _call(self, fn, request):
         try:
@@ -933,6 +941,17 @@ class Sandbox:
                        pb.SetPortPublicRequest(sandbox_id=self.id, port=port, public=public))
         return list(r.public_ports)
 
+    def set_network_policy(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
+                           allow_internet: bool = False) -> SandboxInfo:
+        """Replaces the sandbox's network policy (rules ``[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]``
+        and names of the node's policies; nothing = it reaches nothing). New connections
+        follow it at once; open connections it denies are cut."""
+        self.info = SandboxInfo._from(self._call(
+            self.client._network.SetNetworkPolicy,
+            pb.SetNetworkPolicyRequest(sandbox_id=self.id,
+                                       network=_network_policy(allow, deny, allow_internet))))
+        return self.info
+
     def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
                                                  pb.PauseSandboxRequest(sandbox_id=self.id)))
@@ -1099,6 +1118,7 @@ class AsyncClient:
         self._files = rpc.FilesStub(channel)
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
+        self._network = rpc.NetworkStub(channel)
 
     async def _call(self, fn, request):
         try:
@@ -1275,6 +1295,15 @@ class AsyncSandbox:
 
     async def url(self, port: int) -> str:
         return (await self.port_url(port)).url
+
+    async def set_network_policy(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
+                                 allow_internet: bool = False) -> SandboxInfo:
+        """See :meth:`Sandbox.set_network_policy`."""
+        self.info = SandboxInfo._from(await self.client._call(
+            self.client._network.SetNetworkPolicy,
+            pb.SetNetworkPolicyRequest(sandbox_id=self.id,
+                                       network=_network_policy(allow, deny, allow_internet))))
+        return self.info
 
     async def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(await self.client._call(

@@ -61,12 +61,14 @@ SANDBOX_STATE_DEAD: SandboxState
 SANDBOX_STATE_LOST: SandboxState
 
 class NetworkPolicy(_message.Message):
-    __slots__ = ("allow_internet", "allow")
+    __slots__ = ("allow_internet", "allow", "deny")
     ALLOW_INTERNET_FIELD_NUMBER: _ClassVar[int]
     ALLOW_FIELD_NUMBER: _ClassVar[int]
+    DENY_FIELD_NUMBER: _ClassVar[int]
     allow_internet: bool
     allow: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ...) -> None: ...
+    deny: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
     __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id")
@@ -590,3 +592,11 @@ class PortUrl(_message.Message):
     address: str
     access_token: str
     def __init__(self, url: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., access_token: _Optional[str] = ...) -> None: ...
+
+class SetNetworkPolicyRequest(_message.Message):
+    __slots__ = ("sandbox_id", "network")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    network: NetworkPolicy
+    def __init__(self, sandbox_id: _Optional[str] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...

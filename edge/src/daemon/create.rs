@@ -34,6 +34,8 @@ pub struct Plan {
     pub request_id: String,
     /// Ports open without the access token.
     pub public_ports: std::collections::BTreeSet<u16>,
+    /// microVM: a real boot instead of a restore of the image's template snapshot.
+    pub cold: bool,
 }
 
 impl Plan {
@@ -53,14 +55,19 @@ impl Plan {
             "idle_timeout_s": self.idle_timeout_s,
             "public_ports": self.public_ports,
         });
-        // FNV-1a: stable across builds (records outlive the daemon binary).
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in spec.to_string().bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        format!("{hash:016x}")
+        fnv1a_hex(&spec.to_string())
     }
+}
+
+/// FNV-1a of `text` in hex: stable across builds (records and templates outlive the daemon
+/// binary).
+pub(super) fn fnv1a_hex(text: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in text.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
 }
 
 /// Where a sandbox's image files are, resolved once per create.
@@ -336,7 +343,11 @@ impl Node {
             ImagePlan::MicroVm { .. } => None,
         };
         let spec = plan.spec(id, &pending.cgroups, rootfs, self.config.ready_timeout);
-        let sandbox = Sandbox::create(request.kind, &self.edge, &spec).await?;
+        let sandbox = if request.kind == BackendKind::MicroVm && !request.cold {
+            self.create_from_template(&spec).await?
+        } else {
+            Sandbox::create(request.kind, &self.edge, &spec).await?
+        };
         let client = sandbox.agent().clone();
         let handle = sandbox.detach();
         let now = now_ms();
@@ -371,6 +382,7 @@ impl Node {
             access_token: new_access_token(),
             public_ports: request.public_ports.clone(),
             image_mount: pending.image_mount.clone(),
+            suspended: None,
         };
         self.register(record, client, pending).await
     }

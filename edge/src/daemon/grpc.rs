@@ -340,6 +340,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         allow: network.allow,
         request_id: req.request_id,
         public_ports,
+        cold: req.cold,
     })
 }
 

@@ -61,6 +61,7 @@ impl Node {
         entry: &Arc<Entry>,
         snapshot: PathBuf,
     ) -> Result<Arc<Entry>, NodeError> {
+        let started = std::time::Instant::now();
         let mut record = entry.record();
         let (pid, client) = resume_microvm(
             &self.edge,
@@ -83,6 +84,11 @@ impl Node {
             )));
         }
         let id = record.handle.id.clone();
+        tracing::info!(
+            sandbox = %id,
+            ms = started.elapsed().as_millis() as u64,
+            "resumed from its snapshot on disk"
+        );
         let woken = Entry::new(record, client);
         self.lock().insert(id, woken.clone());
         let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(snapshot)).await;

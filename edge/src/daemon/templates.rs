@@ -118,6 +118,7 @@ impl Node {
             }
         }
         drop(guard);
+        let started = std::time::Instant::now();
         let id = spec.id.clone().unwrap_or_default();
         let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
         let upper = dir.join("upper.ext4");
@@ -133,7 +134,13 @@ impl Node {
         .await;
         match restored {
             Ok(sandbox) => {
-                tracing::info!(sandbox = %id, template = %key, "restored from the template snapshot");
+                tracing::info!(
+                    sandbox = %id,
+                    template = %key,
+                    memory = ?templates.memory,
+                    ms = started.elapsed().as_millis() as u64,
+                    "restored from the template snapshot"
+                );
                 Ok(sandbox)
             }
             Err(err) => {

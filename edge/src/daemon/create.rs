@@ -313,6 +313,12 @@ impl Node {
             Ok(_) => {
                 self.metrics.creates_total.fetch_add(1, Ordering::Relaxed);
                 self.metrics.observe_create(started.elapsed());
+                tracing::info!(
+                    sandbox = %id,
+                    cold = plan.request.cold,
+                    ms = started.elapsed().as_millis() as u64,
+                    "create done"
+                );
             }
             Err(err) => {
                 self.metrics

@@ -1,6 +1,6 @@
 //! Pause that frees memory: a microVM sandbox's pause writes a snapshot to local disk and
 //! ends its VMM (the record keeps the snapshot's path, so it survives a daemon restart);
-//! resume restores it lazily in the same directory, so it keeps its id, vsock socket,
+//! resume restores it (MAP_PRIVATE over the snapshot's memory) in the same directory, so it keeps its id, vsock socket,
 //! context id and disks, and everything in the guest (files, processes, sessions).
 
 use std::path::PathBuf;
@@ -54,8 +54,8 @@ impl Node {
         Ok(())
     }
 
-    /// Restores a suspended sandbox (lazily) and swaps in its new entry; its snapshot is
-    /// removed once the guest answers (the new VMM keeps what it still reads open).
+    /// Restores a suspended sandbox and swaps in its new entry; its snapshot is removed once
+    /// the guest answers (the new VMM's mapping keeps the memory file's pages reachable).
     pub(super) async fn wake(
         &self,
         entry: &Arc<Entry>,

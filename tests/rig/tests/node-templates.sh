@@ -84,6 +84,8 @@ sample() { # KIND [--cold]
     timeout $T dsec rm $s >/dev/null 2>&1
 }
 for i in 1 2 3; do sample cold --cold; sample template; done
+# The daemon's own create time (request in -> agent answering), without the CLI's.
+grep -o 'create done.*' /tmp/node.log | tail -6
 t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
 echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
 kill $daemon; wait $daemon 2>/dev/null

@@ -4,6 +4,7 @@
 mod cluster;
 mod cp;
 mod image;
+mod net;
 mod node;
 mod tty;
 mod vm;
@@ -177,6 +178,9 @@ enum Command {
     Rm {
         ids: Vec<String>,
     },
+    /// Network policies of sandboxes (what they may reach).
+    #[command(subcommand)]
+    Net(net::NetCommand),
     /// Print the URL of a port inside a sandbox on the node's HTTP entry point
     /// (http://PORT-ID-TOKEN.localhost:7080/ by default; no token for a public port).
     Url {
@@ -488,6 +492,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         .await
                         .map(|()| 0)
                 }
+                Command::Net(command) => net::run(&c, command, json).await.map(|()| 0),
                 Command::PortForward { id, port, listen } => {
                     node::port_forward(&c, &id, port, listen.as_deref()).await
                 }

@@ -81,7 +81,7 @@ fn print_table(list: &[Sandbox]) {
     }
 }
 
-fn emit(json_out: bool, value: serde_json::Value, text: impl FnOnce()) {
+pub fn emit(json_out: bool, value: serde_json::Value, text: impl FnOnce()) {
     if json_out {
         println!("{value}");
     } else {

@@ -27,6 +27,8 @@ pub enum EdgeError {
     },
     #[error("cannot format the sandbox's writable disk {path} with mkfs.ext4: {detail} (mkfs.ext4 comes with e2fsprogs)")]
     FormatDisk { path: PathBuf, detail: String },
+    #[error("sandbox network: {0}")]
+    Network(#[from] crate::net::NetError),
     #[error("invalid sandbox request: {0}")]
     InvalidSpec(String),
     #[error("{what}: {source}")]

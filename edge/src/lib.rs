@@ -10,6 +10,7 @@ pub mod idpool;
 pub mod images;
 pub mod kvm;
 pub mod microvm;
+pub mod net;
 pub mod paths;
 
 pub use backend::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};

@@ -211,11 +211,11 @@ async fn network_policies_that_cannot_be_enforced_are_refused() {
     for network in [
         NetworkPolicy {
             allow_internet: true,
-            allow: vec![],
+            ..NetworkPolicy::default()
         },
         NetworkPolicy {
-            allow_internet: false,
             allow: vec!["pypi".into()],
+            ..NetworkPolicy::default()
         },
     ] {
         let mut r = request(HashMap::new(), HashMap::new());

@@ -65,6 +65,7 @@ impl TestNode {
             agent_bin: Some(agent),
             vmm_bin: None,
             jail: None,
+            network: None,
         };
         Self { config, rootfs }
     }

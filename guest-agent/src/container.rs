@@ -228,6 +228,9 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
         .map_err(|e| setup_err("chown /tmp", e))?;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777))
         .map_err(|e| setup_err("chmod 1777 /tmp", e))?;
+    if !launch.resolv_conf.is_empty() {
+        write_resolv_conf(&root, launch)?;
+    }
     step("overlay mounted");
 
     mount_system(&root, launch)?;
@@ -257,6 +260,51 @@ pub fn enter(launch: &ContainerLaunch) -> Result<(), AgentError> {
     nix::sys::prctl::set_dumpable(false).map_err(|e| setup_err("prctl(PR_SET_DUMPABLE)", e))?;
     step("in the sandbox");
     Ok(())
+}
+
+/// Replaces the image's /etc/resolv.conf with the launch's, owned by sandbox root. Every step
+/// refuses symbolic links: an image's `etc` or `resolv.conf` pointing elsewhere must not make
+/// host root write outside the container's root.
+fn write_resolv_conf(root: &Path, launch: &ContainerLaunch) -> Result<(), AgentError> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::Mode;
+    use nix::unistd::{fchown, unlinkat, Gid, Uid, UnlinkatFlags};
+    use std::io::Write;
+    let etc = root.join("etc");
+    if !etc.exists() {
+        mkdir(&etc)?;
+        std::os::unix::fs::chown(&etc, Some(launch.id_base), Some(launch.id_base))
+            .map_err(|e| setup_err("chown /etc", e))?;
+    }
+    let root_dir =
+        std::fs::File::open(root).map_err(|e| setup_err("open the container root", e))?;
+    let etc_fd = openat(
+        &root_dir,
+        "etc",
+        OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| setup_err("open the image's /etc (a symbolic link is refused)", e))?;
+    match unlinkat(&etc_fd, "resolv.conf", UnlinkatFlags::NoRemoveDir) {
+        Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
+        Err(e) => return Err(setup_err("remove the image's /etc/resolv.conf", e)),
+    }
+    let fd = openat(
+        &etc_fd,
+        "resolv.conf",
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o644),
+    )
+    .map_err(|e| setup_err("create /etc/resolv.conf", e))?;
+    fchown(
+        &fd,
+        Some(Uid::from_raw(launch.id_base)),
+        Some(Gid::from_raw(launch.id_base)),
+    )
+    .map_err(|e| setup_err("chown /etc/resolv.conf", e))?;
+    std::fs::File::from(fd)
+        .write_all(launch.resolv_conf.as_bytes())
+        .map_err(|e| setup_err("write /etc/resolv.conf", e))
 }
 
 /// Attaches an idmapped view of `source` at `target`: ids stored as N appear as

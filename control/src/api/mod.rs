@@ -25,6 +25,7 @@ use std::time::Duration;
 use dsec_api::node::v1::registry_server::RegistryServer;
 use dsec_api::v1::admin_server::AdminServer;
 use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::network_server::NetworkServer;
 use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
 use dsec_api::v1::sandboxes_server::SandboxesServer;
@@ -174,6 +175,7 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
         .add_service(
             PortsServer::new(runtime::PortsApi(shared.clone())).max_decoding_message_size(2 << 20),
         )
+        .add_service(NetworkServer::new(runtime::NetworkApi(shared.clone())))
         .add_service(AdminServer::new(admin::AdminApi(shared.clone())))
         .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())))
         .serve_with_incoming_shutdown(

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use dsec_api::sandbox_id::SandboxId;
 use dsec_api::v1::files_client::FilesClient;
 use dsec_api::v1::files_server::Files;
+use dsec_api::v1::network_client::NetworkClient;
 use dsec_api::v1::ports_client::PortsClient;
 use dsec_api::v1::ports_server::Ports;
 use dsec_api::v1::process_client::ProcessClient;
@@ -273,5 +274,19 @@ impl Ports for PortsApi {
         SetPortPublicRequest,
         SetPortPublicResponse,
         Action::SandboxPorts
+    );
+}
+
+/// Network policies (`Network.SetNetworkPolicy`), routed to the sandbox's node.
+pub struct NetworkApi(pub Arc<Shared>);
+
+#[tonic::async_trait]
+impl dsec_api::v1::network_server::Network for NetworkApi {
+    unary!(
+        NetworkClient,
+        set_network_policy,
+        SetNetworkPolicyRequest,
+        Sandbox,
+        Action::SandboxNetwork
     );
 }

@@ -233,6 +233,7 @@ pub enum Action {
     SandboxResume,
     SandboxFork,
     SandboxSnapshot,
+    SandboxNetwork,
     ProjectGet,
     ProjectCreate,
     ProjectSetQuota,
@@ -249,7 +250,9 @@ impl Action {
         match self {
             SandboxGet | SandboxList | ProjectGet => Role::Viewer,
             SandboxCreate | SandboxDelete | SandboxExec | SandboxFiles | SandboxPorts
-            | SandboxPause | SandboxResume | SandboxFork | SandboxSnapshot => Role::Editor,
+            | SandboxPause | SandboxResume | SandboxFork | SandboxSnapshot | SandboxNetwork => {
+                Role::Editor
+            }
             ProjectCreate | ProjectSetQuota | RoleGrant | ServiceAccountCreate | TokenCreate
             | TokenRevoke | AuditRead => Role::Admin,
         }

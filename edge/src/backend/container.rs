@@ -68,39 +68,82 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
                 shm_mib: (u64::from(spec.mem_mib) / 4).clamp(1, 64),
                 ids,
                 cgroup_procs: &spec.cgroup_procs,
+                resolv_conf: config
+                    .network
+                    .as_ref()
+                    .and_then(|n| n.resolver)
+                    .map(|ip| format!("nameserver {ip}\n"))
+                    .unwrap_or_default(),
             })
         });
     let agent_pid = started?;
     host.runtime = Runtime::Container { agent_pid };
+    // The network is set up while the agent starts; both must be done before the sandbox
+    // is handed out, and a failed create waits for it so that release finds all of it.
+    let attach = config.network.clone().map(|network| {
+        let (dir, policy) = (dir.clone(), spec.network_policy.clone());
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let result = network.attach(&dir, agent_pid.as_raw(), &policy);
+            (result, started.elapsed())
+        })
+    });
+    let ready = wait_ready(&mut host, &id, agent_pid, &socket, &log_path, spec).await;
+    if let Some(attach) = attach {
+        let agent_ready = Instant::now();
+        let (attached, setup) = attach
+            .await
+            .map_err(|e| EdgeError::Protocol(format!("network setup task failed: {e}")))?;
+        // What the network cost this create: the setup itself, and how much of it was
+        // still running when the agent answered (the latency it added).
+        tracing::debug!(
+            setup_us = setup.as_micros() as u64,
+            added_us = agent_ready.elapsed().as_micros() as u64,
+            "network attached"
+        );
+        attached?;
+    }
+    Ok(Sandbox {
+        id,
+        kind,
+        client: ready?,
+        host,
+    })
+}
+
+/// Waits until the agent answers on its socket, or dies, or the spec's timeout passes.
+async fn wait_ready(
+    host: &mut HostResources,
+    id: &str,
+    agent_pid: Pid,
+    socket: &Path,
+    log_path: &Path,
+    spec: &SandboxSpec,
+) -> Result<AgentClient> {
     let deadline = Instant::now() + spec.ready_timeout;
     loop {
         if let Ok(Some(status)) = try_reap(agent_pid) {
             host.runtime = Runtime::Gone;
             return Err(EdgeError::SandboxDied {
-                id,
-                detail: format!(" ({status:?}){}", log_tail(&log_path, "agent log")),
+                id: id.to_string(),
+                detail: format!(" ({status:?}){}", log_tail(log_path, "agent log")),
             });
         }
         if socket.exists() {
             // Bound the whole attempt (connect, HTTP/2 handshake, Info): retry, never hang.
             let attempt = tokio::time::timeout(Duration::from_secs(5), async {
-                let client = AgentClient::connect(AgentAddr::Unix(socket.clone())).await?;
+                let client = AgentClient::connect(AgentAddr::Unix(socket.to_path_buf())).await?;
                 client.info().await.map(|_| client)
             });
             if let Ok(Ok(client)) = attempt.await {
-                return Ok(Sandbox {
-                    id,
-                    kind,
-                    client,
-                    host,
-                });
+                return Ok(client);
             }
         }
         if Instant::now() > deadline {
             return Err(EdgeError::AgentNotReady {
-                id,
+                id: id.to_string(),
                 timeout: spec.ready_timeout,
-                detail: log_tail(&log_path, "agent log"),
+                detail: log_tail(log_path, "agent log"),
             });
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -130,6 +173,8 @@ struct ContainerStart<'a> {
     shm_mib: u64,
     ids: crate::idpool::IdRange,
     cgroup_procs: &'a [PathBuf],
+    /// The sandbox's /etc/resolv.conf; empty: the image's.
+    resolv_conf: String,
 }
 
 /// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces, already in the
@@ -166,6 +211,7 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         id_base: start.ids.base,
         id_count: start.ids.count,
         shm_mib: start.shm_mib,
+        resolv_conf: start.resolv_conf.clone(),
     }
     .encode_to_vec();
     let (launch_r, launch_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)

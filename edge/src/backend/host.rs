@@ -128,6 +128,7 @@ fn kill_runtime(runtime: Runtime) {
 /// Frees the sandbox's id range and removes its directory (gone already is fine).
 fn remove_sandbox_dir(dir: &Path) -> Result<()> {
     crate::idpool::release(dir);
+    crate::net::release(dir);
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

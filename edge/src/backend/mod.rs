@@ -60,6 +60,8 @@ pub struct EdgeConfig {
     pub vmm_bin: Option<PathBuf>,
     /// Run every VMM in a jail (`dsec-vmm --jail`); None runs them unjailed.
     pub jail: Option<VmmJail>,
+    /// The node's sandbox network; None: containers have loopback only.
+    pub network: Option<std::sync::Arc<crate::net::Network>>,
 }
 
 impl Default for EdgeConfig {
@@ -82,6 +84,7 @@ impl Default for EdgeConfig {
                 snapshots: run_dir.join("snapshots"),
                 roots: run_dir.join("jails"),
             }),
+            network: None,
         }
     }
 }

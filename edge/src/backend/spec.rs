@@ -33,6 +33,9 @@ pub struct SandboxSpec {
     /// `cgroup.procs` files the sandbox's first process is written into right after it
     /// starts (everything it starts later inherits them).
     pub cgroup_procs: Vec<PathBuf>,
+    /// What a container may reach when the node has a network (`EdgeConfig::network`);
+    /// empty: nothing outside itself.
+    pub network_policy: crate::net::Policy,
 }
 
 impl Default for SandboxSpec {
@@ -49,6 +52,7 @@ impl Default for SandboxSpec {
             root_disk: None,
             disk_mib: None,
             cgroup_procs: Vec::new(),
+            network_policy: crate::net::Policy::default(),
         }
     }
 }

@@ -80,6 +80,7 @@ impl Node {
                 cgroup::remove(&record.cgroups);
             }
             crate::idpool::release(path);
+            crate::net::release(path);
             let _ = std::fs::remove_dir_all(path);
         }
         // Jail roots of sandboxes that are gone (their VMMs were killed above); empty
@@ -102,6 +103,23 @@ impl Node {
                 if !kept.contains(entry.file_name().to_string_lossy().as_ref()) {
                     let _ = std::fs::remove_dir(entry.path());
                 }
+            }
+        }
+        if let Some(net) = self.edge.network.clone() {
+            // The table again with the adopted sandboxes' policies; veths of others go.
+            let live: Vec<_> = self
+                .list()
+                .iter()
+                .filter_map(|e| {
+                    let record = e.record();
+                    let addr = crate::net::address(&record.handle.dir)?;
+                    Some((addr, super::network::recorded_policy(self, &record)))
+                })
+                .collect();
+            match tokio::task::spawn_blocking(move || net.adopt(&live)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => tracing::error!(%err, "cannot restore the sandbox network's rules"),
+                Err(err) => tracing::error!(%err, "network adoption task failed"),
             }
         }
         let cgroups = self.cgroups.sweep(&kept);

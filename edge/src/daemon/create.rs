@@ -30,6 +30,9 @@ pub struct Plan {
     pub idle_timeout_s: i64,
     pub allow_internet: bool,
     pub allow: Vec<String>,
+    pub deny: Vec<String>,
+    /// The policy resolved from the three fields above (named policies expanded).
+    pub network: crate::net::Policy,
     /// The client's idempotency key ("" = none).
     pub request_id: String,
     /// Ports open without the access token.
@@ -42,7 +45,7 @@ impl Plan {
     /// A stable digest of what the Create asked for (defaults filled in), to tell a retry
     /// from a different request that reuses a request_id.
     pub fn fingerprint(&self) -> String {
-        let spec = serde_json::json!({
+        let mut spec = serde_json::json!({
             "kind": self.kind.as_str(),
             "image": self.image,
             "memory_mib": self.demand.memory_mib,
@@ -55,6 +58,10 @@ impl Plan {
             "idle_timeout_s": self.idle_timeout_s,
             "public_ports": self.public_ports,
         });
+        // Only when set, so that digests of records from before network policies still match.
+        if self.allow_internet || !self.allow.is_empty() || !self.deny.is_empty() {
+            spec["network"] = serde_json::json!([self.allow_internet, self.allow, self.deny]);
+        }
         fnv1a_hex(&spec.to_string())
     }
 }
@@ -130,6 +137,7 @@ impl CreatePlan {
                 .then_some(request.demand.disk_mib as u32),
             root_disk,
             cgroup_procs: cgroup::procs_files(cgroups),
+            network_policy: request.network.clone(),
             ..SandboxSpec::default()
         }
     }
@@ -368,6 +376,7 @@ impl Node {
             labels: request.labels.clone(),
             allow_internet: request.allow_internet,
             allow: request.allow.clone(),
+            deny: request.deny.clone(),
             created_at_ms: now,
             expires_at_ms: if request.ttl_s > 0 {
                 now + request.ttl_s * 1000

@@ -72,6 +72,7 @@ pub fn sandbox_proto(node: &Node, entry: &Entry) -> api::Sandbox {
         network: Some(NetworkPolicy {
             allow_internet: r.allow_internet,
             allow: r.allow.clone(),
+            deny: r.deny.clone(),
         }),
         request_id: r.request_id.clone(),
         access_token: r.access_token.clone(),
@@ -217,16 +218,6 @@ fn check_request_id(id: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// The network policy sandboxes can have today: none beyond loopback.
-fn check_network(network: &NetworkPolicy) -> Result<(), Status> {
-    if network.allow_internet || !network.allow.is_empty() {
-        return Err(Status::unimplemented(
-            "network egress is not built yet: a sandbox has loopback only, so allow_internet and allow rules cannot be enforced; leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
-        ));
-    }
-    Ok(())
-}
-
 /// Validates a Create request and fills in defaults.
 pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
     let kind = match Backend::try_from(req.backend) {
@@ -301,7 +292,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         req.image
     };
     let network = req.network.unwrap_or_default();
-    check_network(&network)?;
+    let policy = super::network::resolve(node, kind, &network)?;
     check_request_id(&req.request_id)?;
     if req.public_ports.len() > MAX_PUBLIC_PORTS {
         return Err(Status::invalid_argument(format!(
@@ -338,6 +329,8 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         idle_timeout_s: req.idle_timeout_seconds,
         allow_internet: network.allow_internet,
         allow: network.allow,
+        deny: network.deny,
+        network: policy,
         request_id: req.request_id,
         public_ports,
         cold: req.cold,

@@ -57,7 +57,7 @@ impl Metrics {
 }
 
 /// Renders all metrics of the node.
-pub fn render(node: &Node) -> String {
+pub fn render(node: &Node, denied: &[(std::net::Ipv4Addr, u64)]) -> String {
     let m = &node.metrics;
     let mut out = String::new();
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -170,7 +170,43 @@ pub fn render(node: &Node) -> String {
             b.reserved
         );
     }
+    if node.edge.network.is_some() {
+        let _ = writeln!(
+            out,
+            "# HELP dsec_sandbox_network_denied_packets_total Packets a sandbox sent that its network policy rejected.\n# TYPE dsec_sandbox_network_denied_packets_total counter"
+        );
+        for entry in &list {
+            let record = entry.record();
+            let Some(addr) = crate::net::address(&record.handle.dir) else {
+                continue;
+            };
+            let packets = denied
+                .iter()
+                .find(|(a, _)| *a == addr)
+                .map_or(0, |(_, p)| *p);
+            let _ = writeln!(
+                out,
+                "dsec_sandbox_network_denied_packets_total{{sandbox=\"{}\"}} {packets}",
+                record.handle.id
+            );
+        }
+    }
     out
+}
+
+/// Packets the network policies rejected, per sandbox address (empty without a network).
+async fn denied_packets(node: &Node) -> Vec<(std::net::Ipv4Addr, u64)> {
+    let Some(net) = node.edge.network.clone() else {
+        return Vec::new();
+    };
+    match tokio::task::spawn_blocking(move || net.denied_packets()).await {
+        Ok(Ok(denied)) => denied,
+        Ok(Err(err)) => {
+            tracing::warn!(%err, "cannot read the network policies' counters");
+            Vec::new()
+        }
+        Err(_) => Vec::new(),
+    }
 }
 
 /// Serves GET /metrics until the process ends.
@@ -198,7 +234,7 @@ pub async fn serve(node: Arc<Node>, listener: TcpListener) {
             let head = String::from_utf8_lossy(&buf[..len]);
             let path = head.split_whitespace().nth(1).unwrap_or("");
             let (status, body) = if path == "/metrics" || path.starts_with("/metrics?") {
-                ("200 OK", render(&node))
+                ("200 OK", render(&node, &denied_packets(&node).await))
             } else {
                 (
                     "404 Not Found",

@@ -15,6 +15,7 @@ mod fork;
 pub mod grpc;
 pub mod limits;
 pub mod metrics;
+pub mod network;
 pub mod node;
 pub mod ports;
 mod reaper;
@@ -34,6 +35,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::network_server::NetworkServer;
 use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
 use dsec_api::v1::sandboxes_server::SandboxesServer;
@@ -96,6 +98,8 @@ pub struct DaemonConfig {
     pub node_name: Option<String>,
     /// Apiservers to register with (needs `node_name` and a TCP API to advertise).
     pub registration: Option<registration::Registration>,
+    /// The sandbox network (bridge, pool, named policies); None: containers get loopback only.
+    pub network: Option<crate::net::NetConfig>,
 }
 
 impl Default for DaemonConfig {
@@ -131,6 +135,7 @@ impl Default for DaemonConfig {
             jail_vmms: nix::unistd::geteuid().is_root(),
             node_name: None,
             registration: None,
+            network: None,
         }
     }
 }
@@ -219,6 +224,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
                     .max_decoding_message_size(16 << 20),
             )
             .add_service(SessionsServer::new(runtime::SessionsService(node.clone())))
+            .add_service(NetworkServer::new(network::NetworkService(node.clone())))
             .add_service(
                 PortsServer::new(ports::PortsService {
                     node: node.clone(),
@@ -273,6 +279,13 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         .filter_map(|e| e.record().image_mount)
         .collect();
     node.images.stop_unused(&in_use).await;
+    // The bridge and table go with the last sandbox; running ones keep their network for
+    // the next daemon.
+    if let Some(net) = node.edge.network.clone() {
+        if node.count() == 0 {
+            let _ = tokio::task::spawn_blocking(move || net.stop()).await;
+        }
+    }
     Ok(())
 }
 
@@ -353,6 +366,23 @@ pub struct DaemonArgs {
     /// Node label for placement (`--label gpu=a100`), repeatable.
     #[arg(long = "label", value_name = "K=V")]
     pub labels: Vec<String>,
+    /// Sandbox network: a bridge of this name (1-11 of a-z, 0-9, _; also the nftables
+    /// table's name), a veth per container sandbox, NAT to the uplink, default-deny policies
+    /// in nftables. "off": containers have loopback only.
+    #[arg(long, value_name = "NAME|off", default_value = "off")]
+    pub net_bridge: String,
+    /// Address pool of the sandbox network (default: the first 10.200-254.0.0/16 no host
+    /// route overlaps); the bridge takes the first address.
+    #[arg(long, value_name = "CIDR")]
+    pub net_pool: Option<String>,
+    /// Named network policies, a JSON object {"NAME": {"allow": [RULE...], "deny": [RULE...]}}
+    /// (rules as in NetworkPolicy), referenced by name in sandboxes' policies.
+    #[arg(long, value_name = "FILE")]
+    pub policies: Option<PathBuf>,
+    /// Resolver written into sandboxes' /etc/resolv.conf (default: the host's first IPv4
+    /// nameserver outside 127/8); reachable only where a policy allows `udp:ADDR:53`.
+    #[arg(long, value_name = "ADDR")]
+    pub net_dns: Option<std::net::Ipv4Addr>,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
     #[arg(long, value_name = "DIR", hide = true)]
     pub serve_image: Option<PathBuf>,
@@ -433,6 +463,31 @@ impl DaemonArgs {
             }
         }
         config.node_name = self.node_name.clone();
+        config.network = match self.net_bridge.as_str() {
+            "off" | "" => {
+                if self.net_pool.is_some() || self.policies.is_some() || self.net_dns.is_some() {
+                    return Err(EdgeError::InvalidSpec(
+                        "--net-pool, --net-dns and --policies need a sandbox network: add --net-bridge NAME"
+                            .into(),
+                    ));
+                }
+                None
+            }
+            bridge => Some(crate::net::NetConfig {
+                bridge: bridge.to_string(),
+                pool: self
+                    .net_pool
+                    .as_deref()
+                    .map(crate::net::parse_pool)
+                    .transpose()?,
+                policies: match &self.policies {
+                    Some(file) => crate::net::NamedPolicies::load(file)
+                        .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?,
+                    None => Default::default(),
+                },
+                resolver: self.net_dns,
+            }),
+        };
         if let Some(control) = &self.control {
             let node_name = self
                 .node_name

@@ -72,6 +72,19 @@ impl Node {
                 snapshots: config.state_dir.join("snapshots"),
                 roots: config.state_dir.join("jails"),
             }),
+            network: match &config.network {
+                Some(net) => {
+                    let net = net.clone();
+                    Some(
+                        tokio::task::spawn_blocking(move || crate::net::Network::start(&net))
+                            .await
+                            .map_err(|e| {
+                                EdgeError::Protocol(format!("network setup task failed: {e}"))
+                            })??,
+                    )
+                }
+                None => None,
+            },
         };
         let kvm = KvmStatus::detect();
         let microvm_unavailable = kvm.why_not_microvm();

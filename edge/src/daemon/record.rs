@@ -50,6 +50,9 @@ pub struct Record {
     pub labels: BTreeMap<String, String>,
     pub allow_internet: bool,
     pub allow: Vec<String>,
+    /// Network deny rules and policy names (see NetworkPolicy in api/proto/dsec.proto).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny: Vec<String>,
     pub created_at_ms: i64,
     /// 0: no TTL.
     pub expires_at_ms: i64,

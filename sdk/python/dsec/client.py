@@ -51,9 +51,16 @@ class _WithMetadata:
         self._method = method
         self._metadata = metadata
 
-    def __call__(self, request, *args, metadata=None, **kwargs):
-        return self._method(request, *args, metadata=tuple(metadata or ()) + self._metadata,
-                            **kwargs)
+    def __call__(self, *args, metadata=None, **kwargs):
+        # No positional request for an async stream-stream call (written to afterwards).
+        return self._method(*args, metadata=tuple(metadata or ()) + self._metadata, **kwargs)
+
+    def __getattr__(self, name):
+        # with_call / future take the same arguments as a call.
+        attr = getattr(self._method, name)
+        if name in ("with_call", "future"):
+            return _WithMetadata(attr, self._metadata)
+        return attr
 
 
 class _CredentialChannel:
@@ -324,6 +331,13 @@ def _argv(command: Command) -> List[str]:
     if isinstance(command, str):
         return ["/bin/sh", "-c", command]
     return list(command)
+
+
+def _network_policy(allow: Iterable[str], deny: Iterable[str],
+                    allow_internet: bool) -> pb.NetworkPolicy:
+    if isinstance(allow, str) or isinstance(deny, str):
+        raise ValueError("allow and deny are lists of rules or policy names, not one string")
+    return pb.NetworkPolicy(allow=list(allow), deny=list(deny), allow_internet=allow_internet)
 
 
 _BACKENDS = {"": pb.BACKEND_UNSPECIFIED, "auto": pb.BACKEND_UNSPECIFIED,
@@ -707,6 +721,7 @@ class Client:
         self._files = rpc.FilesStub(channel)
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
+        self._network = rpc.NetworkStub(channel)
 
     def _call(self, fn, request):
         try:
@@ -926,6 +941,17 @@ class Sandbox:
                        pb.SetPortPublicRequest(sandbox_id=self.id, port=port, public=public))
         return list(r.public_ports)
 
+    def set_network_policy(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
+                           allow_internet: bool = False) -> SandboxInfo:
+        """Replaces the sandbox's network policy (rules ``[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]``
+        and names of the node's policies; nothing = it reaches nothing). New connections
+        follow it at once; open connections it denies are cut."""
+        self.info = SandboxInfo._from(self._call(
+            self.client._network.SetNetworkPolicy,
+            pb.SetNetworkPolicyRequest(sandbox_id=self.id,
+                                       network=_network_policy(allow, deny, allow_internet))))
+        return self.info
+
     def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(self._call(self.client._sandboxes.Pause,
                                                  pb.PauseSandboxRequest(sandbox_id=self.id)))
@@ -1092,6 +1118,7 @@ class AsyncClient:
         self._files = rpc.FilesStub(channel)
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
+        self._network = rpc.NetworkStub(channel)
 
     async def _call(self, fn, request):
         try:
@@ -1268,6 +1295,15 @@ class AsyncSandbox:
 
     async def url(self, port: int) -> str:
         return (await self.port_url(port)).url
+
+    async def set_network_policy(self, allow: Iterable[str] = (), deny: Iterable[str] = (),
+                                 allow_internet: bool = False) -> SandboxInfo:
+        """See :meth:`Sandbox.set_network_policy`."""
+        self.info = SandboxInfo._from(await self.client._call(
+            self.client._network.SetNetworkPolicy,
+            pb.SetNetworkPolicyRequest(sandbox_id=self.id,
+                                       network=_network_policy(allow, deny, allow_internet))))
+        return self.info
 
     async def pause(self) -> SandboxInfo:
         self.info = SandboxInfo._from(await self.client._call(

@@ -1413,3 +1413,84 @@ class Ports:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class NetworkStub:
+    """================================================================= Network
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetNetworkPolicy = channel.unary_unary(
+                '/dsec.v1.Network/SetNetworkPolicy',
+                request_serializer=dsec__pb2.SetNetworkPolicyRequest.SerializeToString,
+                response_deserializer=dsec__pb2.Sandbox.FromString,
+                _registered_method=True)
+
+
+class NetworkServicer:
+    """================================================================= Network
+
+    """
+
+    def SetNetworkPolicy(self, request, context):
+        """Replaces a running sandbox's network policy: new connections follow it at once, open
+        connections it denies are cut (the sandbox's next packet gets a reset, replies are
+        dropped). Returns the sandbox with its new policy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NetworkServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetNetworkPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetworkPolicy,
+                    request_deserializer=dsec__pb2.SetNetworkPolicyRequest.FromString,
+                    response_serializer=dsec__pb2.Sandbox.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.v1.Network', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.v1.Network', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Network:
+    """================================================================= Network
+
+    """
+
+    @staticmethod
+    def SetNetworkPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Network/SetNetworkPolicy',
+            dsec__pb2.SetNetworkPolicyRequest.SerializeToString,
+            dsec__pb2.Sandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

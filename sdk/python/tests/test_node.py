@@ -722,3 +722,38 @@ class PortsTest(NodeTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+NET_BRIDGE = f"dtpy{os.getpid() % 100000}"
+
+
+class NetworkTest(NodeTest):
+    """Network policies through the SDK on a node with a sandbox network (its own bridge,
+    pool and nftables table, removed when the daemon stops cleanly and again here)."""
+
+    extra_args = ("--net-bridge", NET_BRIDGE, "--net-pool", "10.229.0.0/16")
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            super().tearDownClass()
+        finally:
+            subprocess.run(["nft", "delete", "table", "inet", NET_BRIDGE], stderr=subprocess.DEVNULL)
+            subprocess.run(["ip", "link", "del", NET_BRIDGE], stderr=subprocess.DEVNULL)
+            shutil.rmtree(f"/run/dsec-net/{NET_BRIDGE}", ignore_errors=True)
+
+    def test_set_network_policy(self):
+        with self.client.create(memory_mib=64, disk_mib=16) as sb:
+            r = sb.exec(["ip", "-4", "addr", "show", "dev", "eth0"])
+            self.assertEqual(r.exit_code, 0, r.stderr)
+            self.assertIn(b"inet 10.229.", r.stdout)
+            sb.set_network_policy(allow=["tcp:198.51.100.0/24:80-443"], deny=["198.51.100.7"])
+            sb.set_network_policy()
+            for allow, needle in ((["10.0.0.1/8"], "host bits"),
+                                  (["tcp:1.2.3.4:70000"], "1-65535"),
+                                  (["nosuch"], "unknown named network policy")):
+                with self.assertRaises(dsec.InvalidArgument) as err:
+                    sb.set_network_policy(allow=allow)
+                self.assertIn(needle, str(err.exception))
+            with self.assertRaises(ValueError):
+                sb.set_network_policy(allow="tcp:1.2.3.4:80")

@@ -797,6 +797,20 @@ impl Client {
             .into_inner())
     }
 
+    /// Replaces a running sandbox's network policy (`Network.SetNetworkPolicy`): new
+    /// connections follow it at once, open connections it denies are cut.
+    pub async fn set_network_policy(&self, id: &str, network: NetworkPolicy) -> Result<Sandbox> {
+        Ok(
+            dsec_api::v1::network_client::NetworkClient::new(self.channel.clone())
+                .set_network_policy(SetNetworkPolicyRequest {
+                    sandbox_id: id.into(),
+                    network: Some(network),
+                })
+                .await?
+                .into_inner(),
+        )
+    }
+
     /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns
     /// the sandbox's public ports.
     pub async fn set_port_public(&self, id: &str, port: u32, public: bool) -> Result<Vec<u32>> {

@@ -1,0 +1,138 @@
+//! Network policies on the node: validation of the API's `NetworkPolicy`, live changes
+//! (`Network.SetNetworkPolicy`) and the policies of adopted sandboxes.
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use dsec_api::v1::{self as api, NetworkPolicy, SetNetworkPolicyRequest};
+use tonic::{Request, Response, Status};
+
+use super::error::NodeError;
+use super::node::Node;
+use super::record::{append_event, Entry, Record};
+use crate::backend::BackendKind;
+use crate::net::{Policy, PolicyText};
+
+fn text_of(network: &NetworkPolicy) -> PolicyText {
+    PolicyText {
+        allow: network.allow.clone(),
+        deny: network.deny.clone(),
+    }
+}
+
+/// The policy a sandbox of `kind` gets from `network`: INVALID_ARGUMENT for malformed rules
+/// and unknown names; UNIMPLEMENTED for a non-empty policy where nothing can enforce it.
+pub fn resolve(
+    node: &Node,
+    kind: BackendKind,
+    network: &NetworkPolicy,
+) -> Result<Policy, NodeError> {
+    let empty = !network.allow_internet && network.allow.is_empty() && network.deny.is_empty();
+    let Some(net) = node
+        .edge
+        .network
+        .as_ref()
+        .filter(|_| kind == BackendKind::Container)
+    else {
+        if empty {
+            return Ok(Policy::default());
+        }
+        return Err(NodeError::Unsupported(
+            "network egress needs a container sandbox on a node started with a sandbox network (`dsec up --net-bridge dsec0`); microVMs and nodes without it have loopback only, so allow_internet, allow and deny rules cannot be enforced: leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
+        ));
+    };
+    let count = network.allow.len() + network.deny.len();
+    if count > crate::net::policy::MAX_RULES {
+        // Before parsing 100,000 strings.
+        return Err(NodeError::InvalidArgument(
+            crate::net::PolicyError::TooManyRules { count }.to_string(),
+        ));
+    }
+    net.resolve(network.allow_internet, &text_of(network))
+        .map_err(|e| NodeError::InvalidArgument(e.to_string()))
+}
+
+/// The policy recorded for a sandbox, resolved against today's named policies (an unknown
+/// name now denies everything it would have allowed).
+pub(super) fn recorded_policy(node: &Node, record: &Record) -> Policy {
+    let Some(net) = &node.edge.network else {
+        return Policy::default();
+    };
+    let text = PolicyText {
+        allow: record.allow.clone(),
+        deny: record.deny.clone(),
+    };
+    net.resolve(record.allow_internet, &text)
+        .unwrap_or_else(|err| {
+            tracing::warn!(sandbox = %record.handle.id, %err, "recorded network policy no longer resolves; denying everything");
+            Policy::default()
+        })
+}
+
+impl Node {
+    /// Replaces a running sandbox's network policy (see `Network::set_policy`).
+    pub async fn set_network_policy(
+        &self,
+        id: &str,
+        network: NetworkPolicy,
+    ) -> Result<Arc<Entry>, NodeError> {
+        let entry = self.get(id)?;
+        let record = entry.record();
+        let kind = if record.handle.backend == BackendKind::MicroVm.as_str() {
+            BackendKind::MicroVm
+        } else {
+            BackendKind::Container
+        };
+        let policy = resolve(self, kind, &network)?;
+        if let Some(net) = self.edge.network.clone() {
+            let addr: Option<Ipv4Addr> = crate::net::address(&record.handle.dir);
+            let Some(addr) = addr else {
+                return Err(NodeError::FailedPrecondition(format!(
+                    "sandbox {id} has no network interface (it was created before this node had a sandbox network): create a new sandbox"
+                )));
+            };
+            tokio::task::spawn_blocking(move || net.set_policy(addr, &policy))
+                .await
+                .map_err(|e| NodeError::Internal(format!("network policy task failed: {e}")))?
+                .map_err(|e| {
+                    NodeError::Internal(format!("cannot apply the network policy: {e}"))
+                })?;
+        }
+        {
+            let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+            r.allow_internet = network.allow_internet;
+            r.allow = network.allow.clone();
+            r.deny = network.deny.clone();
+            r.persist()
+                .map_err(|e| NodeError::Internal(e.to_string()))?;
+            append_event(
+                &r.handle.dir,
+                &format!(
+                    "network policy set: allow_internet={} allow={:?} deny={:?}",
+                    network.allow_internet, network.allow, network.deny
+                ),
+            );
+        }
+        entry.touch();
+        Ok(entry)
+    }
+}
+
+// ------------------------------------------------------------------ Network service
+
+pub struct NetworkService(pub Arc<Node>);
+
+#[tonic::async_trait]
+impl api::network_server::Network for NetworkService {
+    async fn set_network_policy(
+        &self,
+        request: Request<SetNetworkPolicyRequest>,
+    ) -> Result<Response<api::Sandbox>, Status> {
+        let r = request.into_inner();
+        let entry = self
+            .0
+            .set_network_policy(&r.sandbox_id, r.network.unwrap_or_default())
+            .await?;
+        Ok(Response::new(super::grpc::sandbox_proto(&self.0, &entry)))
+    }
+}

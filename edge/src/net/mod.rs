@@ -1,0 +1,447 @@
+//! Sandbox networking for containers: a node bridge, an address pool, a veth pair per
+//! sandbox (`eth0` inside, its host end an isolated bridge port), NAT to the uplink, and a
+//! default-deny policy per sandbox in the node's nftables table (see `nft.rs`).
+//!
+//! Links are configured with `ip -batch` (iproute2) and rules with `nft -j -f -`: a few
+//! processes per create instead of a netlink stack in the daemon (see edge/README.md for the
+//! cost). What a sandbox holds is recorded in its directory (`net`), so [`release`] frees it
+//! from the directory alone: on delete, on a failed create, and after a daemon crash.
+
+pub mod policy;
+
+mod nft;
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
+
+/// File in the sandbox directory naming its address, table and pool slot.
+const RECORD: &str = "net";
+/// Where each node bridge's address slots live (`<dir>/<bridge>/<addr>` -> sandbox dir).
+const SLOTS_DIR: &str = "/run/dsec-net";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("{tool} failed: {detail}")]
+    Tool { tool: &'static str, detail: String },
+    #[error("network setup: {0}")]
+    Setup(String),
+    #[error("all {0} addresses of the node's sandbox pool are in use: delete sandboxes or give a wider --net-pool")]
+    PoolExhausted(u32),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+/// What the node's network is made of (daemon flags `--net-bridge`, `--net-pool`, `--policies`).
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// Bridge name, also the nftables table's: 1-11 of a-z, 0-9, '_'.
+    pub bridge: String,
+    /// The pool; None picks a free 10.x.0.0/16 (not overlapping the host's routes).
+    pub pool: Option<(Ipv4Addr, u8)>,
+    pub policies: NamedPolicies,
+    /// The resolver written into sandboxes' /etc/resolv.conf; None: the host's first IPv4
+    /// nameserver that is not a loopback address (sandboxes reach it only if their policy
+    /// allows `udp:ADDR:53`).
+    pub resolver: Option<Ipv4Addr>,
+}
+
+/// Parses `A.B.C.D/LEN` for `--net-pool` (8 <= LEN <= 28, no host bits).
+pub fn parse_pool(text: &str) -> Result<(Ipv4Addr, u8), NetError> {
+    let rule: Rule = text
+        .parse()
+        .map_err(|e: PolicyError| NetError::Setup(format!("--net-pool {text:?}: {e}")))?;
+    if !(8..=28).contains(&rule.prefix) || !text.contains('/') || rule.proto.is_some() {
+        return Err(NetError::Setup(format!(
+            "--net-pool {text:?}: give a network A.B.C.D/LEN with LEN 8-28, e.g. 10.88.0.0/16"
+        )));
+    }
+    Ok((rule.net, rule.prefix))
+}
+
+/// The node's sandbox network: bridge, pool and nftables table.
+#[derive(Debug)]
+pub struct Network {
+    pub bridge: String,
+    pub pool: (Ipv4Addr, u8),
+    pub gateway: Ipv4Addr,
+    pub policies: NamedPolicies,
+    pub resolver: Option<Ipv4Addr>,
+    slots: PathBuf,
+}
+
+/// What a sandbox holds, recorded in its directory.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Held {
+    table: String,
+    addr: Ipv4Addr,
+    slot: PathBuf,
+}
+
+fn veth_name(addr: Ipv4Addr) -> String {
+    format!("dsv{:08x}", u32::from(addr))
+}
+
+impl Network {
+    /// Creates (or takes over) the bridge, turns on forwarding and writes the table with
+    /// no sandbox in it. Blocking.
+    pub fn start(config: &NetConfig) -> Result<Arc<Self>, NetError> {
+        let bridge = &config.bridge;
+        if bridge.is_empty()
+            || bridge.len() > 11
+            || !bridge
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            return Err(NetError::Setup(format!(
+                "--net-bridge {bridge:?}: give 1-11 of a-z, 0-9 and _ (it also names the nftables table)"
+            )));
+        }
+        let pool = match config.pool {
+            Some(pool) => pool,
+            None => free_pool()?,
+        };
+        let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
+        if !Path::new("/sys/class/net").join(bridge).exists() {
+            ip_batch(&format!("link add {bridge} type bridge\n"), None)?;
+        }
+        // No IPv6 on the bridge: a sandbox must not reach the node over link-local
+        // addresses (the table drops IPv6 from the bridge as well).
+        write_sysctl(&format!("net/ipv6/conf/{bridge}/disable_ipv6"), "1")?;
+        ip_batch(
+            &format!(
+                "addr replace {gateway}/{} dev {bridge}\nlink set {bridge} up\n",
+                pool.1
+            ),
+            None,
+        )?;
+        write_sysctl("net/ipv4/ip_forward", "1")?;
+        nft::apply(nft::base_table(bridge, bridge, pool))?;
+        let slots = Path::new(SLOTS_DIR).join(bridge);
+        std::fs::create_dir_all(&slots)
+            .map_err(|e| NetError::Setup(format!("create {}: {e}", slots.display())))?;
+        tracing::info!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, "sandbox network up");
+        Ok(Arc::new(Self {
+            bridge: bridge.clone(),
+            pool,
+            gateway,
+            policies: config.policies.clone(),
+            resolver: config.resolver.or_else(host_resolver),
+            slots,
+        }))
+    }
+
+    /// Resolves a policy as written (named policies expanded) and checks that it compiles.
+    pub fn resolve(&self, allow_internet: bool, text: &PolicyText) -> Result<Policy, PolicyError> {
+        let policy = self.policies.resolve(allow_internet, text)?;
+        policy::compile(&policy.allow)?;
+        policy::compile(&policy.deny)?;
+        Ok(policy)
+    }
+
+    /// Gives the sandbox whose agent is `pid` (PID 1 of its network namespace) an address,
+    /// `eth0` with a default route through the bridge, and its policy. Recorded in
+    /// `sandbox_dir` first, so [`release`] frees whatever was made if anything fails. Blocking.
+    pub fn attach(
+        &self,
+        sandbox_dir: &Path,
+        pid: i32,
+        policy: &Policy,
+    ) -> Result<Ipv4Addr, NetError> {
+        let (allow, deny) = (
+            policy::compile(&policy.allow)?,
+            policy::compile(&policy.deny)?,
+        );
+        let addr = self.allocate(sandbox_dir)?;
+        let veth = veth_name(addr);
+        let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
+            NetError::Setup(format!("open the network namespace of pid {pid}: {e}"))
+        })?;
+        let bridge = &self.bridge;
+        // Rules and links in parallel: until the map entry exists the bridge drops the
+        // sandbox's packets anyway.
+        let table = self.bridge.clone();
+        let rules =
+            std::thread::spawn(move || nft::apply(nft::add_sandbox(&table, addr, &allow, &deny)));
+        let host = ip_batch(
+            &format!(
+                "link add {veth} type veth peer name eth0 netns {pid}\n\
+                 link set {veth} master {bridge}\n\
+                 link set {veth} type bridge_slave isolated on\n\
+                 link set {veth} up\n"
+            ),
+            None,
+        );
+        let inside = host.and_then(|()| {
+            ip_batch(
+                &format!(
+                    "link set lo up\naddr add {addr}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
+                    self.pool.1, self.gateway
+                ),
+                Some(&netns),
+            )
+        });
+        let rules = rules
+            .join()
+            .unwrap_or_else(|_| Err(NetError::Setup("the nft thread panicked".into())));
+        inside.and(rules)?;
+        Ok(addr)
+    }
+
+    /// Replaces a running sandbox's policy: new connections see it at once; connections it
+    /// now denies are cut (the next packet the sandbox sends is rejected with a reset, and
+    /// their conntrack entries go, so replies are dropped). Blocking.
+    pub fn set_policy(&self, addr: Ipv4Addr, policy: &Policy) -> Result<(), NetError> {
+        let (allow, deny) = (
+            policy::compile(&policy.allow)?,
+            policy::compile(&policy.deny)?,
+        );
+        nft::apply(nft::replace_policy(&self.bridge, addr, &allow, &deny))?;
+        flush_conntrack(addr);
+        Ok(())
+    }
+
+    /// After a restart: the table again, with the adopted sandboxes' policies; veths on the
+    /// bridge of sandboxes that are gone are removed. Blocking.
+    pub fn adopt(&self, live: &[(Ipv4Addr, Policy)]) -> Result<(), NetError> {
+        let mut cmds = nft::base_table(&self.bridge, &self.bridge, self.pool);
+        for (addr, policy) in live {
+            let (allow, deny) = (
+                policy::compile(&policy.allow)?,
+                policy::compile(&policy.deny)?,
+            );
+            cmds.extend(nft::add_sandbox(&self.bridge, *addr, &allow, &deny));
+        }
+        nft::apply(cmds)?;
+        let keep: Vec<String> = live.iter().map(|(a, _)| veth_name(*a)).collect();
+        let mut batch = String::new();
+        for entry in std::fs::read_dir("/sys/class/net")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let on_bridge = std::fs::read_link(entry.path().join("master"))
+                .is_ok_and(|m| m.file_name().is_some_and(|n| n == self.bridge.as_str()));
+            if name.starts_with("dsv") && !keep.contains(&name) && on_bridge {
+                batch.push_str(&format!("link del {name}\n"));
+            }
+        }
+        // A recreated bridge lost its ports: adopted sandboxes' host ends join it again.
+        for name in &keep {
+            if Path::new("/sys/class/net").join(name).exists() {
+                batch.push_str(&format!("link set {name} master {}\n", self.bridge));
+                batch.push_str(&format!("link set {name} type bridge_slave isolated on\n"));
+            }
+        }
+        if !batch.is_empty() {
+            ip_batch(&batch, None)?;
+        }
+        Ok(())
+    }
+
+    /// Packets the policies rejected, per sandbox address. Blocking.
+    pub fn denied_packets(&self) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
+        nft::denied_packets(&self.bridge)
+    }
+
+    /// Removes the table and the bridge (a clean stop with no sandbox left). Blocking.
+    pub fn stop(&self) {
+        if let Err(err) = nft::apply(nft::delete_table(&self.bridge)) {
+            tracing::warn!(%err, "cannot remove the sandbox network's nftables table");
+        }
+        if let Err(err) = ip_batch(&format!("link del {}\n", self.bridge), None) {
+            tracing::warn!(%err, "cannot remove the sandbox bridge");
+        }
+        let _ = std::fs::remove_dir(&self.slots);
+    }
+
+    /// Takes a free address of the pool for `sandbox_dir` (a symlink `<slots>/<addr>` ->
+    /// the directory; one whose directory is gone is free again) and records it there.
+    fn allocate(&self, sandbox_dir: &Path) -> Result<Ipv4Addr, NetError> {
+        let first = u32::from(self.pool.0) + 2;
+        let count = (1u32 << (32 - self.pool.1)) - 3;
+        let start = random_u32() % count;
+        for i in 0..count * 2 {
+            let addr = Ipv4Addr::from(first + (start + i / 2) % count);
+            let slot = self.slots.join(addr.to_string());
+            match std::os::unix::fs::symlink(sandbox_dir, &slot) {
+                Ok(()) => {
+                    let held = Held {
+                        table: self.bridge.clone(),
+                        addr,
+                        slot: slot.clone(),
+                    };
+                    let json = serde_json::to_vec(&held).unwrap_or_default();
+                    if let Err(e) = std::fs::write(sandbox_dir.join(RECORD), json) {
+                        let _ = std::fs::remove_file(&slot);
+                        return Err(NetError::Setup(format!(
+                            "record the sandbox's address: {e}"
+                        )));
+                    }
+                    return Ok(addr);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if std::fs::read_link(&slot).is_ok_and(|t| !t.exists()) {
+                        let _ = std::fs::remove_file(&slot);
+                    }
+                }
+                Err(e) => {
+                    return Err(NetError::Setup(format!(
+                        "take address slot {}: {e}",
+                        slot.display()
+                    )))
+                }
+            }
+        }
+        Err(NetError::PoolExhausted(count))
+    }
+}
+
+/// The address recorded in a sandbox directory, if it has one.
+pub fn address(sandbox_dir: &Path) -> Option<Ipv4Addr> {
+    held(sandbox_dir).map(|h| h.addr)
+}
+
+fn held(sandbox_dir: &Path) -> Option<Held> {
+    serde_json::from_slice(&std::fs::read(sandbox_dir.join(RECORD)).ok()?).ok()
+}
+
+/// Frees what the sandbox in `sandbox_dir` holds: its rules, its veth (gone with its
+/// namespace, unless that is still alive), its conntrack entries and its address. Blocking.
+pub fn release(sandbox_dir: &Path) {
+    let Some(held) = held(sandbox_dir) else {
+        return;
+    };
+    if let Err(err) = nft::apply(nft::remove_sandbox(&held.table, held.addr)) {
+        // One transaction fails as a whole: without a map entry the chain may still be there.
+        if let Err(again) = nft::apply(nft::remove_sandbox_chain(&held.table, held.addr)) {
+            tracing::debug!(%err, %again, addr = %held.addr, "sandbox rules already gone");
+        }
+    }
+    let veth = veth_name(held.addr);
+    if Path::new("/sys/class/net").join(&veth).exists() {
+        let _ = ip_batch(&format!("link del {veth}\n"), None);
+    }
+    flush_conntrack(held.addr);
+    if std::fs::read_link(&held.slot).is_ok_and(|t| t == sandbox_dir) {
+        let _ = std::fs::remove_file(&held.slot);
+    }
+    let _ = std::fs::remove_file(sandbox_dir.join(RECORD));
+}
+
+/// Deletes the connection tracking entries of connections the address opened.
+fn flush_conntrack(addr: Ipv4Addr) {
+    // Exit status 1 with "0 flow entries" when there were none.
+    let _ = Command::new("conntrack")
+        .args(["-D", "-s", &addr.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Runs `ip -batch -` with `commands`, in the network namespace `netns` if given.
+fn ip_batch(commands: &str, netns: Option<&std::fs::File>) -> Result<(), NetError> {
+    let mut command = Command::new("ip");
+    command
+        .args(["-batch", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    if let Some(netns) = netns {
+        let fd = netns.as_raw_fd();
+        use std::os::unix::process::CommandExt;
+        // SAFETY: runs in the forked child before exec; setns is a single system call on a
+        // descriptor that stays open in the parent until the child has exec'd.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = command.spawn().map_err(|e| NetError::Tool {
+        tool: "ip",
+        detail: format!("cannot start it ({e}); install iproute2"),
+    })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(commands.as_bytes());
+    }
+    let output = child.wait_with_output().map_err(|e| NetError::Tool {
+        tool: "ip",
+        detail: e.to_string(),
+    })?;
+    if !output.status.success() {
+        return Err(NetError::Tool {
+            tool: "ip",
+            detail: format!(
+                "{} (commands: {})",
+                String::from_utf8_lossy(&output.stderr).trim(),
+                commands.trim().replace('\n', "; ")
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn write_sysctl(name: &str, value: &str) -> Result<(), NetError> {
+    let path = Path::new("/proc/sys").join(name);
+    std::fs::write(&path, value)
+        .map_err(|e| NetError::Setup(format!("write {value} to {}: {e}", path.display())))
+}
+
+/// The host's first IPv4 nameserver outside 127.0.0.0/8 (a loopback resolver is the host's
+/// own, not the sandbox's).
+fn host_resolver() -> Option<Ipv4Addr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .ok()?
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
+        .find(|ip| !ip.is_loopback())
+}
+
+/// The first 10.N.0.0/16 (N from 200 up) that no host route overlaps.
+fn free_pool() -> Result<(Ipv4Addr, u8), NetError> {
+    let routes = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
+    // Destination and mask are little-endian hex in columns 2 and 8.
+    let taken: Vec<(u32, u32)> = routes
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let dest = u32::from_str_radix(cols.get(1)?, 16).ok()?.swap_bytes();
+            let mask = u32::from_str_radix(cols.get(7)?, 16).ok()?.swap_bytes();
+            (mask != 0).then_some((dest, mask))
+        })
+        .collect();
+    for n in 200u32..=254 {
+        let net = (10 << 24) | (n << 16);
+        let mask = 0xffff_0000u32;
+        if taken
+            .iter()
+            .all(|(dest, m)| (net & m) != (dest & m) && (dest & mask) != net)
+        {
+            return Ok((Ipv4Addr::from(net), 16));
+        }
+    }
+    Err(NetError::Setup(
+        "no free 10.200-254.0.0/16 for the sandbox pool: give one with --net-pool".into(),
+    ))
+}
+
+fn random_u32() -> u32 {
+    let mut buf = [0u8; 4];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut buf);
+    }
+    u32::from_ne_bytes(buf)
+}

@@ -1,0 +1,312 @@
+//! The node's nftables table (`inet <bridge>`), written through `nft -j -f -` (one atomic
+//! transaction per call). Layout:
+//!
+//! - `forward`: from the bridge, traffic to the pool (other sandboxes) and IPv6 are dropped,
+//!   then `ip saddr vmap @sandboxes` jumps to the sandbox's own chain; unknown sources are
+//!   dropped. Towards the bridge only replies (ct established/related) pass.
+//! - `sb_<addr hex>`: deny set -> reject, allow set -> accept, else reject (counted). Every
+//!   packet a sandbox sends is checked, so a policy change applies to open connections too.
+//! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point).
+//! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
+
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+
+use super::policy::Element;
+use super::NetError;
+
+const FAMILY: &str = "inet";
+
+fn chain_name(addr: Ipv4Addr) -> String {
+    format!("sb_{:08x}", u32::from(addr))
+}
+
+fn set_name(kind: &str, addr: Ipv4Addr) -> String {
+    format!("{kind}_{:08x}", u32::from(addr))
+}
+
+fn meta(key: &str) -> Value {
+    json!({"meta": {"key": key}})
+}
+
+fn ip(field: &str) -> Value {
+    json!({"payload": {"protocol": "ip", "field": field}})
+}
+
+fn is(left: Value, right: Value) -> Value {
+    json!({"match": {"op": "==", "left": left, "right": right}})
+}
+
+fn is_not(left: Value, right: Value) -> Value {
+    json!({"match": {"op": "!=", "left": left, "right": right}})
+}
+
+fn prefix(net: Ipv4Addr, len: u8) -> Value {
+    json!({"prefix": {"addr": net.to_string(), "len": len}})
+}
+
+fn rule(table: &str, chain: &str, expr: Vec<Value>) -> Value {
+    json!({"add": {"rule": {"family": FAMILY, "table": table, "chain": chain, "expr": expr}}})
+}
+
+fn policy_key() -> Value {
+    json!({"concat": [ip("daddr"), meta("l4proto"), {"payload": {"protocol": "th", "field": "dport"}}]})
+}
+
+fn element(e: &Element) -> Value {
+    json!({"concat": [
+        {"range": [Ipv4Addr::from(e.addrs.0).to_string(), Ipv4Addr::from(e.addrs.1).to_string()]},
+        {"range": [e.protos.0, e.protos.1]},
+        {"range": [e.ports.0, e.ports.1]},
+    ]})
+}
+
+/// The whole table with no sandboxes in it, replacing whatever was there (atomically: the
+/// old rules hold until the new ones do).
+pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec<Value> {
+    let t = json!({"family": FAMILY, "name": table});
+    let base_chain = |name: &str, kind: &str, hook: &str, prio: i32| {
+        json!({"add": {"chain": {"family": FAMILY, "table": table, "name": name,
+            "type": kind, "hook": hook, "prio": prio, "policy": "accept"}}})
+    };
+    // A rule of `chain` for packets coming in from (or going out to) the bridge.
+    let on_bridge = |chain: &str, dir: &str, rest: Vec<Value>| {
+        let mut expr = vec![is(meta(dir), json!(bridge))];
+        expr.extend(rest);
+        rule(table, chain, expr)
+    };
+    let ct_replies = json!({"match": {"op": "in", "left": {"ct": {"key": "state"}},
+        "right": ["established", "related"]}});
+    let (counter, drop) = (json!({"counter": null}), json!({"drop": null}));
+    vec![
+        json!({"add": {"table": t}}),
+        json!({"delete": {"table": t}}),
+        json!({"add": {"table": t}}),
+        json!({"add": {"map": {"family": FAMILY, "table": table, "name": "sandboxes",
+            "type": "ipv4_addr", "map": "verdict"}}}),
+        base_chain("forward", "filter", "forward", 0),
+        on_bridge(
+            "forward",
+            "iifname",
+            vec![
+                is(ip("daddr"), prefix(pool.0, pool.1)),
+                counter.clone(),
+                drop.clone(),
+            ],
+        ),
+        on_bridge(
+            "forward",
+            "iifname",
+            vec![is(meta("nfproto"), json!("ipv6")), drop.clone()],
+        ),
+        on_bridge(
+            "forward",
+            "iifname",
+            vec![json!({"vmap": {"key": ip("saddr"), "data": "@sandboxes"}})],
+        ),
+        on_bridge("forward", "iifname", vec![drop.clone()]),
+        on_bridge(
+            "forward",
+            "oifname",
+            vec![ct_replies, json!({"accept": null})],
+        ),
+        on_bridge("forward", "oifname", vec![drop.clone()]),
+        base_chain("input", "filter", "input", 0),
+        on_bridge("input", "iifname", vec![counter, drop]),
+        base_chain("postrouting", "nat", "postrouting", 100),
+        rule(
+            table,
+            "postrouting",
+            vec![
+                is(ip("saddr"), prefix(pool.0, pool.1)),
+                is_not(meta("oifname"), json!(bridge)),
+                json!({"masquerade": null}),
+            ],
+        ),
+    ]
+}
+
+fn set_elements(op: &str, table: &str, name: &str, elements: &[Element]) -> Option<Value> {
+    (!elements.is_empty()).then(|| {
+        json!({op: {"element": {"family": FAMILY, "table": table, "name": name,
+            "elem": elements.iter().map(element).collect::<Vec<_>>()}}})
+    })
+}
+
+/// A sandbox's chain, its allow and deny sets, and its entry in the `sandboxes` map.
+pub(super) fn add_sandbox(
+    table: &str,
+    addr: Ipv4Addr,
+    allow: &[Element],
+    deny: &[Element],
+) -> Vec<Value> {
+    let chain = chain_name(addr);
+    let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
+    let mut cmds = Vec::new();
+    // Flushed after "add": whatever a sandbox that had this address left (a release that
+    // failed) must not become this one's policy.
+    for name in [&allow_set, &deny_set] {
+        cmds.push(
+            json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
+            "type": ["ipv4_addr", "inet_proto", "inet_service"], "flags": ["interval"]}}}),
+        );
+        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
+    }
+    cmds.extend(set_elements("add", table, &allow_set, allow));
+    cmds.extend(set_elements("add", table, &deny_set, deny));
+    cmds.push(json!({"add": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
+    cmds.push(json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
+    let reject = |set: Option<&str>| {
+        let mut tcp = Vec::new();
+        let mut other = Vec::new();
+        if let Some(set) = set {
+            tcp.push(is(policy_key(), json!(format!("@{set}"))));
+            other.push(is(policy_key(), json!(format!("@{set}"))));
+        }
+        // A reset ends the sandbox's side of a TCP connection at once (also one that a
+        // policy change just denied); the rest get "administratively prohibited".
+        tcp.extend([
+            is(meta("l4proto"), json!("tcp")),
+            json!({"counter": null}),
+            json!({"reject": {"type": "tcp reset"}}),
+        ]);
+        other.extend([
+            json!({"counter": null}),
+            json!({"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+        ]);
+        [rule(table, &chain, tcp), rule(table, &chain, other)]
+    };
+    cmds.extend(reject(Some(&deny_set)));
+    cmds.push(rule(
+        table,
+        &chain,
+        vec![
+            is(policy_key(), json!(format!("@{allow_set}"))),
+            json!({"accept": null}),
+        ],
+    ));
+    cmds.extend(reject(None));
+    cmds.push(
+        json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
+        "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
+    );
+    cmds
+}
+
+/// Replaces a sandbox's allow and deny sets in one transaction.
+pub(super) fn replace_policy(
+    table: &str,
+    addr: Ipv4Addr,
+    allow: &[Element],
+    deny: &[Element],
+) -> Vec<Value> {
+    let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
+    let mut cmds = Vec::new();
+    for name in [&allow_set, &deny_set] {
+        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
+    }
+    cmds.extend(set_elements("add", table, &allow_set, allow));
+    cmds.extend(set_elements("add", table, &deny_set, deny));
+    cmds
+}
+
+/// Removes a sandbox's map entry, chain and sets.
+pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr) -> Vec<Value> {
+    let mut cmds = vec![
+        json!({"delete": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
+            "elem": [addr.to_string()]}}}),
+    ];
+    cmds.extend(remove_sandbox_chain(table, addr));
+    cmds
+}
+
+/// Removes a sandbox's chain and sets (once nothing jumps to the chain).
+pub(super) fn remove_sandbox_chain(table: &str, addr: Ipv4Addr) -> Vec<Value> {
+    let chain = chain_name(addr);
+    let mut cmds = vec![
+        json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
+        json!({"delete": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
+    ];
+    for kind in ["allow", "deny"] {
+        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": set_name(kind, addr)}}}));
+    }
+    cmds
+}
+
+/// Deletes the table (nothing of it left is fine).
+pub(super) fn delete_table(table: &str) -> Vec<Value> {
+    let t = json!({"family": FAMILY, "name": table});
+    vec![
+        json!({"add": {"table": t}}),
+        json!({"delete": {"table": t}}),
+    ]
+}
+
+/// Packets each sandbox's chain rejected, by sandbox address (from the chains' counters).
+pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
+    let output = Command::new("nft")
+        .args(["-j", "list", "table", FAMILY, table])
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| NetError::Tool {
+            tool: "nft",
+            detail: e.to_string(),
+        })?;
+    let listing: Value = serde_json::from_slice(&output.stdout).map_err(|e| NetError::Tool {
+        tool: "nft",
+        detail: format!("unreadable listing of table {table}: {e}"),
+    })?;
+    let mut denied: std::collections::BTreeMap<Ipv4Addr, u64> = Default::default();
+    for item in listing["nftables"].as_array().into_iter().flatten() {
+        let rule = &item["rule"];
+        let Some(addr) = rule["chain"]
+            .as_str()
+            .and_then(|c| c.strip_prefix("sb_"))
+            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+            .map(Ipv4Addr::from)
+        else {
+            continue;
+        };
+        for expr in rule["expr"].as_array().into_iter().flatten() {
+            if let Some(packets) = expr["counter"]["packets"].as_u64() {
+                *denied.entry(addr).or_default() += packets;
+            }
+        }
+    }
+    Ok(denied.into_iter().collect())
+}
+
+/// Runs one transaction through `nft -j -f -`.
+pub(super) fn apply(commands: Vec<Value>) -> Result<(), NetError> {
+    let input = json!({"nftables": commands}).to_string();
+    let mut child = Command::new("nft")
+        .args(["-j", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| NetError::Tool {
+            tool: "nft",
+            detail: format!("cannot start it ({e}); install Debian's nftables package"),
+        })?;
+    // nft reads all of its input before it answers, so writing first cannot dead-lock.
+    let written = child
+        .stdin
+        .take()
+        .map(|mut stdin| stdin.write_all(input.as_bytes()));
+    let output = child.wait_with_output().map_err(|e| NetError::Tool {
+        tool: "nft",
+        detail: e.to_string(),
+    })?;
+    if !output.status.success() || !matches!(written, Some(Ok(()))) {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        return Err(NetError::Tool {
+            tool: "nft",
+            detail: stderr.trim().chars().take(2000).collect(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,645 @@
+//! Sandbox networking against a test internet of network namespaces this test creates: a
+//! "mirror" host (HTTP on 8080 and 8081, a plain TCP listener on 8082) and a "forbidden"
+//! host (HTTP on 8080 and 22), each behind its own veth to the host, on 198.18.0.0/15
+//! (the benchmarking range). A real daemon runs with its own bridge, pool and nftables
+//! table; everything (namespaces, veths, servers, table, bridge) is removed on drop, also
+//! when a test fails. Needs root, `ip`, `nft`, `conntrack` and busybox.
+
+mod daemon;
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use daemon::Daemon;
+use dsec_sdk::{Client, CreateSandboxRequest, ExecStart, NetworkPolicy};
+
+static NEXT: AtomicU32 = AtomicU32::new(1);
+
+fn sh(script: &str) -> String {
+    let out = Command::new("sh").args(["-c", script]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The test internet and the names of the daemon's network; all removed on drop.
+struct Internet {
+    bridge: String,
+    pool_prefix: String,
+    mirror: Ipv4Addr,
+    forbidden: Ipv4Addr,
+    /// The host's ends of the two links.
+    uplinks: [Ipv4Addr; 2],
+    netns: Vec<String>,
+    links: Vec<String>,
+    servers: Vec<Child>,
+    dir: PathBuf,
+}
+
+impl Internet {
+    fn new() -> Self {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}{n}", std::process::id() % 100_000);
+        let dir = std::env::temp_dir().join(format!("dsec-net-test-{tag}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("index.html"), "hello-mirror\n").unwrap();
+        let mut net = Self {
+            bridge: format!("dt{tag}"),
+            pool_prefix: format!("10.{}", 210 + n),
+            mirror: Ipv4Addr::new(198, 18, (n * 10 + 1) as u8, 2),
+            forbidden: Ipv4Addr::new(198, 18, (n * 10 + 2) as u8, 2),
+            uplinks: [
+                Ipv4Addr::new(198, 18, (n * 10 + 1) as u8, 1),
+                Ipv4Addr::new(198, 18, (n * 10 + 2) as u8, 1),
+            ],
+            netns: Vec::new(),
+            links: Vec::new(),
+            servers: Vec::new(),
+            dir,
+        };
+        for (role, host, uplink) in [
+            ("m", net.mirror, net.uplinks[0]),
+            ("f", net.forbidden, net.uplinks[1]),
+        ] {
+            let (ns, link) = (format!("dsect-{tag}-{role}"), format!("dt{tag}{role}"));
+            net.netns.push(ns.clone());
+            net.links.push(link.clone());
+            sh(&format!(
+                "ip netns add {ns} && ip link add {link} type veth peer name eth0 netns {ns} && \
+                 ip addr add {uplink}/24 dev {link} && ip link set {link} up && \
+                 ip -n {ns} addr add {host}/24 dev eth0 && ip -n {ns} link set eth0 up && \
+                 ip -n {ns} link set lo up"
+            ));
+        }
+        let www = net.dir.display().to_string();
+        let (mirror_ns, forbidden_ns) = (net.netns[0].clone(), net.netns[1].clone());
+        for (ns, args) in [
+            (&mirror_ns, vec!["httpd", "-f", "-p", "8080", "-h", &www]),
+            (&mirror_ns, vec!["httpd", "-f", "-p", "8081", "-h", &www]),
+            (&forbidden_ns, vec!["httpd", "-f", "-p", "8080", "-h", &www]),
+            (&forbidden_ns, vec!["httpd", "-f", "-p", "22", "-h", &www]),
+        ] {
+            net.spawn(ns, &args, None);
+        }
+        let held = std::fs::File::create(net.dir.join("held.txt")).unwrap();
+        // Its stdin never ends (an ended stdin would close the connection at once).
+        net.spawn(
+            &mirror_ns,
+            &["sh", "-c", "busybox sleep 60 | busybox nc -l -p 8082"],
+            Some(held),
+        );
+        // The servers are up once the host reaches them (bounded).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for target in [(net.mirror, 8080), (net.forbidden, 22)] {
+            while std::net::TcpStream::connect_timeout(&target.into(), Duration::from_millis(200))
+                .is_err()
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "test server {target:?} did not start"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        // The one-shot listener is checked without connecting to it.
+        while !sh(&format!(
+            "ip netns exec {mirror_ns} ss -Hltn 'sport = :8082'"
+        ))
+        .contains("8082")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the mirror's listener did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        net
+    }
+
+    fn spawn(&mut self, ns: &str, args: &[&str], stdout: Option<std::fs::File>) {
+        use std::os::unix::process::CommandExt;
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns, "busybox"])
+            .args(args)
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(stdout.map(Stdio::from).unwrap_or_else(Stdio::null))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.servers.push(child);
+    }
+
+    fn gateway(&self) -> Ipv4Addr {
+        format!("{}.0.1", self.pool_prefix).parse().unwrap()
+    }
+
+    /// Daemon arguments: this network, a named policy "mirror", the TCP API on the bridge.
+    fn daemon_args(&self, api_port: u16) -> Vec<String> {
+        let policies = self.dir.join("policies.json");
+        std::fs::write(
+            &policies,
+            format!(
+                r#"{{"mirror": {{"allow": ["tcp:{m}:8080", "tcp:{m}:8082"]}},
+                    "grading": {{"allow": ["tcp:{f}:22"]}}}}"#,
+                m = self.mirror,
+                f = self.forbidden
+            ),
+        )
+        .unwrap();
+        vec![
+            "--net-bridge".into(),
+            self.bridge.clone(),
+            "--net-pool".into(),
+            format!("{}.0.0/16", self.pool_prefix),
+            "--policies".into(),
+            policies.display().to_string(),
+            "--listen".into(),
+            format!("{}:{api_port}", self.gateway()),
+            // The mirror plays the resolver (reachable only where a policy allows it).
+            "--net-dns".into(),
+            self.mirror.to_string(),
+        ]
+    }
+
+    /// Host links on the bridge (sandboxes' veths).
+    fn veths(&self) -> Vec<String> {
+        std::fs::read_dir("/sys/class/net")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_link(e.path().join("master")).is_ok_and(|m| m.ends_with(&self.bridge))
+            })
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// Sandbox chains and map entries in the table.
+    fn rules(&self) -> (usize, String) {
+        let table = sh(&format!("nft list table inet {}", self.bridge));
+        let chains = table.matches("chain sb_").count();
+        let map = table
+            .split("map sandboxes")
+            .nth(1)
+            .and_then(|m| m.split('}').next())
+            .unwrap_or("")
+            .to_string();
+        (chains, map)
+    }
+
+    fn slots(&self) -> usize {
+        std::fs::read_dir(format!("/run/dsec-net/{}", self.bridge))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Internet {
+    fn drop(&mut self) {
+        for child in &mut self.servers {
+            // SAFETY: kill(2) on the process group of a server this test started.
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+        }
+        for ns in &self.netns {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+        for link in self.links.iter().chain([&self.bridge]) {
+            let _ = Command::new("ip")
+                .args(["link", "del", link])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", &self.bridge])
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(format!("/run/dsec-net/{}", self.bridge));
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn policy(allow: &[&str]) -> NetworkPolicy {
+    NetworkPolicy {
+        allow: allow.iter().map(|s| s.to_string()).collect(),
+        ..NetworkPolicy::default()
+    }
+}
+
+async fn create(client: &Client, network: NetworkPolicy) -> String {
+    client
+        .create(CreateSandboxRequest {
+            memory_mib: 64,
+            disk_mib: 16,
+            network: Some(network),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .id
+}
+
+/// Runs a shell script in the sandbox (as its root): exit code and stdout + stderr.
+async fn run(client: &Client, id: &str, script: &str) -> (i32, String) {
+    let start = ExecStart {
+        sandbox_id: id.into(),
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        timeout_ms: 20_000,
+        ..Default::default()
+    };
+    let out = client.exec_with(start, None, |_, _| {}).await.unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.code.unwrap_or(-1), text)
+}
+
+/// Whether a TCP connection from the sandbox to `addr:port` opens (1 s timeout).
+async fn reaches(client: &Client, id: &str, addr: Ipv4Addr, port: u16) -> bool {
+    let (code, _) = run(client, id, &format!("nc -w 1 {addr} {port} </dev/null")).await;
+    code == 0
+}
+
+async fn address_of(client: &Client, id: &str) -> Ipv4Addr {
+    let (code, out) = run(client, id, "ip -4 addr show dev eth0").await;
+    assert_eq!(code, 0, "{out}");
+    let inet = out
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no address on eth0: {out}"));
+    inet.split('/').next().unwrap().parse().unwrap()
+}
+
+fn host_addresses() -> Vec<Ipv4Addr> {
+    sh("ip -4 -o addr show scope global")
+        .lines()
+        .filter_map(|l| {
+            let inet = l.split_whitespace().skip_while(|w| *w != "inet").nth(1)?;
+            inet.split('/').next()?.parse().ok()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_are_enforced_against_a_test_internet() {
+    let net = Internet::new();
+    let api_port = free_port();
+    let args = net.daemon_args(api_port);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (daemon, client) = Daemon::start("net-policy", &args).await;
+    // The node API listens on the bridge's own address: the most tempting target.
+    std::net::TcpStream::connect((net.gateway(), api_port)).expect("the API listens");
+
+    let closed = create(&client, NetworkPolicy::default()).await;
+    let open = create(&client, policy(&["mirror"])).await;
+    let closed_addr = address_of(&client, &closed).await;
+    let open_addr = address_of(&client, &open).await;
+    assert!(closed_addr.to_string().starts_with(&net.pool_prefix));
+    assert_ne!(closed_addr, open_addr);
+    let (_, resolv) = run(
+        &client,
+        &closed,
+        "cat /etc/resolv.conf; stat -c %u /etc/resolv.conf",
+    )
+    .await;
+    assert_eq!(resolv, format!("nameserver {}\n0\n", net.mirror));
+    // Root in the sandbox cannot move its interface, address or route elsewhere.
+    for change in [
+        format!("ip addr add {}.0.99/16 dev eth0", net.pool_prefix),
+        "ip link set eth0 down".to_string(),
+        "ip route del default".to_string(),
+        "ip link add x type dummy".to_string(),
+    ] {
+        let (code, out) = run(&client, &closed, &change).await;
+        assert_ne!(code, 0, "{change} worked: {out}");
+    }
+    let (_, routes) = run(&client, &closed, "ip route").await;
+    assert!(
+        routes.contains(&format!("default via {}", net.gateway())),
+        "{routes}"
+    );
+
+    // No policy: nothing outside the sandbox.
+    for (addr, port) in [
+        (net.mirror, 8080),
+        (net.forbidden, 8080),
+        (net.forbidden, 22),
+    ] {
+        assert!(
+            !reaches(&client, &closed, addr, port).await,
+            "{addr}:{port} reached without a policy"
+        );
+    }
+    // The named policy: the mirror's 8080 and 8082, nothing else.
+    let (code, page) = run(
+        &client,
+        &open,
+        &format!(
+            "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {} 8080",
+            net.mirror
+        ),
+    )
+    .await;
+    assert!(code == 0 && page.contains("hello-mirror"), "{code}: {page}");
+    assert!(!reaches(&client, &open, net.mirror, 8081).await);
+    assert!(!reaches(&client, &open, net.forbidden, 8080).await);
+    assert!(!reaches(&client, &open, net.forbidden, 22).await);
+    // Those refused attempts are counted per sandbox.
+    let metrics = sh(&format!("curl -sf http://{}/metrics", daemon.metrics));
+    let denied = |id: &str| -> u64 {
+        let line = format!("dsec_sandbox_network_denied_packets_total{{sandbox=\"{id}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no denied count for {id} in {metrics}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(denied(&open) >= 3, "{metrics}");
+    assert!(denied(&closed) >= 3, "{metrics}");
+
+    // A scan, as root in the sandbox, of the node's addresses, the bridge, the other
+    // sandbox and the forbidden host finds only what the policy allows (the mirror's 8080,
+    // included so that the scan is known to see open ports).
+    let mut targets = vec![net.gateway(), closed_addr, net.forbidden, net.mirror];
+    targets.extend(net.uplinks);
+    targets.extend(host_addresses());
+    targets.sort();
+    targets.dedup();
+    let ports = [
+        22,
+        53,
+        80,
+        443,
+        8080,
+        8081,
+        api_port,
+        daemon.http.port(),
+        daemon.metrics.port(),
+        7070,
+        7080,
+        9464,
+    ];
+    let mut script = String::new();
+    for t in &targets {
+        for p in ports {
+            script.push_str(&format!(
+                "(nc -w 1 {t} {p} </dev/null >/dev/null 2>&1 && echo OPEN {t}:{p}) &\n"
+            ));
+        }
+    }
+    script.push_str("wait\n");
+    let started = Instant::now();
+    let (_, found) = run(&client, &open, &script).await;
+    let mut found: Vec<&str> = found.lines().filter(|l| l.starts_with("OPEN")).collect();
+    found.sort();
+    assert_eq!(
+        found,
+        vec![format!("OPEN {}:8080", net.mirror)],
+        "scan of {targets:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+
+    // Another sandbox is never reachable, even when a policy allows the whole pool.
+    let (code, out) = run(&client, &closed, "httpd -p 9000 -h /").await;
+    assert_eq!(code, 0, "{out}");
+    assert!(reaches(&client, &closed, Ipv4Addr::LOCALHOST, 9000).await);
+    client
+        .set_network_policy(
+            &open,
+            NetworkPolicy {
+                allow_internet: true,
+                allow: vec![format!("{}.0.0/16", net.pool_prefix), "mirror".into()],
+                deny: vec![format!("tcp:{}:8081", net.mirror)],
+            },
+        )
+        .await
+        .unwrap();
+    assert!(!reaches(&client, &open, closed_addr, 9000).await);
+    assert!(!reaches(&client, &open, net.gateway(), api_port).await);
+    // allow_internet opened the forbidden host; the deny rule still wins for 8081.
+    assert!(reaches(&client, &open, net.forbidden, 22).await);
+    assert!(!reaches(&client, &open, net.mirror, 8081).await);
+
+    // Live change from allow to deny cuts an open connection: the sandbox writes a line
+    // every 100 ms for 4 s to the mirror's listener; after the change its next write is
+    // answered with a reset and the writer ends long before its 4 s.
+    client
+        .set_network_policy(&open, policy(&["mirror"]))
+        .await
+        .unwrap();
+    let writer = {
+        let (client, id, mirror) = (client.clone(), open.clone(), net.mirror);
+        tokio::spawn(async move {
+            run(
+                &client,
+                &id,
+                &format!(
+                    "i=0; while [ $i -lt 40 ]; do echo ping$i; i=$((i+1)); sleep 0.1; done \
+                     | nc {mirror} 8082; echo nc-exit=$?"
+                ),
+            )
+            .await
+        })
+    };
+    let held = net.dir.join("held.txt");
+    let lines = || {
+        std::fs::read_to_string(&held)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while lines() < 3 {
+        if writer.is_finished() {
+            let out = writer.await.unwrap();
+            panic!("the writer ended before the change: {out:?}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the held connection never carried data"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let changed = Instant::now();
+    client
+        .set_network_policy(&open, NetworkPolicy::default())
+        .await
+        .unwrap();
+    let applied = changed.elapsed();
+    let at_change = lines();
+    let (_, out) = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the writer was not cut")
+        .unwrap();
+    let cut_after = changed.elapsed();
+    assert!(
+        cut_after < Duration::from_millis(2500),
+        "the connection lived {cut_after:?} after the change: {out}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        lines() <= at_change + 1,
+        "data passed after the change: {} -> {}",
+        at_change,
+        lines()
+    );
+    assert!(!reaches(&client, &open, net.mirror, 8080).await);
+    println!("policy change applied in {applied:?}, connection cut {cut_after:?} after it");
+
+    // Bad input is INVALID_ARGUMENT with a message naming the problem.
+    let huge: Vec<String> = (0..100_000)
+        .map(|i| format!("10.{}.{}.0/24", i / 256 % 256, i % 256))
+        .collect();
+    for (allow, needle) in [
+        (vec!["10.0.0.1/8".to_string()], "host bits"),
+        (vec!["10.0.0.0/40".to_string()], "0-32"),
+        (vec!["tcp:1.2.3.4:70000".to_string()], "1-65535"),
+        (vec!["tcp:1.2.3.4:0".to_string()], "1-65535"),
+        (vec!["nosuch".to_string()], "unknown named network policy"),
+        (huge, "at most 4096"),
+    ] {
+        let network = NetworkPolicy {
+            allow,
+            ..NetworkPolicy::default()
+        };
+        let err = client
+            .create(CreateSandboxRequest {
+                network: Some(network.clone()),
+                ..Default::default()
+            })
+            .await
+            .expect_err("a bad policy was accepted");
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+        let err = client
+            .set_network_policy(&open, network)
+            .await
+            .expect_err("a bad policy was accepted");
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+    }
+    assert_eq!(client.list(Default::default()).await.unwrap().len(), 2);
+
+    daemon.stop(client).await;
+    // A clean stop with no sandbox left removes the bridge and the table.
+    assert!(!std::path::Path::new("/sys/class/net")
+        .join(&net.bridge)
+        .exists());
+    assert!(Command::new("nft")
+        .args(["list", "table", "inet", &net.bridge])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| !s.success()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_delete_and_adoption_leak_nothing() {
+    // Per-create network setup times come from the daemon's debug log.
+    std::env::set_var("DSEC_LOG", "info,dsec_edge::backend::container=debug");
+    let net = Internet::new();
+    let args = net.daemon_args(free_port());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (mut daemon, mut client) = Daemon::start("net-leaks", &args).await;
+    const CYCLES: usize = 200;
+    let mut creates = Vec::with_capacity(CYCLES);
+    let started = Instant::now();
+    for i in 0..CYCLES {
+        let network = if i % 10 == 0 {
+            policy(&["mirror", "tcp:198.18.0.0/15:1-1024"])
+        } else {
+            NetworkPolicy::default()
+        };
+        let t = Instant::now();
+        let id = create(&client, network).await;
+        creates.push(t.elapsed());
+        client.delete(&id).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "cycles too slow"
+        );
+    }
+    assert_eq!(net.veths(), Vec::<String>::new(), "veths left");
+    assert_eq!(net.slots(), 0, "addresses left");
+    let (chains, map) = net.rules();
+    assert_eq!(chains, 0, "sandbox chains left");
+    assert!(!map.contains(&net.pool_prefix), "map entries left: {map}");
+    // "network attached setup_us=N added_us=M" (tracing's colours stripped).
+    let log = daemon.log();
+    let field = |name: &str| -> Vec<u64> {
+        let mut values: Vec<u64> = log
+            .lines()
+            .filter(|l| l.contains("network attached"))
+            .filter_map(|l| {
+                let plain: String = l
+                    .split('\x1b')
+                    .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
+                    .collect();
+                let value = plain.split(&format!("{name}=")).nth(1)?;
+                value
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        values.sort_unstable();
+        values
+    };
+    let (setup, added) = (field("setup_us"), field("added_us"));
+    creates.sort_unstable();
+    assert_eq!(setup.len(), CYCLES, "network setup times in the log");
+    println!(
+        "network setup over {CYCLES} creates: p50 {} us, p90 {} us; added to the create \
+         (still running when the agent answered): p50 {} us, p90 {} us; create p50 {:?}, p90 {:?}",
+        setup[CYCLES / 2],
+        setup[CYCLES * 9 / 10],
+        added[CYCLES / 2],
+        added[CYCLES * 9 / 10],
+        creates[CYCLES / 2],
+        creates[CYCLES * 9 / 10]
+    );
+
+    // Adoption: a daemon killed with two sandboxes; one's record is lost (as if the daemon
+    // died while creating it). The restarted daemon keeps the other one's network and
+    // policy and frees everything of the lost one.
+    let kept = create(&client, policy(&["mirror"])).await;
+    let lost = create(&client, NetworkPolicy::default()).await;
+    assert_eq!(net.veths().len(), 2);
+    daemon.kill9();
+    std::fs::remove_file(daemon.state.join("sandboxes").join(&lost).join("meta.json")).unwrap();
+    client = daemon.restart().await;
+    let ids: Vec<String> = client
+        .list(Default::default())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(ids, vec![kept.clone()]);
+    assert_eq!(net.veths().len(), 1, "the lost sandbox's veth is left");
+    assert_eq!(net.slots(), 1);
+    assert_eq!(net.rules().0, 1);
+    assert!(reaches(&client, &kept, net.mirror, 8080).await);
+    assert!(!reaches(&client, &kept, net.mirror, 8081).await);
+    client.delete(&kept).await.unwrap();
+    assert_eq!(net.veths(), Vec::<String>::new());
+    assert_eq!((net.slots(), net.rules().0), (0, 0));
+    daemon.stop(client).await;
+}

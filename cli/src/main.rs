@@ -111,6 +111,10 @@ enum Command {
         /// token (repeatable; see `dsec port-public`).
         #[arg(long = "public-port", value_name = "PORT")]
         public_ports: Vec<u32>,
+        /// microVM: boot the kernel for real instead of restoring the image's template
+        /// snapshot (the default).
+        #[arg(long)]
+        cold: bool,
     },
     /// List sandboxes (optionally only those with all the given labels).
     Ls {
@@ -428,6 +432,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     labels,
                     count,
                     public_ports,
+                    cold,
                 } => {
                     let opts = node::CreateOpts {
                         backend,
@@ -441,6 +446,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         labels,
                         count,
                         public_ports,
+                        cold,
                     };
                     node::create(&c, opts, json).await.map(|()| 0)
                 }

@@ -113,6 +113,8 @@ pub struct CreateOpts {
     pub labels: Vec<String>,
     pub count: usize,
     pub public_ports: Vec<u32>,
+    /// microVM: a real boot, not a template restore.
+    pub cold: bool,
 }
 
 pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), NodeError> {
@@ -137,6 +139,7 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
         idle_timeout_seconds: o.idle_timeout,
         labels: parse_labels(&o.labels)?,
         public_ports: o.public_ports,
+        cold: o.cold,
         ..Default::default()
     };
     let mut tasks = Vec::new();

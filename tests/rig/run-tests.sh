@@ -16,6 +16,10 @@
 #                   client: create, exec, cp both ways, a session, pause/resume, the HTTP entry
 #                   point (with the sandbox's token; refused without), fork, adoption by a restarted daemon, delete with nothing left;
 #                   every VMM jailed (checked)
+#   9. node-templates: template snapshots (built once, restored by creates: own entropy,
+#                   host clock; create -> first exec template vs --cold), pause that ends the
+#                   VMM and resume (three cycles, files and a process kept; across a kill -9
+#                   of the daemon), a corrupted template falls back to a cold boot
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
@@ -100,6 +104,13 @@ fi
 echo "==> rig node-microvm (the node daemon's API on microVMs through the dsec CLI, in L1)"
 if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/node-microvm.sh" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
+        || failed=$((failed + 1))
+fi
+echo "==> rig node-templates (template snapshots and pause to disk through the daemon, in L1)"
+if ((${#missing[@]} == 0)); then
+    "$HERE/rig.sh" run "$HERE/tests/node-templates.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
         || failed=$((failed + 1))

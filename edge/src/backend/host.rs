@@ -185,6 +185,15 @@ impl SandboxHandle {
     /// Kills the sandbox's process, waits until it is gone (reaping it when it is our
     /// child) and removes the sandbox directory. Blocking.
     pub fn teardown(&self) -> Result<()> {
+        self.kill_process()?;
+        remove_if_empty(self.snapshot_dir.as_deref());
+        remove_jail_root(self.jail_root.as_deref());
+        remove_sandbox_dir(&self.dir)
+    }
+
+    /// Kills the sandbox's process (a VMM's whole process group) and waits until it is gone,
+    /// reaping it when it is our child. Blocking.
+    pub fn kill_process(&self) -> Result<()> {
         let pid = Pid::from_raw(self.pid);
         if proc_stat(self.pid).is_some_and(|(_, start)| start == self.pid_start) {
             if self.backend == BackendKind::MicroVm.as_str() {
@@ -216,9 +225,7 @@ impl SandboxHandle {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        remove_if_empty(self.snapshot_dir.as_deref());
-        remove_jail_root(self.jail_root.as_deref());
-        remove_sandbox_dir(&self.dir)
+        Ok(())
     }
 }
 

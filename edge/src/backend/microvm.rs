@@ -6,9 +6,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use dsec_vmm_api::launch::Exposure;
+use dsec_vmm_api::launch::LazyLaunch;
 use dsec_vmm_api::{DriveConfig, JailLaunch, RestoreLaunch, VmConfig, VmmLaunch};
 
-use super::host::{HostResources, Runtime};
+use super::host::{HostResources, Runtime, SandboxHandle};
 use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 use crate::error::{EdgeError, Result};
 use crate::kvm::KvmStatus;
@@ -64,77 +65,183 @@ impl VmmJail {
     }
 }
 
-pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandbox> {
-    let kernel = spec
-        .kernel
-        .clone()
-        .unwrap_or_else(|| config.artifacts.kernel.clone());
-    let initrd = spec
-        .initrd
-        .clone()
-        .unwrap_or_else(|| config.artifacts.initramfs.clone());
-    if !kernel.is_file() {
-        return Err(EdgeError::MissingArtifact {
-            what: "guest kernel",
-            path: kernel,
-            hint: "build it with guest-kernel/build.sh, or pass --kernel",
-        });
-    }
-    if !initrd.is_file() {
-        return Err(EdgeError::MissingArtifact {
-            what: "initramfs",
-            path: initrd,
-            hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
-        });
-    }
-    if let Some(root) = &spec.root_disk {
-        if !root.is_file() {
+/// What a microVM of a spec boots: its checked files and shape. The template key of the
+/// node's template snapshots is made of exactly these (plus the VMM binary).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MicroVmImage {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub root_disk: Option<PathBuf>,
+    /// Size of the writable upper disk (disk images only).
+    pub upper_mib: Option<u32>,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub cmdline: String,
+}
+
+impl MicroVmImage {
+    /// Checks that `spec`'s kernel, initramfs and root disk exist and that microVMs can run
+    /// here.
+    pub fn of(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Self> {
+        let kernel = spec
+            .kernel
+            .clone()
+            .unwrap_or_else(|| config.artifacts.kernel.clone());
+        let initrd = spec
+            .initrd
+            .clone()
+            .unwrap_or_else(|| config.artifacts.initramfs.clone());
+        if !kernel.is_file() {
             return Err(EdgeError::MissingArtifact {
-                what: "root disk image",
-                path: root.clone(),
-                hint: "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
+                what: "guest kernel",
+                path: kernel,
+                hint: "build it with guest-kernel/build.sh, or pass --kernel",
             });
         }
-        check_drive_path(root)?;
+        if !initrd.is_file() {
+            return Err(EdgeError::MissingArtifact {
+                what: "initramfs",
+                path: initrd,
+                hint: "build it with `guest-agent/mkinitramfs.sh --install`, or pass --initrd",
+            });
+        }
+        if let Some(root) = &spec.root_disk {
+            if !root.is_file() {
+                return Err(EdgeError::MissingArtifact {
+                    what: "root disk image",
+                    path: root.clone(),
+                    hint: "build it with `images/debian/build.sh --install` (./setup.sh runs it)",
+                });
+            }
+            check_drive_path(root)?;
+        }
+        let kvm = KvmStatus::detect();
+        if let Some(reason) = kvm.why_not_microvm() {
+            return Err(EdgeError::BackendUnavailable {
+                backend: "microvm",
+                reason: format!("{reason}; use --backend container (or auto)"),
+            });
+        }
+        let vcpus = u8::try_from(spec.vcpus).map_err(|_| {
+            EdgeError::InvalidSpec(format!(
+                "{} vCPUs: a microVM takes at most {}",
+                spec.vcpus,
+                dsec_vmm_api::config::MAX_VCPUS
+            ))
+        })?;
+        let mut cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
+        if spec.root_disk.is_some() {
+            // Read by the agent from /proc/cmdline (dotted words never reach init's argv).
+            cmdline.push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
+        }
+        if let Some(extra) = &spec.extra_cmdline {
+            cmdline.push(' ');
+            cmdline.push_str(extra);
+        }
+        Ok(MicroVmImage {
+            kernel,
+            initrd,
+            upper_mib: spec
+                .root_disk
+                .is_some()
+                .then(|| spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB)),
+            root_disk: spec.root_disk.clone(),
+            vcpus,
+            mem_mib: u64::from(spec.mem_mib),
+            cmdline,
+        })
     }
-    let kvm = KvmStatus::detect();
-    if let Some(reason) = kvm.why_not_microvm() {
-        return Err(EdgeError::BackendUnavailable {
-            backend: "microvm",
-            reason: format!("{reason}; use --backend container (or auto)"),
-        });
+
+    /// Makes the upper disk (disk images) in `dir` and the VM's configuration.
+    async fn boot_config(&self, dir: &Path) -> Result<VmConfig> {
+        let mut vm = VmConfig::new(&self.kernel);
+        vm.initrd = Some(self.initrd.clone());
+        vm.cmdline = self.cmdline.clone();
+        vm.vcpus = self.vcpus;
+        vm.mem_mib = self.mem_mib;
+        if let (Some(root), Some(mib)) = (&self.root_disk, self.upper_mib) {
+            let upper = dir.join("upper.ext4");
+            make_upper_disk(&upper, mib).await?;
+            vm.drives = root_and_upper(root, upper);
+        }
+        Ok(vm)
     }
-    let vcpus = u8::try_from(spec.vcpus).map_err(|_| {
-        EdgeError::InvalidSpec(format!(
-            "{} vCPUs: a microVM takes at most {}",
-            spec.vcpus,
-            dsec_vmm_api::config::MAX_VCPUS
-        ))
-    })?;
+}
+
+pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sandbox> {
+    let image = MicroVmImage::of(config, spec)?;
     let options = spawn_options(config, spec)?;
     let id = spec
         .id
         .clone()
         .unwrap_or_else(|| new_sandbox_id(BackendKind::MicroVm));
     let host = HostResources::create(config, &id)?;
-    let mut vm = VmConfig::new(&kernel);
-    vm.initrd = Some(initrd);
-    vm.cmdline = String::from("console=ttyS0 reboot=k panic=-1 quiet");
-    vm.vcpus = vcpus;
-    vm.mem_mib = u64::from(spec.mem_mib);
-    if let Some(root) = &spec.root_disk {
-        let upper = host.dir.join("upper.ext4");
-        make_upper_disk(&upper, spec.disk_mib.unwrap_or(DEFAULT_UPPER_DISK_MIB)).await?;
-        vm.drives = root_and_upper(root, upper);
-        // Read by the agent from /proc/cmdline (dotted words never reach init's argv).
-        vm.cmdline
-            .push_str(" dsec.root=/dev/vda dsec.upper=/dev/vdb");
-    }
-    if let Some(extra) = &spec.extra_cmdline {
-        vm.cmdline.push(' ');
-        vm.cmdline.push_str(extra);
-    }
+    let vm = image.boot_config(&host.dir).await?;
     start(config, host, VmmLaunch::boot(vm), &options, id, spec).await
+}
+
+/// Boots `image` once as `id` (a scratch sandbox without cgroups), snapshots it paused at
+/// agent-ready and moves the snapshot to `<out>/snapshot` and, on a disk image, its upper
+/// disk to `<out>/upper.ext4`. The VMM is gone afterwards; `out` must exist.
+pub async fn build_template(
+    config: &EdgeConfig,
+    spec: &SandboxSpec,
+    id: &str,
+    out: &Path,
+) -> Result<()> {
+    let image = MicroVmImage::of(config, spec)?;
+    let options = SpawnOptions::find(config.vmm_bin.as_deref())?;
+    let host = HostResources::create(config, id)?;
+    let vm = image.boot_config(&host.dir).await?;
+    let mut sandbox = start(
+        config,
+        host,
+        VmmLaunch::boot(vm),
+        &options,
+        id.to_string(),
+        spec,
+    )
+    .await?;
+    let host = &mut sandbox.host;
+    let snapshot = host
+        .snapshot_dir
+        .clone()
+        .unwrap_or_else(|| host.dir.clone())
+        .join("template");
+    // Paused, and never resumed: the guest must not write its disk after the snapshot.
+    let control = MicroVmDir::new(&host.dir).control();
+    crate::microvm::control_call::<dsec_vmm_api::control::Done>(
+        control.clone(),
+        dsec_vmm_api::Request::Pause,
+    )
+    .await?;
+    crate::microvm::control_call::<dsec_vmm_api::control::SnapshotReply>(
+        control,
+        dsec_vmm_api::Request::Snapshot {
+            path: snapshot.clone(),
+            diff: false,
+        },
+    )
+    .await?;
+    let (dir, out) = (host.dir.clone(), out.to_path_buf());
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let rename = |from: &Path, to: &Path| {
+            std::fs::rename(from, to).map_err(|e| {
+                EdgeError::io(format!("move {} to {}", from.display(), to.display()), e)
+            })
+        };
+        rename(&snapshot, &out.join("snapshot"))?;
+        let upper = dir.join("upper.ext4");
+        if upper.exists() {
+            rename(&upper, &out.join("upper.ext4"))?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| EdgeError::Protocol(format!("template move task failed: {e}")))??;
+    // Dropping the sandbox kills the VMM and removes its directory.
+    drop(sandbox);
+    Ok(())
 }
 
 /// The image's read-only root disk and the sandbox's own writable upper disk.
@@ -260,28 +367,69 @@ async fn make_upper_disk(path: &Path, mib: u32) -> Result<()> {
     Ok(())
 }
 
+/// Where a restored sandbox's own upper disk comes from (disk images).
+#[derive(Clone, Copy, Debug)]
+pub enum UpperDisk<'a> {
+    /// A copy made for it (a fork child's), moved into its directory.
+    Move(&'a Path),
+    /// A template's disk, copied (holes kept) into its directory.
+    Copy(&'a Path),
+}
+
+/// How guest memory comes back from a snapshot's memory file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryRestore {
+    /// MAP_PRIVATE over the file: pages come from the page cache on first touch, shared by
+    /// every VM restored from the same file until written.
+    Private,
+    /// userfaultfd: the VMM fills pages as they fault, prefetching the recorded working set.
+    Lazy,
+}
+
+impl MemoryRestore {
+    fn lazy_launch(self) -> Option<LazyLaunch> {
+        (self == MemoryRestore::Lazy).then_some(LazyLaunch {
+            prefetch: true,
+            record_working_set_ms: None,
+        })
+    }
+}
+
 /// Restores a microVM from a snapshot directory written by the VMM (`{"op":"snapshot"}`),
-/// with its own vsock socket and context id, and waits until its agent answers. A sandbox on
-/// a disk image gets `upper`, its own copy of the parent's upper disk (moved into its
-/// directory), in place of the disk the snapshot names.
+/// with its own vsock socket and context id, and waits until its agent answers (refreshed:
+/// entropy, clock). A sandbox on a disk image gets its own upper disk in place of the disk
+/// the snapshot names.
 pub async fn restore_microvm(
     config: &EdgeConfig,
     snapshot: &Path,
     id: &str,
     vsock_cid: u64,
     spec: &SandboxSpec,
-    upper: Option<&Path>,
+    upper: Option<UpperDisk<'_>>,
+    memory: MemoryRestore,
 ) -> Result<Sandbox> {
     let options = spawn_options(config, spec)?;
     let host = HostResources::create(config, id)?;
     let mut restore = RestoreLaunch::new(snapshot);
+    restore.lazy = memory.lazy_launch();
     restore.overrides.vsock_cid = Some(vsock_cid);
     if let (Some(root), Some(upper)) = (&spec.root_disk, upper) {
         check_drive_path(root)?;
         let own = host.dir.join("upper.ext4");
-        std::fs::rename(upper, &own).map_err(|e| {
-            EdgeError::io(format!("move {} to {}", upper.display(), own.display()), e)
-        })?;
+        match upper {
+            UpperDisk::Move(from) => std::fs::rename(from, &own).map_err(|e| {
+                EdgeError::io(format!("move {} to {}", from.display(), own.display()), e)
+            })?,
+            UpperDisk::Copy(from) => {
+                let (from, to) = (from.to_path_buf(), own.clone());
+                tokio::task::spawn_blocking(move || copy_sparse(&from, &to))
+                    .await
+                    .map_err(|e| EdgeError::Protocol(format!("disk copy task failed: {e}")))?
+                    .map_err(|e| {
+                        EdgeError::io(format!("copy the upper disk to {}", own.display()), e)
+                    })?
+            }
+        }
         restore.overrides.drives = root_and_upper(root, own);
     }
     start(
@@ -293,6 +441,69 @@ pub async fn restore_microvm(
         spec,
     )
     .await
+}
+
+/// Brings back a sandbox whose VMM was ended after a snapshot (pause that frees memory):
+/// a restore of `snapshot` (MAP_PRIVATE: pages come in as the guest touches them; in the rig
+/// it reached the first exec 2-3x sooner than userfaultfd) in its own directory, so it keeps its id, vsock socket,
+/// context id and disks, jailed like before and in `cgroup_procs`. Returns the new VMM's pid
+/// and its refreshed agent; on failure nothing runs and the snapshot is untouched.
+pub async fn resume_microvm(
+    config: &EdgeConfig,
+    handle: &SandboxHandle,
+    snapshot: &Path,
+    cgroup_procs: Vec<PathBuf>,
+    timeout: std::time::Duration,
+) -> Result<(u32, crate::AgentClient)> {
+    let mut options = SpawnOptions::find(config.vmm_bin.as_deref())?;
+    options.cgroup_procs = cgroup_procs;
+    let mut launch = VmmLaunch::restore(RestoreLaunch::new(snapshot));
+    if let (Some(jail), Some(snapshots)) = (&config.jail, &handle.snapshot_dir) {
+        launch.jail = Some(jail.launch(&handle.id, snapshots));
+    }
+    let dir = MicroVmDir::new(&handle.dir);
+    // The ended VMM's sockets: the wait must not find the old vsock path.
+    let _ = std::fs::remove_file(dir.vsock());
+    let _ = std::fs::remove_file(dir.api_sock());
+    let vm = MicroVm::spawn(&options, &dir, launch)?
+        .ready(timeout)
+        .await?;
+    let agent = vm.agent().clone();
+    Ok((vm.detach(), agent))
+}
+
+/// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
+/// 1 GiB upper disk holds a few MiB of ext4 metadata).
+pub fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::unix::fs::FileExt;
+    let from = std::fs::File::open(src)?;
+    let len = from.metadata()?.len() as i64;
+    let to = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)?;
+    to.set_len(len as u64)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0i64;
+    while pos < len {
+        let data = match lseek(&from, pos, Whence::SeekData) {
+            Ok(d) => d,
+            // No data after pos: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let hole = lseek(&from, data, Whence::SeekHole)?.min(len);
+        let mut at = data;
+        while at < hole {
+            let n = ((hole - at) as usize).min(buf.len());
+            from.read_exact_at(&mut buf[..n], at as u64)?;
+            to.write_all_at(&buf[..n], at as u64)?;
+            at += n as i64;
+        }
+        pos = hole;
+    }
+    to.sync_all()
 }
 
 #[cfg(test)]
@@ -329,6 +540,30 @@ mod tests {
             }]
         );
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn sparse_copies_keep_data_and_holes() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let dir = std::env::temp_dir().join(format!("dsec-sparse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (src, dst) = (dir.join("a.img"), dir.join("b.img"));
+        let f = std::fs::File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(b"head", 0).unwrap();
+        f.write_all_at(&vec![7u8; 3 << 20], 20 << 20).unwrap();
+        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        let blocks = std::fs::metadata(&dst).unwrap().blocks() * 512;
+        assert!(
+            blocks < 8 << 20,
+            "copy allocates {blocks} bytes of a 64 MiB file"
+        );
+        // Never overwrites.
+        assert!(copy_sparse(&src, &dst).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]

@@ -58,7 +58,7 @@ impl Default for SandboxSpec {
 }
 
 impl SandboxSpec {
-    pub(super) fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.vcpus == 0 {
             return Err(EdgeError::InvalidSpec("vcpus must be at least 1".into()));
         }

@@ -31,7 +31,7 @@ impl Node {
                 .and_then(|d| serde_json::from_slice(&d).ok());
             match record {
                 Some(mut record)
-                    if record.handle.is_alive()
+                    if record.is_alive()
                         && record
                             .image_mount
                             .as_ref()

@@ -37,6 +37,8 @@ pub struct Plan {
     pub request_id: String,
     /// Ports open without the access token.
     pub public_ports: std::collections::BTreeSet<u16>,
+    /// microVM: a real boot instead of a restore of the image's template snapshot.
+    pub cold: bool,
 }
 
 impl Plan {
@@ -60,14 +62,19 @@ impl Plan {
         if self.allow_internet || !self.allow.is_empty() || !self.deny.is_empty() {
             spec["network"] = serde_json::json!([self.allow_internet, self.allow, self.deny]);
         }
-        // FNV-1a: stable across builds (records outlive the daemon binary).
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in spec.to_string().bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        format!("{hash:016x}")
+        fnv1a_hex(&spec.to_string())
     }
+}
+
+/// FNV-1a of `text` in hex: stable across builds (records and templates outlive the daemon
+/// binary).
+pub(super) fn fnv1a_hex(text: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in text.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{hash:016x}")
 }
 
 /// Where a sandbox's image files are, resolved once per create.
@@ -314,6 +321,12 @@ impl Node {
             Ok(_) => {
                 self.metrics.creates_total.fetch_add(1, Ordering::Relaxed);
                 self.metrics.observe_create(started.elapsed());
+                tracing::info!(
+                    sandbox = %id,
+                    cold = plan.request.cold,
+                    ms = started.elapsed().as_millis() as u64,
+                    "create done"
+                );
             }
             Err(err) => {
                 self.metrics
@@ -344,7 +357,11 @@ impl Node {
             ImagePlan::MicroVm { .. } => None,
         };
         let spec = plan.spec(id, &pending.cgroups, rootfs, self.config.ready_timeout);
-        let sandbox = Sandbox::create(request.kind, &self.edge, &spec).await?;
+        let sandbox = if request.kind == BackendKind::MicroVm && !request.cold {
+            self.create_from_template(&spec).await?
+        } else {
+            Sandbox::create(request.kind, &self.edge, &spec).await?
+        };
         let client = sandbox.agent().clone();
         let handle = sandbox.detach();
         let now = now_ms();
@@ -380,6 +397,7 @@ impl Node {
             access_token: new_access_token(),
             public_ports: request.public_ports.clone(),
             image_mount: pending.image_mount.clone(),
+            suspended: None,
         };
         self.register(record, client, pending).await
     }

@@ -13,6 +13,7 @@ use super::error::NodeError;
 use super::node::Node;
 use super::record::{new_access_token, now_ms, Entry, Record};
 use super::vmm_control;
+use crate::backend::microvm::{copy_sparse, MemoryRestore, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind};
 
 impl Node {
@@ -133,6 +134,7 @@ impl Node {
                 network: Default::default(),
                 request_id: String::new(),
                 public_ports: parent.public_ports.clone(),
+                cold: false,
             };
             // The parent's image and memory cgroup limit, as it was created with.
             let plan = CreatePlan {
@@ -153,7 +155,8 @@ impl Node {
                 &child_id,
                 cid,
                 &spec,
-                upper.as_deref(),
+                upper.as_deref().map(UpperDisk::Move),
+                MemoryRestore::Private,
             )
             .await;
             let sandbox = match restored {
@@ -190,46 +193,13 @@ impl Node {
                 access_token: new_access_token(),
                 public_ports: plan.request.public_ports.clone(),
                 image_mount: None,
+                suspended: None,
             };
             children.push(self.register(record, client, pending).await?);
         }
         let _ = std::fs::remove_dir_all(&snapshot);
         Ok(children)
     }
-}
-
-/// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
-/// 1 GiB upper disk holds a few MiB of ext4 metadata).
-fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
-    use nix::unistd::{lseek, Whence};
-    use std::os::unix::fs::FileExt;
-    let from = std::fs::File::open(src)?;
-    let len = from.metadata()?.len() as i64;
-    let to = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(dst)?;
-    to.set_len(len as u64)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut pos = 0i64;
-    while pos < len {
-        let data = match lseek(&from, pos, Whence::SeekData) {
-            Ok(d) => d,
-            // No data after pos: the rest is a hole.
-            Err(nix::errno::Errno::ENXIO) => break,
-            Err(e) => return Err(e.into()),
-        };
-        let hole = lseek(&from, data, Whence::SeekHole)?.min(len);
-        let mut at = data;
-        while at < hole {
-            let n = ((hole - at) as usize).min(buf.len());
-            from.read_exact_at(&mut buf[..n], at as u64)?;
-            to.write_all_at(&buf[..n], at as u64)?;
-            at += n as i64;
-        }
-        pos = hole;
-    }
-    to.sync_all()
 }
 
 /// Where a snapshot of sandbox `id` goes: `requested`, or a new directory under the
@@ -271,30 +241,6 @@ fn snapshot_path(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sparse_copies_keep_data_and_holes() {
-        use std::os::unix::fs::{FileExt, MetadataExt};
-        let dir = std::env::temp_dir().join(format!("dsec-sparse-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (src, dst) = (dir.join("a.img"), dir.join("b.img"));
-        let f = std::fs::File::create(&src).unwrap();
-        f.set_len(64 << 20).unwrap();
-        f.write_all_at(b"head", 0).unwrap();
-        f.write_all_at(&vec![7u8; 3 << 20], 20 << 20).unwrap();
-        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
-        drop(f);
-        copy_sparse(&src, &dst).unwrap();
-        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
-        let blocks = std::fs::metadata(&dst).unwrap().blocks() * 512;
-        assert!(
-            blocks < 8 << 20,
-            "copy allocates {blocks} bytes of a 64 MiB file"
-        );
-        // Never overwrites.
-        assert!(copy_sparse(&src, &dst).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     #[test]
     fn jailed_snapshots_stay_in_the_jail_snapshot_dir() {

@@ -333,6 +333,7 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         network: policy,
         request_id: req.request_id,
         public_ports,
+        cold: req.cold,
     })
 }
 

@@ -24,6 +24,8 @@ pub mod registration;
 mod request_ids;
 mod runtime;
 mod status;
+mod suspend;
+mod templates;
 mod vmm_control;
 
 use std::ffi::OsString;

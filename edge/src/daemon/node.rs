@@ -46,6 +46,8 @@ pub struct Node {
     pub(super) requests: Mutex<HashMap<String, RequestState>>,
     /// Sandboxes that died, oldest first.
     tombstones: Mutex<std::collections::VecDeque<Arc<Tombstone>>>,
+    /// microVM template snapshots per image and shape.
+    pub(super) templates: super::templates::Templates,
 }
 
 impl Node {
@@ -108,6 +110,7 @@ impl Node {
             images: ImageMounts::new(&config.state_dir, &config.invocation),
             requests: Mutex::new(HashMap::new()),
             tombstones: Mutex::new(std::collections::VecDeque::new()),
+            templates: super::templates::Templates::new(&config.state_dir),
             config,
         });
         node.adopt().await;
@@ -191,7 +194,7 @@ impl Node {
             return Some(reason.clone());
         }
         let record = entry.record();
-        if record.handle.is_alive() {
+        if record.is_alive() {
             return None;
         }
         Some(entry.death.get_or_init(|| describe_death(&record)).clone())
@@ -237,6 +240,9 @@ impl Node {
                 // Frozen tasks cannot die: thaw first.
                 let _ = cgroup::set_frozen(&r.cgroups, false);
             }
+            if let Some(snapshot) = &r.suspended {
+                let _ = std::fs::remove_dir_all(snapshot);
+            }
             let torn = r.handle.teardown();
             cgroup::remove(&r.cgroups);
             torn
@@ -267,12 +273,17 @@ impl Node {
                 .map_err(|e| {
                     NodeError::FailedPrecondition(format!("cannot pause/resume sandbox {id}: {e}"))
                 })?;
+        } else if paused {
+            // The VMM is ended; its snapshot on disk is the sandbox until resume.
+            self.suspend(&entry).await?;
+        } else if let Some(snapshot) = record.suspended.clone() {
+            let woken = self.wake(&entry, snapshot).await?;
+            woken.touch();
+            woken.event("resumed");
+            return Ok(woken);
         } else {
-            if paused {
-                vmm_control::pause(&record).await?;
-            } else {
-                vmm_control::resume(&record).await?;
-            }
+            // Paused by an older daemon, which kept the VMM.
+            vmm_control::resume(&record).await?;
         }
         {
             let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());

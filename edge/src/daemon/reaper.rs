@@ -37,7 +37,7 @@ impl Node {
                 .image_mount
                 .as_ref()
                 .is_some_and(|m| dead_images.contains(m));
-            let reason = if !r.handle.is_alive() || image_gone {
+            let reason = if !r.is_alive() || image_gone {
                 Some(ReapReason::Died)
             } else if r.expires_at_ms > 0 && now >= r.expires_at_ms {
                 Some(ReapReason::Ttl)

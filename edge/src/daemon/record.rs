@@ -81,9 +81,18 @@ pub struct Record {
     /// The image server whose mount is this container's lowerdir (layer-store images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_mount: Option<String>,
+    /// A microVM paused to disk: its VMM was ended after writing this snapshot, which a
+    /// resume restores (same id, sockets and disks). None while a VMM runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspended: Option<PathBuf>,
 }
 
 impl Record {
+    /// Its process runs, or it is paused to disk (no process, nothing lost).
+    pub fn is_alive(&self) -> bool {
+        self.suspended.is_some() || self.handle.is_alive()
+    }
+
     pub(super) fn demand(&self) -> Demand {
         let memory_mib = if self.memory_limit_mib > 0 {
             self.memory_limit_mib

@@ -103,7 +103,7 @@ impl Node {
         if broken && entry.death.get().is_none() {
             // The connection broke first; the dying process may take a moment to show as
             // dead (its namespace is torn down before it becomes a zombie).
-            let dead = || !entry.record().handle.is_alive();
+            let dead = || !entry.record().is_alive();
             let wait = || {
                 for _ in 0..100 {
                     if dead() {

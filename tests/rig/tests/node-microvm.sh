@@ -30,7 +30,8 @@ out=$(timeout $T dsec exec $id -- sh -c 'cat /proc/1/comm; exit 3'); rc=$?
 [ "$rc" = 3 ] && [ "$out" = init ] && ok exec || bad exec "rc $rc, out '$out'"
 
 # The VMM runs jailed: the process running the VM (PID 1 of its own PID namespace) is
-# uid 65534 in its own mount namespace and sees its kernel but no other host file.
+# uid 65534 in its own mount namespace and sees its kernel (a booted VM) or its template
+# snapshot (a VM restored from the image's template) but no other host file.
 seen=0; jailed=0
 for d in /proc/[0-9]*; do
     [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
@@ -38,7 +39,8 @@ for d in /proc/[0-9]*; do
     uid=$(awk '/^Uid:/ {print $2}' $d/status 2>/dev/null)
     if [ "$uid" = 65534 ] && [ "$(readlink $d/ns/pid)" != "$(readlink /proc/1/ns/pid)" ] \
         && [ "$(readlink $d/ns/mnt)" != "$(readlink /proc/1/ns/mnt)" ] \
-        && [ -e $d/root$DSEC_HOME/kernel/vmlinux ] && [ ! -e $d/root/bin/dsec ]; then
+        && { [ -e $d/root$DSEC_HOME/kernel/vmlinux ] || [ -d $d/root/tmp/node/templates ]; } \
+        && [ ! -e $d/root/bin/dsec ]; then
         jailed=$((jailed + 1))
     fi
 done
@@ -77,7 +79,9 @@ children=$(timeout $T dsec fork $id -n 2 2>/tmp/fork.err)
 # The daemon's log line is the check that fails when the refresh is skipped: in this rig the
 # children's streams also diverge through their own timing noise, and a fork completes in
 # well under a second, so the two direct checks guard against gross breakage only.
-n=$(grep -c 'restored guest refreshed' /tmp/node.log)
+# (Template restores and resumes are refreshed too: count the children's lines.)
+n=0
+for c in $children; do grep 'restored guest refreshed' /tmp/node.log | grep -q "$c" && n=$((n + 1)); done
 [ "$n" = 2 ] && ok fork-children-refreshed || bad fork-children-refreshed "$n of 2 children refreshed (daemon log)"
 random=""; clocks=""
 for c in $children; do

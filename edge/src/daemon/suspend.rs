@@ -1,0 +1,97 @@
+//! Pause that frees memory: a microVM sandbox's pause writes a snapshot to local disk and
+//! ends its VMM (the record keeps the snapshot's path, so it survives a daemon restart);
+//! resume restores it (MAP_PRIVATE over the snapshot's memory) in the same directory, so it keeps its id, vsock socket,
+//! context id and disks, and everything in the guest (files, processes, sessions).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::cgroup;
+use super::error::NodeError;
+use super::node::Node;
+use super::record::{now_ms, Entry};
+use super::vmm_control;
+use crate::backend::microvm::resume_microvm;
+use crate::backend::proc_stat;
+
+impl Node {
+    /// Pauses the VM, snapshots it next to the sandbox and ends its VMM. A snapshot that
+    /// cannot be written (a full disk) fails the pause and the VM keeps running.
+    pub(super) async fn suspend(&self, entry: &Arc<Entry>) -> Result<(), NodeError> {
+        let record = entry.record();
+        vmm_control::pause(&record).await?;
+        // A jailed VMM writes only its snapshot directory.
+        let path = record
+            .handle
+            .snapshot_dir
+            .clone()
+            .unwrap_or_else(|| record.handle.dir.clone())
+            .join(format!("paused-{}", now_ms()));
+        let written = vmm_control::snapshot(&record, path.clone(), false).await;
+        let persisted = written.and_then(|_| {
+            let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
+            r.paused = true;
+            r.suspended = Some(path.clone());
+            r.persist().map_err(|e| {
+                r.paused = false;
+                r.suspended = None;
+                NodeError::Internal(format!("cannot persist the paused sandbox's record: {e}"))
+            })
+        });
+        if let Err(err) = persisted {
+            let _ = std::fs::remove_dir_all(&path);
+            vmm_control::resume(&record).await?;
+            return Err(err);
+        }
+        let handle = record.handle.clone();
+        tokio::task::spawn_blocking(move || handle.kill_process())
+            .await
+            .map_err(|e| NodeError::Internal(format!("VMM kill task failed: {e}")))??;
+        entry.event(&format!(
+            "VMM ended after a snapshot to {} (pause frees its memory)",
+            path.display()
+        ));
+        Ok(())
+    }
+
+    /// Restores a suspended sandbox and swaps in its new entry; its snapshot is removed once
+    /// the guest answers (the new VMM's mapping keeps the memory file's pages reachable).
+    pub(super) async fn wake(
+        &self,
+        entry: &Arc<Entry>,
+        snapshot: PathBuf,
+    ) -> Result<Arc<Entry>, NodeError> {
+        let started = std::time::Instant::now();
+        let mut record = entry.record();
+        let (pid, client) = resume_microvm(
+            &self.edge,
+            &record.handle,
+            &snapshot,
+            cgroup::procs_files(&record.cgroups),
+            self.config.ready_timeout,
+        )
+        .await?;
+        record.handle.pid = pid as i32;
+        record.handle.pid_start = proc_stat(pid as i32).map_or(0, |(_, start)| start);
+        record.paused = false;
+        record.suspended = None;
+        if let Err(err) = record.persist() {
+            // The old record still names the snapshot: kill the new VMM and stay paused.
+            let handle = record.handle.clone();
+            let _ = tokio::task::spawn_blocking(move || handle.kill_process()).await;
+            return Err(NodeError::Internal(format!(
+                "cannot persist the resumed sandbox's record: {err}"
+            )));
+        }
+        let id = record.handle.id.clone();
+        tracing::info!(
+            sandbox = %id,
+            ms = started.elapsed().as_millis() as u64,
+            "resumed from its snapshot on disk"
+        );
+        let woken = Entry::new(record, client);
+        self.lock().insert(id, woken.clone());
+        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(snapshot)).await;
+        Ok(woken)
+    }
+}

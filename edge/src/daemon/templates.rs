@@ -1,0 +1,257 @@
+//! Template snapshots: a microVM create restores its image's snapshot taken at agent-ready
+//! instead of booting a kernel. The first create of a shape boots it once and keeps the
+//! snapshot in `<state dir>/templates/<key>/` (`snapshot/`, `upper.ext4` on disk images,
+//! `ready` written last); the key hashes everything the snapshot depends on, so a changed
+//! kernel, initramfs, root disk, VMM binary, shape or command line gets a new template. A
+//! template that cannot be restored is removed and the create boots cold (with a warning);
+//! the next create builds it again.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::error::NodeError;
+use super::node::Node;
+use super::record::random_hex;
+use crate::backend::microvm::{build_template, MemoryRestore, MicroVmImage, UpperDisk};
+use crate::backend::{restore_microvm, BackendKind, Sandbox, SandboxSpec};
+use crate::microvm::SpawnOptions;
+
+/// The node's template snapshots.
+pub struct Templates {
+    dir: PathBuf,
+    /// Off: every microVM create boots (`DSEC_TEMPLATES=off`).
+    enabled: bool,
+    memory: MemoryRestore,
+    /// One build at a time per key; creates of that key wait for it.
+    building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Templates {
+    /// Templates under `<state_dir>/templates`. `DSEC_TEMPLATES=off` disables them,
+    /// `DSEC_TEMPLATE_MEMORY=lazy` restores through userfaultfd instead of MAP_PRIVATE.
+    pub fn new(state_dir: &Path) -> Self {
+        let env = |name: &str| std::env::var(name).unwrap_or_default();
+        Templates {
+            dir: state_dir.join("templates"),
+            enabled: !matches!(env("DSEC_TEMPLATES").as_str(), "off" | "0" | "false"),
+            memory: if env("DSEC_TEMPLATE_MEMORY") == "lazy" {
+                MemoryRestore::Lazy
+            } else {
+                MemoryRestore::Private
+            },
+            building: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.building
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.to_string())
+            .or_default()
+            .clone()
+    }
+}
+
+/// A file's identity for the key: path, size, mtime, inode (content hashing a 100 MB
+/// initramfs per create would cost more than the restore saves).
+fn identity(path: &Path) -> String {
+    match std::fs::metadata(path) {
+        Ok(m) => format!(
+            "{}:{}:{}.{}:{}",
+            path.display(),
+            m.len(),
+            m.mtime(),
+            m.mtime_nsec(),
+            m.ino()
+        ),
+        Err(_) => format!("{}:missing", path.display()),
+    }
+}
+
+/// The template key of `image` run by `vmm`: a hash of everything its snapshot depends on.
+pub fn template_key(image: &MicroVmImage, vmm: &Path) -> String {
+    let inputs = serde_json::json!({
+        "kernel": identity(&image.kernel),
+        "initrd": identity(&image.initrd),
+        "root_disk": image.root_disk.as_deref().map(identity),
+        "upper_mib": image.upper_mib,
+        "vmm": identity(vmm),
+        "vcpus": image.vcpus,
+        "mem_mib": image.mem_mib,
+        "cmdline": image.cmdline,
+    });
+    super::create::fnv1a_hex(&inputs.to_string())
+}
+
+/// A template is usable once its `ready` marker and snapshot state are there.
+fn is_ready(dir: &Path) -> bool {
+    dir.join("ready").is_file() && dir.join("snapshot").join("state").is_file()
+}
+
+impl Node {
+    /// A microVM for `spec` restored from its image's template (built first if there is
+    /// none); a cold boot when templates are off or the template fails.
+    pub(super) async fn create_from_template(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<Sandbox, NodeError> {
+        let templates = &self.templates;
+        if !templates.enabled {
+            return Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?);
+        }
+        spec.validate()?;
+        let image = MicroVmImage::of(&self.edge, spec)?;
+        let vmm = SpawnOptions::find(self.edge.vmm_bin.as_deref())?.vmm_bin;
+        let key = template_key(&image, &vmm);
+        let dir = templates.dir.join(&key);
+        let lock = templates.lock_for(&key);
+        let guard = lock.lock().await;
+        if !is_ready(&dir) {
+            if let Err(err) = self.build_template(spec, &dir).await {
+                drop(guard);
+                tracing::warn!(template = %key, %err, "cannot build the template snapshot; booting cold");
+                return Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?);
+            }
+        }
+        drop(guard);
+        let started = std::time::Instant::now();
+        let id = spec.id.clone().unwrap_or_default();
+        let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
+        let upper = dir.join("upper.ext4");
+        let restored = restore_microvm(
+            &self.edge,
+            &dir.join("snapshot"),
+            &id,
+            cid,
+            spec,
+            spec.root_disk.is_some().then_some(UpperDisk::Copy(&upper)),
+            templates.memory,
+        )
+        .await;
+        match restored {
+            Ok(sandbox) => {
+                tracing::info!(
+                    sandbox = %id,
+                    template = %key,
+                    memory = ?templates.memory,
+                    ms = started.elapsed().as_millis() as u64,
+                    "restored from the template snapshot"
+                );
+                Ok(sandbox)
+            }
+            Err(err) => {
+                tracing::warn!(
+                    sandbox = %id,
+                    template = %key,
+                    %err,
+                    "the template snapshot could not be restored: removed (the next create \
+                     builds it again); booting cold"
+                );
+                let _guard = lock.lock().await;
+                let _ = std::fs::remove_dir_all(&dir);
+                Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?)
+            }
+        }
+    }
+
+    /// Boots `spec`'s image once and keeps its snapshot at agent-ready in `dir`.
+    async fn build_template(&self, spec: &SandboxSpec, dir: &Path) -> Result<(), NodeError> {
+        let started = std::time::Instant::now();
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir)
+            .map_err(|e| NodeError::Internal(format!("create {}: {e}", dir.display())))?;
+        // A scratch sandbox: no cgroups (nobody is charged), the daemon's boot timeout.
+        let builder = SandboxSpec {
+            id: None,
+            cgroup_procs: Vec::new(),
+            ..spec.clone()
+        };
+        let id = format!("template-{}", random_hex(6));
+        let built = build_template(&self.edge, &builder, &id, dir).await;
+        if let Err(err) = built {
+            let _ = std::fs::remove_dir_all(dir);
+            return Err(err.into());
+        }
+        std::fs::write(dir.join("ready"), b"")
+            .map_err(|e| NodeError::Internal(format!("mark {} ready: {e}", dir.display())))?;
+        tracing::info!(
+            template = %dir.display(),
+            ms = started.elapsed().as_millis() as u64,
+            "template snapshot built"
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_changes_with_every_input() {
+        let base = std::env::temp_dir().join(format!("dsec-tpl-key-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        let file = |name: &str, body: &[u8]| {
+            let p = base.join(name);
+            std::fs::write(&p, body).unwrap();
+            p
+        };
+        let image = MicroVmImage {
+            kernel: file("vmlinux", b"k"),
+            initrd: file("initramfs.cpio", b"i"),
+            root_disk: None,
+            upper_mib: None,
+            vcpus: 1,
+            mem_mib: 256,
+            cmdline: "console=ttyS0".into(),
+        };
+        let vmm = file("dsec-vmm", b"v");
+        let key = template_key(&image, &vmm);
+        assert_eq!(key, template_key(&image, &vmm), "stable");
+        let changed = [
+            MicroVmImage {
+                vcpus: 2,
+                ..image.clone()
+            },
+            MicroVmImage {
+                mem_mib: 512,
+                ..image.clone()
+            },
+            MicroVmImage {
+                cmdline: "console=ttyS0 x".into(),
+                ..image.clone()
+            },
+            MicroVmImage {
+                root_disk: Some(file("rootfs.img", b"r")),
+                upper_mib: Some(1024),
+                ..image.clone()
+            },
+        ];
+        for other in &changed {
+            assert_ne!(key, template_key(other, &vmm), "{other:?}");
+        }
+        // A rebuilt initramfs (new size) or VMM gets a new template.
+        std::fs::write(&image.initrd, b"initrd v2").unwrap();
+        let after_image = template_key(&image, &vmm);
+        assert_ne!(key, after_image);
+        std::fs::write(&vmm, b"vmm v2").unwrap();
+        assert_ne!(after_image, template_key(&image, &vmm));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn a_template_without_its_marker_or_state_is_not_ready() {
+        let dir = std::env::temp_dir().join(format!("dsec-tpl-ready-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("snapshot")).unwrap();
+        assert!(!is_ready(&dir));
+        std::fs::write(dir.join("ready"), b"").unwrap();
+        assert!(!is_ready(&dir), "no snapshot state");
+        std::fs::write(dir.join("snapshot/state"), b"{}").unwrap();
+        assert!(is_ready(&dir));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

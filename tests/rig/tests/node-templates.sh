@@ -1,0 +1,154 @@
+#!/bin/sh
+# Runs inside the rig's L1: microVM template snapshots and pause that frees memory, through
+# the node daemon (`dsec up`, every VMM jailed) and the `dsec` CLI.
+# - the first create builds the image's template; creates restore it and run commands; two
+#   sandboxes from one template differ in /dev/urandom and have the host's clock;
+# - create -> first exec, template vs --cold (METRIC lines);
+# - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
+#   background process; three pause/resume cycles with writes between them;
+#   pause -> resume -> first exec (METRIC);
+# - a paused sandbox survives kill -9 of the daemon and a restart, then resumes;
+# - a corrupted template falls back to a cold boot with a warning, and is built again.
+# Expects in L1: /bin/dsec, /bin/dsec-vmm and DSEC_HOME=/dsec holding kernel/vmlinux and
+# images/busybox/initramfs.cpio.
+# Prints PASS/FAIL per check, METRIC lines and "N passed, N failed"; exit status = failures.
+pass=0; fail=0
+ok()  { echo "PASS $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
+export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
+export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
+T=300
+for f in /bin/dsec /bin/dsec-vmm $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/busybox/initramfs.cpio; do
+    [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
+done
+# L1's clock in ms (10 ms steps).
+now_ms() { read up _ </proc/uptime; echo $(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 )); }
+start_daemon() {
+    DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off \
+        --http 127.0.0.1:7080 --cgroup-name dsec-rig >>/tmp/node.log 2>&1 &
+    daemon=$!
+    i=0
+    until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
+}
+# dsec-vmm processes whose command line names sandbox $1.
+vmms_of() {
+    n=0
+    for d in /proc/[0-9]*; do
+        [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
+        tr '\0' ' ' <$d/cmdline 2>/dev/null | grep -q "$1" && n=$((n + 1))
+    done
+    echo $n
+}
+start_daemon
+dsec ls >/dev/null 2>&1 && ok daemon-up || { bad daemon-up "$(tail -5 /tmp/node.log)"; echo "$pass passed, $fail failed"; exit 1; }
+
+# The first create builds the template, then restores it.
+a=$(timeout $T dsec create --backend microvm --mem 128 2>/tmp/create.err)
+out=$(timeout $T dsec exec $a -- cat /proc/1/comm)
+[ -n "$a" ] && [ "$out" = init ] && ok template-create-exec || bad template-create-exec "id '$a', out '$out': $(cat /tmp/create.err)"
+[ "$(grep -c 'template snapshot built' /tmp/node.log)" = 1 ] && ok template-built \
+    || bad template-built "$(grep -i template /tmp/node.log | tail -3)"
+b=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+[ "$(grep -c 'restored from the template snapshot' /tmp/node.log)" = 2 ] && ok template-restored \
+    || bad template-restored "$(grep -i template /tmp/node.log | tail -3)"
+[ "$(grep -c 'template snapshot built' /tmp/node.log)" = 1 ] && ok template-reused || bad template-reused "built again"
+ls -d /tmp/node/templates/*/snapshot >/dev/null 2>&1 && ok template-on-disk || bad template-on-disk "$(ls -R /tmp/node/templates | head)"
+
+# Two sandboxes of one template: their own entropy, the host's clock, private writes.
+ra=$(timeout $T dsec exec $a -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')
+rb=$(timeout $T dsec exec $b -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')
+[ ${#ra} = 64 ] && [ "$ra" != "$rb" ] && ok template-random-differs || bad template-random-differs "'$ra' vs '$rb'"
+clocks=""
+for s in $a $b; do
+    before=$(date +%s); guest=$(timeout $T dsec exec $s -- date +%s); after=$(date +%s)
+    [ "$guest" -ge $((before - 1)) ] && [ "$guest" -le $((after + 1)) ] && clocks="$clocks 0" \
+        || clocks="$clocks guest=$guest,host=$before..$after"
+done
+[ "$clocks" = " 0 0" ] && ok template-clock || bad template-clock "clocks outside the host's +-1 s:$clocks"
+timeout $T dsec exec $a -- sh -c 'echo a >/root/who'
+timeout $T dsec exec $b -- sh -c 'echo b >/root/who'
+[ "$(timeout $T dsec exec $a -- cat /root/who)" = a ] && [ "$(timeout $T dsec exec $b -- cat /root/who)" = b ] \
+    && ok template-private-writes || bad template-private-writes "files mixed up"
+timeout $T dsec rm $b >/dev/null 2>&1
+
+# create -> first exec, template vs cold, alternating; then template restores through
+# userfaultfd (DSEC_TEMPLATE_MEMORY=lazy, daemon restarted; the sandbox $a is adopted).
+sample() { # KIND [--cold]
+    t0=$(now_ms)
+    s=$(timeout $T dsec create --backend microvm --mem 128 $2 2>>/tmp/create.err)
+    t1=$(now_ms)
+    timeout $T dsec exec $s -- true
+    t2=$(now_ms)
+    echo "METRIC create_${1}_ms $((t1 - t0))"
+    echo "METRIC create_first_exec_${1}_ms $((t2 - t0))"
+    timeout $T dsec rm $s >/dev/null 2>&1
+}
+for i in 1 2 3; do sample cold --cold; sample template; done
+# The daemon's own create time (request in -> agent answering), without the CLI's.
+grep -o 'create done.*' /tmp/node.log | tail -6
+t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
+echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
+kill $daemon; wait $daemon 2>/dev/null
+export DSEC_TEMPLATE_MEMORY=lazy
+start_daemon
+for i in 1 2 3; do sample template_lazy; done
+kill $daemon; wait $daemon 2>/dev/null
+unset DSEC_TEMPLATE_MEMORY
+start_daemon
+grep -o 'restored from the template snapshot.*' /tmp/node.log | tail -7
+
+# Pause that frees memory: three cycles, writes between them, a background process kept.
+timeout $T dsec exec $a -- sh -c 'setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! >/root/bg.pid' >/dev/null
+bg=$(timeout $T dsec exec $a -- cat /root/bg.pid)
+cycles=0
+for i in 1 2 3; do
+    timeout $T dsec exec $a -- sh -c "echo cycle-$i >/root/f$i"
+    timeout $T dsec pause $a >/dev/null || { bad "pause-$i" "refused"; break; }
+    left=$(vmms_of $a)
+    [ "$left" = 0 ] || bad "pause-$i-ends-vmm" "$left dsec-vmm processes still name $a"
+    # What the paused sandbox holds instead: its snapshot on disk.
+    echo "METRIC paused_snapshot_disk_kib $(du -sk /tmp/node/snapshots/$a | cut -f1)"
+    t0=$(now_ms)
+    timeout $T dsec resume $a >/dev/null || { bad "resume-$i" "refused"; break; }
+    timeout $T dsec exec $a -- true
+    t1=$(now_ms)
+    echo "METRIC pause_resume_first_exec_ms $((t1 - t0))"
+    want=""; got=""
+    for j in $(seq 1 $i); do want="$want cycle-$j"; got="$got $(timeout $T dsec exec $a -- cat /root/f$j)"; done
+    timeout $T dsec exec $a -- sh -c "kill -0 $bg" || { bad "resume-$i-process" "background process $bg is gone"; break; }
+    [ "$got" = "$want" ] && cycles=$((cycles + 1)) || { bad "resume-$i-files" "got '$got', want '$want'"; break; }
+done
+grep -o 'resumed from its snapshot on disk.*' /tmp/node.log | tail -3
+[ $cycles = 3 ] && ok pause-resume-three-cycles || bad pause-resume-three-cycles "$cycles of 3 cycles kept everything"
+
+# A paused sandbox survives kill -9 of the daemon and a restart.
+timeout $T dsec exec $a -- sh -c 'echo before-kill >/root/k'
+timeout $T dsec pause $a >/dev/null
+kill -9 $daemon; wait $daemon 2>/dev/null
+start_daemon
+out=$(timeout $T dsec inspect $a 2>&1)
+case $out in *PAUSED*|*paused*) ok paused-adopted ;; *) bad paused-adopted "$out" ;; esac
+timeout $T dsec resume $a >/dev/null && [ "$(timeout $T dsec exec $a -- cat /root/k)" = before-kill ] \
+    && ok resume-after-daemon-kill || bad resume-after-daemon-kill "$(tail -5 /tmp/node.log)"
+
+# A corrupted template: the create boots cold (warning), the next one builds it again.
+for st in /tmp/node/templates/*/snapshot/state; do echo garbage >$st; done
+c=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+[ -n "$c" ] && [ "$(timeout $T dsec exec $c -- echo hi)" = hi ] && grep -q 'could not be restored' /tmp/node.log \
+    && ok corrupt-template-falls-back-cold || bad corrupt-template-falls-back-cold "id '$c': $(grep -i template /tmp/node.log | tail -3)"
+d=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+[ -n "$d" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 2 ] && [ "$(timeout $T dsec exec $d -- echo hi)" = hi ] \
+    && ok template-rebuilt || bad template-rebuilt "$(grep -i template /tmp/node.log | tail -3)"
+
+for s in $a $c $d; do timeout $T dsec rm $s >/dev/null 2>&1; done
+i=0
+while [ "$(ps | grep -c "[d]sec-vmm")" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
+left=$(dsec ls 2>/dev/null | grep -c sb-)
+vmms=$(ps | grep -c "[d]sec-vmm")
+dirs=$(ls -A /tmp/node/sandboxes /tmp/node/jails /tmp/node/snapshots 2>/dev/null | grep -c -e '^sb-' -e '^template-')
+[ "$left" = 0 ] && [ "$vmms" = 0 ] && [ "$dirs" = 0 ] && ok nothing-left \
+    || bad nothing-left "$left sandboxes, $vmms VMMs, $dirs sandbox, jail or snapshot directories"
+kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
+grep -E 'WARN|ERROR' /tmp/node.log | tail -20
+echo "$pass passed, $fail failed"
+exit $fail

@@ -120,6 +120,7 @@ impl Network {
             ),
             None,
         )?;
+        remember_ip_forward(bridge)?;
         write_sysctl("net/ipv4/ip_forward", "1")?;
         nft::apply(nft::base_table(bridge, bridge, pool))?;
         let slots = Path::new(SLOTS_DIR).join(bridge);
@@ -259,6 +260,7 @@ impl Network {
             tracing::warn!(%err, "cannot remove the sandbox bridge");
         }
         let _ = std::fs::remove_dir(&self.slots);
+        restore_ip_forward(&self.bridge);
     }
 
     /// Takes a free address of the pool for `sandbox_dir` (a symlink `<slots>/<addr>` ->
@@ -389,6 +391,35 @@ fn ip_batch(commands: &str, netns: Option<&std::fs::File>) -> Result<(), NetErro
         });
     }
     Ok(())
+}
+
+/// Where the host's ip_forward from before the first start of this bridge is kept (it
+/// survives a daemon crash, so a later daemon does not take its own setting for the host's).
+fn ip_forward_before(bridge: &str) -> PathBuf {
+    Path::new(SLOTS_DIR).join(format!("{bridge}.ip_forward"))
+}
+
+fn remember_ip_forward(bridge: &str) -> Result<(), NetError> {
+    let before = ip_forward_before(bridge);
+    if before.exists() {
+        return Ok(());
+    }
+    let value = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+        .map_err(|e| NetError::Setup(format!("read net.ipv4.ip_forward: {e}")))?;
+    std::fs::create_dir_all(SLOTS_DIR)
+        .and_then(|()| std::fs::write(&before, value.trim()))
+        .map_err(|e| NetError::Setup(format!("record {}: {e}", before.display())))
+}
+
+/// Puts the host's ip_forward back as it was before this bridge was first set up.
+fn restore_ip_forward(bridge: &str) {
+    let before = ip_forward_before(bridge);
+    if let Ok(value) = std::fs::read_to_string(&before) {
+        match write_sysctl("net/ipv4/ip_forward", value.trim()) {
+            Ok(()) => drop(std::fs::remove_file(&before)),
+            Err(err) => tracing::warn!(%err, "cannot restore the host's ip_forward"),
+        }
+    }
 }
 
 fn write_sysctl(name: &str, value: &str) -> Result<(), NetError> {

@@ -203,17 +203,15 @@ impl Admin for AdminApi {
             None => self.0.iam.create_org(path.as_str()).await,
         };
         let audit_project = path.parent().unwrap_or_else(|| path.clone());
-        let result = result.map_err(Status::from);
         self.0
-            .audit(
+            .audited(
                 &caller,
                 &audit_project,
                 Action::ProjectCreate,
                 Some(path.to_string()),
-                result.as_ref().map(|_| ()),
+                result.map_err(Status::from),
             )
-            .await;
-        result?;
+            .await?;
         Ok(Response::new(self.project_info(&path).await?))
     }
 
@@ -249,22 +247,16 @@ impl Admin for AdminApi {
             limit.memory_mib,
             limit.disk_mib,
         );
-        let result = self
-            .0
-            .quotas
-            .set_limit(&path, limit)
-            .await
-            .map_err(Status::from);
+        let result = self.0.quotas.set_limit(&path, limit).await;
         self.0
-            .audit(
+            .audited(
                 &caller,
                 &path,
                 Action::ProjectSetQuota,
                 Some(format!("{limit}")),
-                result.as_ref().map(|_| ()),
+                result.map_err(Status::from),
             )
-            .await;
-        result?;
+            .await?;
         Ok(Response::new(self.project_info(&path).await?))
     }
 
@@ -320,17 +312,15 @@ impl Admin for AdminApi {
                 .map_err(|e: IamError| Status::invalid_argument(e.to_string()))?;
             self.0.iam.grant(&principal, &project, role).await
         };
-        let result = result.map_err(Status::from);
         self.0
-            .audit(
+            .audited(
                 &caller,
                 &project,
                 Action::RoleGrant,
                 Some(format!("{principal}={}", message.role)),
-                result.as_ref().map(|_| ()),
+                result.map_err(Status::from),
             )
-            .await;
-        result?;
+            .await?;
         Ok(Response::new(SetRoleResponse {}))
     }
 

@@ -156,6 +156,20 @@ impl Shared {
         self.projects.forget(id);
     }
 
+    /// Audits a call's `result` (see [`audit`](Self::audit)) and hands it back.
+    pub async fn audited<T>(
+        &self,
+        caller: &Caller,
+        project: &ProjectPath,
+        action: Action,
+        target: Option<String>,
+        result: Result<T, Status>,
+    ) -> Result<T, Status> {
+        self.audit(caller, project, action, target, result.as_ref().map(|_| ()))
+            .await;
+        result
+    }
+
     /// Files an audit record of a call that changed something (best effort: a failure is
     /// logged, the call's answer stands).
     pub async fn audit(

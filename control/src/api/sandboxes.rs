@@ -264,15 +264,9 @@ impl Sandboxes for SandboxesApi {
         let result = self.create_placed(message, project.clone()).await;
         let target = result.as_ref().ok().map(|s| s.id.clone());
         self.0
-            .audit(
-                &caller,
-                &project,
-                Action::SandboxCreate,
-                target,
-                result.as_ref().map(|_| ()),
-            )
-            .await;
-        result.map(Response::new)
+            .audited(&caller, &project, Action::SandboxCreate, target, result)
+            .await
+            .map(Response::new)
     }
 
     async fn get(&self, request: Request<GetSandboxRequest>) -> Result<Response<Sandbox>, Status> {
@@ -344,15 +338,14 @@ impl Sandboxes for SandboxesApi {
             self.0.forget_sandbox(&id);
         }
         self.0
-            .audit(
+            .audited(
                 &route.caller,
                 &route.project,
                 Action::SandboxDelete,
                 Some(id),
-                result.as_ref().map(|_| ()),
+                result,
             )
-            .await;
-        result
+            .await
     }
 
     async fn set_timeout(

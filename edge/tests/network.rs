@@ -1,16 +1,19 @@
 //! Sandbox networking against a test internet of network namespaces this test creates: a
 //! "mirror" host (HTTP on 8080 and 8081, a plain TCP listener on 8082) and a "forbidden"
 //! host (HTTP on 8080 and 22), each behind its own veth to the host, on 198.18.0.0/15
-//! (the benchmarking range). A real daemon runs with its own bridge, pool and nftables
-//! table; everything (namespaces, veths, servers, table, bridge) is removed on drop, also
-//! when a test fails. Needs root, `ip`, `nft`, `conntrack` and busybox.
+//! (the benchmarking range). The mirror's namespace also serves DNS for the zone `test`
+//! (`mirror.test`, `*.mirror.test`, `forbidden.test`; a thread of this test in that
+//! namespace), the daemon's upstream resolver. A real daemon runs with its own bridge, pool
+//! and nftables table; everything (namespaces, veths, servers, table, bridge) is removed on
+//! drop, also when a test fails. Needs root, `ip`, `nft`, `conntrack` and busybox.
 
 mod daemon;
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use daemon::Daemon;
@@ -39,7 +42,103 @@ struct Internet {
     netns: Vec<String>,
     links: Vec<String>,
     servers: Vec<Child>,
+    dns: TestDns,
     dir: PathBuf,
+}
+
+/// The test zone's DNS server, a thread in the mirror's namespace; the names it was asked.
+struct TestDns {
+    asked: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TestDns {
+    fn start(netns: &str, mirror: Ipv4Addr, forbidden: Ipv4Addr) -> Self {
+        use hickory_proto::op::{Message, MessageType, ResponseCode};
+        use hickory_proto::rr::{rdata, RData, Record, RecordType};
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let ns = std::fs::File::open(format!("/var/run/netns/{netns}")).unwrap();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = {
+            let (asked, stop, netns) = (asked.clone(), stop.clone(), netns.to_string());
+            std::thread::spawn(move || {
+                use std::os::fd::AsRawFd;
+                // SAFETY: setns(2) on a namespace file this thread holds open; it moves only
+                // this thread, which then binds its socket there.
+                let moved = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(moved, 0, "setns into {netns}");
+                let socket = std::net::UdpSocket::bind((mirror, 53)).unwrap();
+                socket
+                    .set_read_timeout(Some(Duration::from_millis(100)))
+                    .unwrap();
+                ready_tx.send(()).unwrap();
+                let mut buf = [0u8; 1500];
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok((len, from)) = socket.recv_from(&mut buf) else {
+                        continue;
+                    };
+                    let Ok(query) = Message::from_vec(&buf[..len]) else {
+                        continue;
+                    };
+                    let mut reply = Message::error_msg(
+                        query.metadata.id,
+                        query.metadata.op_code,
+                        ResponseCode::NoError,
+                    );
+                    reply.metadata.message_type = MessageType::Response;
+                    reply.queries = query.queries.clone();
+                    for q in &query.queries {
+                        let name = q.name().to_ascii().to_ascii_lowercase();
+                        asked.lock().unwrap().push(name.clone());
+                        let addr = match name.trim_end_matches('.') {
+                            "mirror.test" => Some(mirror),
+                            n if n.ends_with(".mirror.test") => Some(mirror),
+                            "forbidden.test" => Some(forbidden),
+                            _ => None,
+                        };
+                        match (addr, q.query_type()) {
+                            (Some(addr), RecordType::A) => reply.answers.push(Record::from_rdata(
+                                q.name().clone(),
+                                300,
+                                RData::A(rdata::A(addr)),
+                            )),
+                            (Some(_), RecordType::TXT) => reply.answers.push(Record::from_rdata(
+                                q.name().clone(),
+                                300,
+                                RData::TXT(rdata::TXT::new(vec!["secret".into()])),
+                            )),
+                            (Some(_), _) => {}
+                            (None, _) => reply.metadata.response_code = ResponseCode::NXDomain,
+                        }
+                    }
+                    let _ = socket.send_to(&reply.to_vec().unwrap(), from);
+                }
+            })
+        };
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the test DNS server did not start");
+        Self {
+            asked,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn asked(&self) -> Vec<String> {
+        self.asked.lock().unwrap().clone()
+    }
+}
+
+impl Drop for TestDns {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Internet {
@@ -61,6 +160,11 @@ impl Internet {
             netns: Vec::new(),
             links: Vec::new(),
             servers: Vec::new(),
+            dns: TestDns {
+                asked: Arc::default(),
+                stop: Arc::default(),
+                thread: None,
+            },
             dir,
         };
         for (role, host, uplink) in [
@@ -77,6 +181,7 @@ impl Internet {
                  ip -n {ns} link set lo up"
             ));
         }
+        net.dns = TestDns::start(&net.netns[0], net.mirror, net.forbidden);
         let www = net.dir.display().to_string();
         let (mirror_ns, forbidden_ns) = (net.netns[0].clone(), net.netns[1].clone());
         for (ns, args) in [
@@ -147,7 +252,8 @@ impl Internet {
             &policies,
             format!(
                 r#"{{"mirror": {{"allow": ["tcp:{m}:8080", "tcp:{m}:8082"]}},
-                    "grading": {{"allow": ["tcp:{f}:22"]}}}}"#,
+                    "grading": {{"allow": ["tcp:{f}:22"]}},
+                    "pypi-mirror": {{"allow": ["tcp:mirror.test:8080"]}}}}"#,
                 m = self.mirror,
                 f = self.forbidden
             ),
@@ -162,7 +268,7 @@ impl Internet {
             policies.display().to_string(),
             "--listen".into(),
             format!("{}:{api_port}", self.gateway()),
-            // The mirror plays the resolver (reachable only where a policy allows it).
+            // The test zone's server is the DNS proxy's upstream.
             "--net-dns".into(),
             self.mirror.to_string(),
         ]
@@ -319,7 +425,7 @@ async fn policies_are_enforced_against_a_test_internet() {
         "cat /etc/resolv.conf; stat -c %u /etc/resolv.conf",
     )
     .await;
-    assert_eq!(resolv, format!("nameserver {}\n0\n", net.mirror));
+    assert_eq!(resolv, format!("nameserver {}\n0\n", net.gateway()));
     // Root in the sandbox cannot move its interface, address or route elsewhere.
     for change in [
         format!("ip addr add {}.0.99/16 dev eth0", net.pool_prefix),
@@ -641,5 +747,130 @@ async fn create_delete_and_adoption_leak_nothing() {
     client.delete(&kept).await.unwrap();
     assert_eq!(net.veths(), Vec::<String>::new());
     assert_eq!((net.slots(), net.rules().0), (0, 0));
+    daemon.stop(client).await;
+}
+
+/// Resolves `name` in the sandbox through its resolv.conf: the addresses, or None when the
+/// lookup failed.
+async fn lookup(client: &Client, id: &str, name: &str) -> Option<Vec<Ipv4Addr>> {
+    let (code, out) = run(client, id, &format!("nslookup {name}")).await;
+    // busybox prints the server first ("Address: 10.x.0.1:53"), then the answers.
+    let addrs: Vec<Ipv4Addr> = out
+        .split("Name:")
+        .skip(1)
+        .flat_map(|part| part.split_whitespace())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (code == 0 && !addrs.is_empty()).then_some(addrs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_proxy_answers_only_allowed_names() {
+    let net = Internet::new();
+    let args = net.daemon_args(free_port());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (daemon, client) = Daemon::start("net-dns", &args).await;
+    let open = create(&client, policy(&["pypi-mirror"])).await;
+    let closed = create(&client, NetworkPolicy::default()).await;
+
+    // The name's address is closed until the proxy resolved it for this sandbox.
+    assert!(!reaches(&client, &open, net.mirror, 8080).await);
+    assert_eq!(
+        lookup(&client, &open, "mirror.test").await,
+        Some(vec![net.mirror])
+    );
+    // The image's busybox is static, so its wget cannot use the C library's resolver: the
+    // page is fetched from the address the lookup gave.
+    let (code, page) = run(
+        &client,
+        &open,
+        "ip=$(nslookup mirror.test | sed -n '/^Name:/,$s/^Address: *//p' | head -n1); \
+         printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 $ip 8080",
+    )
+    .await;
+    assert!(code == 0 && page.contains("hello-mirror"), "{code}: {page}");
+    // By name and port only.
+    assert!(!reaches(&client, &open, net.mirror, 8081).await);
+    let set = sh(&format!(
+        "nft list set inet {} dns0_{:08x}",
+        net.bridge,
+        u32::from(address_of(&client, &open).await)
+    ));
+    assert!(
+        set.contains(&net.mirror.to_string()) && set.contains("expires"),
+        "{set}"
+    );
+
+    // Names no rule allows are refused without asking upstream; so are other record types.
+    let asked_before = net.dns.asked().len();
+    assert_eq!(lookup(&client, &open, "forbidden.test").await, None);
+    assert!(!reaches(&client, &open, net.forbidden, 8080).await);
+    let (code, out) = run(&client, &open, "nslookup -type=TXT mirror.test").await;
+    assert!(code != 0 && !out.contains("secret"), "{out}");
+    // The sandbox without a policy resolves nothing.
+    assert_eq!(lookup(&client, &closed, "mirror.test").await, None);
+    assert!(!reaches(&client, &closed, net.mirror, 8080).await);
+    assert_eq!(net.dns.asked().len(), asked_before, "{:?}", net.dns.asked());
+
+    // A suffix rule: names below it resolve, tunnel-shaped ones are refused; deny wins.
+    client
+        .set_network_policy(
+            &open,
+            NetworkPolicy {
+                allow: vec!["tcp:*.mirror.test:8080".into()],
+                deny: vec!["secret.mirror.test".into()],
+                ..NetworkPolicy::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        lookup(&client, &open, "files.mirror.test").await,
+        Some(vec![net.mirror])
+    );
+    assert!(reaches(&client, &open, net.mirror, 8080).await);
+    for refused in [
+        "mzxw6ytboi2dqnzrgq3tgnbvgy3dsnzyfzxw6ytboi.mirror.test",
+        "a.b.c.d.mirror.test",
+        "secret.mirror.test",
+        "mirror.test",
+    ] {
+        assert_eq!(lookup(&client, &open, refused).await, None, "{refused}");
+    }
+    // A policy without the name closes its address at once.
+    client
+        .set_network_policy(&open, policy(&["tcp:forbidden.test:22"]))
+        .await
+        .unwrap();
+    assert!(!reaches(&client, &open, net.mirror, 8080).await);
+    assert_eq!(lookup(&client, &open, "files.mirror.test").await, None);
+    assert_eq!(
+        lookup(&client, &open, "forbidden.test").await,
+        Some(vec![net.forbidden])
+    );
+    assert!(reaches(&client, &open, net.forbidden, 22).await);
+    assert!(!reaches(&client, &open, net.forbidden, 8080).await);
+
+    // Bad domain rules are INVALID_ARGUMENT naming the problem.
+    for (rule, needle) in [
+        ("tcp:mirror..test:80", "not a domain name"),
+        ("tcp:*.mirror.test:0", "1-65535"),
+        ("icmp:mirror.test", "TCP and UDP"),
+        ("tcp:mi_rror.test:80", "not a domain name"),
+    ] {
+        let err = client
+            .set_network_policy(&open, policy(&[rule]))
+            .await
+            .expect_err("a bad rule was accepted");
+        assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
+        assert!(err.to_string().contains(needle), "{rule}: {err}");
+    }
+    let specs: Vec<String> = (1..=9).map(|p| format!("tcp:mirror.test:{p}")).collect();
+    let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
+    let err = client
+        .set_network_policy(&open, policy(&specs))
+        .await
+        .expect_err("nine port combinations were accepted");
+    assert!(err.to_string().contains("at most 8"), "{err}");
     daemon.stop(client).await;
 }

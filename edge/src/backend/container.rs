@@ -71,8 +71,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
                 resolv_conf: config
                     .network
                     .as_ref()
-                    .and_then(|n| n.resolver)
-                    .map(|ip| format!("nameserver {ip}\n"))
+                    .map(|n| format!("nameserver {}\n", n.gateway))
                     .unwrap_or_default(),
             })
         });

@@ -379,8 +379,9 @@ pub struct DaemonArgs {
     /// (rules as in NetworkPolicy), referenced by name in sandboxes' policies.
     #[arg(long, value_name = "FILE")]
     pub policies: Option<PathBuf>,
-    /// Resolver written into sandboxes' /etc/resolv.conf (default: the host's first IPv4
-    /// nameserver outside 127/8); reachable only where a policy allows `udp:ADDR:53`.
+    /// Upstream resolver of the node's DNS proxy (port 53; default: the host's first IPv4
+    /// nameserver). Sandboxes resolve through the proxy on the bridge address, which
+    /// answers only names their policy allows.
     #[arg(long, value_name = "ADDR")]
     pub net_dns: Option<std::net::Ipv4Addr>,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).

@@ -82,6 +82,7 @@ impl Node {
                                 EdgeError::Protocol(format!("network setup task failed: {e}"))
                             })??,
                     )
+                    .inspect(|net| net.serve_dns())
                 }
                 None => None,
             },

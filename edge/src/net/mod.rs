@@ -1,6 +1,8 @@
 //! Sandbox networking for containers: a node bridge, an address pool, a veth pair per
 //! sandbox (`eth0` inside, its host end an isolated bridge port), NAT to the uplink, and a
-//! default-deny policy per sandbox in the node's nftables table (see `nft.rs`).
+//! default-deny policy per sandbox in the node's nftables table (see `nft.rs`), and a DNS
+//! proxy on the bridge address that resolves only the names a sandbox's policy allows
+//! (see `dns.rs`).
 //!
 //! Links are configured with `ip -batch` (iproute2) and rules with `nft -j -f -`: a few
 //! processes per create instead of a netlink stack in the daemon (see edge/README.md for the
@@ -9,14 +11,17 @@
 
 pub mod policy;
 
+mod dns;
 mod nft;
 
+use std::collections::HashMap;
 use std::io::Write;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
 
@@ -45,9 +50,8 @@ pub struct NetConfig {
     /// The pool; None picks a free 10.x.0.0/16 (not overlapping the host's routes).
     pub pool: Option<(Ipv4Addr, u8)>,
     pub policies: NamedPolicies,
-    /// The resolver written into sandboxes' /etc/resolv.conf; None: the host's first IPv4
-    /// nameserver that is not a loopback address (sandboxes reach it only if their policy
-    /// allows `udp:ADDR:53`).
+    /// The upstream resolver the DNS proxy asks (port 53); None: the host's first IPv4
+    /// nameserver. Sandboxes never reach it themselves: their resolver is the proxy.
     pub resolver: Option<Ipv4Addr>,
 }
 
@@ -71,8 +75,20 @@ pub struct Network {
     pub pool: (Ipv4Addr, u8),
     pub gateway: Ipv4Addr,
     pub policies: NamedPolicies,
-    pub resolver: Option<Ipv4Addr>,
+    /// Where the DNS proxy forwards the names it answers.
+    pub resolver: Option<SocketAddr>,
     slots: PathBuf,
+    /// Each sandbox's policy and the names the proxy resolved for it, by address.
+    sandboxes: Mutex<HashMap<Ipv4Addr, Named>>,
+    /// The proxy's socket until [`Network::serve_dns`] takes it.
+    dns_socket: Mutex<Option<std::net::UdpSocket>>,
+}
+
+/// What the DNS proxy knows of a sandbox.
+#[derive(Debug, Default)]
+struct Named {
+    policy: Policy,
+    resolved: Vec<dns::Resolved>,
 }
 
 /// What a sandbox holds, recorded in its directory.
@@ -81,6 +97,11 @@ struct Held {
     table: String,
     addr: Ipv4Addr,
     slot: PathBuf,
+}
+
+/// The bridge's own address: the pool's first.
+fn gateway_of(pool: (Ipv4Addr, u8)) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(pool.0) + 1)
 }
 
 fn veth_name(addr: Ipv4Addr) -> String {
@@ -106,7 +127,7 @@ impl Network {
             Some(pool) => pool,
             None => free_pool()?,
         };
-        let gateway = Ipv4Addr::from(u32::from(pool.0) + 1);
+        let gateway = gateway_of(pool);
         if !Path::new("/sys/class/net").join(bridge).exists() {
             ip_batch(&format!("link add {bridge} type bridge\n"), None)?;
         }
@@ -126,15 +147,72 @@ impl Network {
         let slots = Path::new(SLOTS_DIR).join(bridge);
         std::fs::create_dir_all(&slots)
             .map_err(|e| NetError::Setup(format!("create {}: {e}", slots.display())))?;
+        let dns_socket = dns::bind(gateway).map_err(|e| {
+            NetError::Setup(format!(
+                "the DNS proxy cannot listen on {gateway}:53 ({e}): stop the resolver that holds port 53 on all addresses, or make it listen on specific ones"
+            ))
+        })?;
         tracing::info!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, "sandbox network up");
         Ok(Arc::new(Self {
             bridge: bridge.clone(),
             pool,
             gateway,
             policies: config.policies.clone(),
-            resolver: config.resolver.or_else(host_resolver),
+            resolver: config
+                .resolver
+                .or_else(host_resolver)
+                .map(|ip| SocketAddr::from((ip, 53))),
             slots,
+            sandboxes: Mutex::default(),
+            dns_socket: Mutex::new(Some(dns_socket)),
         }))
+    }
+
+    /// Starts the DNS proxy on the runtime this is called on (once; later calls do nothing).
+    pub fn serve_dns(self: &Arc<Self>) {
+        let socket = self
+            .dns_socket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(socket) = socket {
+            tokio::spawn(dns::serve(self.clone(), socket));
+        }
+    }
+
+    /// The policy of the sandbox at `addr`, if one is there.
+    fn policy_of(&self, addr: Ipv4Addr) -> Option<Policy> {
+        let sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        sandboxes.get(&addr).map(|n| n.policy.clone())
+    }
+
+    /// Sets the policy the DNS proxy applies to `addr`; returns the names it resolved
+    /// under the old one that have not timed out.
+    fn set_names(&self, addr: Ipv4Addr, policy: &Policy) -> Vec<dns::Resolved> {
+        let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        let named = sandboxes.entry(addr).or_default();
+        named.policy = policy.clone();
+        let now = Instant::now();
+        named.resolved.retain(|r| r.until > now);
+        named.resolved.clone()
+    }
+
+    /// Records names the proxy resolved for `addr` (the newest [`dns::MAX_REMEMBERED`]).
+    fn remember(&self, addr: Ipv4Addr, resolved: impl Iterator<Item = dns::Resolved>) {
+        let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(named) = sandboxes.get_mut(&addr) {
+            let now = Instant::now();
+            named.resolved.retain(|r| r.until > now);
+            named.resolved.extend(resolved);
+            let excess = named.resolved.len().saturating_sub(dns::MAX_REMEMBERED);
+            named.resolved.drain(..excess);
+        }
+    }
+
+    /// The proxy forgets the sandbox at `addr`.
+    fn forget(&self, addr: Ipv4Addr) {
+        let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        sandboxes.remove(&addr);
     }
 
     /// Resolves a policy as written (named policies expanded) and checks that it compiles.
@@ -159,6 +237,10 @@ impl Network {
             policy::compile(&policy.deny)?,
         );
         let addr = self.allocate(sandbox_dir)?;
+        // A sandbox that had this address before may have left its names.
+        self.forget(addr);
+        self.set_names(addr, policy);
+        let domains = policy.domain_specs();
         let veth = veth_name(addr);
         let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
             NetError::Setup(format!("open the network namespace of pid {pid}: {e}"))
@@ -167,8 +249,9 @@ impl Network {
         // Rules and links in parallel: until the map entry exists the bridge drops the
         // sandbox's packets anyway.
         let table = self.bridge.clone();
-        let rules =
-            std::thread::spawn(move || nft::apply(nft::add_sandbox(&table, addr, &allow, &deny)));
+        let rules = std::thread::spawn(move || {
+            nft::apply(nft::add_sandbox(&table, addr, &allow, &deny, &domains))
+        });
         let host = ip_batch(
             &format!(
                 "link add {veth} type veth peer name eth0 netns {pid}\n\
@@ -202,7 +285,23 @@ impl Network {
             policy::compile(&policy.allow)?,
             policy::compile(&policy.deny)?,
         );
-        nft::apply(nft::replace_policy(&self.bridge, addr, &allow, &deny))?;
+        let domains = policy.domain_specs();
+        let mut cmds = nft::replace_policy(&self.bridge, addr, &allow, &deny, &domains);
+        // Names resolved before stay open as long as the new policy allows them.
+        let now = Instant::now();
+        let mut kept = Vec::new();
+        for resolved in self.set_names(addr, policy) {
+            let left = resolved
+                .until
+                .saturating_duration_since(now)
+                .as_secs()
+                .max(1);
+            for (k, _) in policy.domain_verdict(&resolved.name) {
+                kept.push((k, resolved.addr, left.min(u64::from(u32::MAX)) as u32));
+            }
+        }
+        cmds.extend(nft::add_resolved(&self.bridge, addr, &kept));
+        nft::apply(cmds)?;
         flush_conntrack(addr);
         Ok(())
     }
@@ -216,7 +315,14 @@ impl Network {
                 policy::compile(&policy.allow)?,
                 policy::compile(&policy.deny)?,
             );
-            cmds.extend(nft::add_sandbox(&self.bridge, *addr, &allow, &deny));
+            self.set_names(*addr, policy);
+            cmds.extend(nft::add_sandbox(
+                &self.bridge,
+                *addr,
+                &allow,
+                &deny,
+                &policy.domain_specs(),
+            ));
         }
         nft::apply(cmds)?;
         let keep: Vec<String> = live.iter().map(|(a, _)| veth_name(*a)).collect();
@@ -428,15 +534,14 @@ fn write_sysctl(name: &str, value: &str) -> Result<(), NetError> {
         .map_err(|e| NetError::Setup(format!("write {value} to {}: {e}", path.display())))
 }
 
-/// The host's first IPv4 nameserver outside 127.0.0.0/8 (a loopback resolver is the host's
-/// own, not the sandbox's).
+/// The host's first IPv4 nameserver (the proxy runs in the host's namespace, so a
+/// loopback resolver is fine).
 fn host_resolver() -> Option<Ipv4Addr> {
     std::fs::read_to_string("/etc/resolv.conf")
         .ok()?
         .lines()
         .filter_map(|l| l.trim().strip_prefix("nameserver"))
-        .filter_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
-        .find(|ip| !ip.is_loopback())
+        .find_map(|ip| ip.trim().parse::<Ipv4Addr>().ok())
 }
 
 /// The first 10.N.0.0/16 (N from 200 up) that no host route overlaps.

@@ -4,9 +4,13 @@
 //! - `forward`: from the bridge, traffic to the pool (other sandboxes) and IPv6 are dropped,
 //!   then `ip saddr vmap @sandboxes` jumps to the sandbox's own chain; unknown sources are
 //!   dropped. Towards the bridge only replies (ct established/related) pass.
-//! - `sb_<addr hex>`: deny set -> reject, allow set -> accept, else reject (counted). Every
-//!   packet a sandbox sends is checked, so a policy change applies to open connections too.
-//! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point).
+//! - `sb_<addr hex>`: deny set -> reject, allow set -> accept, then the addresses the DNS
+//!   proxy resolved for its domain rules (`dns<k>_<addr hex>`, one set per protocol/port
+//!   combination, elements that time out with the answers' TTLs; a connection they opened is
+//!   marked and kept when its address times out), else reject (counted). Every packet a
+//!   sandbox sends is checked, so a policy change applies to open connections too.
+//! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point)
+//!   but the DNS proxy (UDP 53 on the bridge address).
 //! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
 
 use std::io::Write;
@@ -15,7 +19,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
-use super::policy::Element;
+use super::policy::{DomainSpec, Element, Proto, MAX_DOMAIN_SPECS};
 use super::NetError;
 
 const FAMILY: &str = "inet";
@@ -26,6 +30,17 @@ fn chain_name(addr: Ipv4Addr) -> String {
 
 fn set_name(kind: &str, addr: Ipv4Addr) -> String {
     format!("{kind}_{:08x}", u32::from(addr))
+}
+
+/// The conntrack mark bit of connections a resolved domain let through.
+const DNS_MARK: u32 = 0x0040_0000;
+
+fn dns_set_name(k: usize, addr: Ipv4Addr) -> String {
+    format!("dns{k}_{:08x}", u32::from(addr))
+}
+
+fn ct_mark() -> Value {
+    json!({"ct": {"key": "mark"}})
 }
 
 fn meta(key: &str) -> Value {
@@ -52,8 +67,34 @@ fn rule(table: &str, chain: &str, expr: Vec<Value>) -> Value {
     json!({"add": {"rule": {"family": FAMILY, "table": table, "chain": chain, "expr": expr}}})
 }
 
+fn dport() -> Value {
+    json!({"payload": {"protocol": "th", "field": "dport"}})
+}
+
 fn policy_key() -> Value {
-    json!({"concat": [ip("daddr"), meta("l4proto"), {"payload": {"protocol": "th", "field": "dport"}}]})
+    json!({"concat": [ip("daddr"), meta("l4proto"), dport()]})
+}
+
+/// What a domain rule's protocol and ports match.
+fn spec_match(spec: &DomainSpec) -> Vec<Value> {
+    let (proto, ports) = *spec;
+    let mut out = Vec::new();
+    let name = |p: Proto| match p {
+        Proto::Tcp => "tcp",
+        Proto::Udp => "udp",
+        Proto::Icmp => "icmp",
+    };
+    match proto {
+        Some(p) => out.push(is(meta("l4proto"), json!(name(p)))),
+        None if ports != (0, 65535) => {
+            out.push(is(meta("l4proto"), json!({"set": ["tcp", "udp"]})))
+        }
+        None => {}
+    }
+    if ports != (0, 65535) {
+        out.push(is(dport(), json!({"range": [ports.0, ports.1]})));
+    }
+    out
 }
 
 fn element(e: &Element) -> Value {
@@ -68,6 +109,7 @@ fn element(e: &Element) -> Value {
 /// old rules hold until the new ones do).
 pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec<Value> {
     let t = json!({"family": FAMILY, "name": table});
+    let gateway = super::gateway_of(pool);
     let base_chain = |name: &str, kind: &str, hook: &str, prio: i32| {
         json!({"add": {"chain": {"family": FAMILY, "table": table, "name": name,
             "type": kind, "hook": hook, "prio": prio, "policy": "accept"}}})
@@ -115,6 +157,17 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
         ),
         on_bridge("forward", "oifname", vec![drop.clone()]),
         base_chain("input", "filter", "input", 0),
+        // The DNS proxy on the bridge address: the one service of the node a sandbox reaches.
+        on_bridge(
+            "input",
+            "iifname",
+            vec![
+                is(ip("daddr"), json!(gateway.to_string())),
+                is(meta("l4proto"), json!("udp")),
+                is(dport(), json!(53)),
+                json!({"accept": null}),
+            ],
+        ),
         on_bridge("input", "iifname", vec![counter, drop]),
         base_chain("postrouting", "nat", "postrouting", 100),
         rule(
@@ -136,12 +189,33 @@ fn set_elements(op: &str, table: &str, name: &str, elements: &[Element]) -> Opti
     })
 }
 
-/// A sandbox's chain, its allow and deny sets, and its entry in the `sandboxes` map.
+/// A sandbox's chain, its allow, deny and resolved-address sets, and its entry in the
+/// `sandboxes` map.
 pub(super) fn add_sandbox(
     table: &str,
     addr: Ipv4Addr,
     allow: &[Element],
     deny: &[Element],
+    domains: &[DomainSpec],
+) -> Vec<Value> {
+    let chain = chain_name(addr);
+    let mut cmds = replace_policy(table, addr, allow, deny, domains);
+    cmds.push(
+        json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
+        "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
+    );
+    cmds
+}
+
+/// A sandbox's chain and sets, (re)written: emptied first, so that a policy change or a
+/// sandbox that had this address before leaves nothing of its own (resolved addresses the
+/// new policy still allows are added back by the caller, in the same transaction).
+pub(super) fn replace_policy(
+    table: &str,
+    addr: Ipv4Addr,
+    allow: &[Element],
+    deny: &[Element],
+    domains: &[DomainSpec],
 ) -> Vec<Value> {
     let chain = chain_name(addr);
     let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
@@ -152,6 +226,15 @@ pub(super) fn add_sandbox(
         cmds.push(
             json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
             "type": ["ipv4_addr", "inet_proto", "inet_service"], "flags": ["interval"]}}}),
+        );
+        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
+    }
+    // Always all of them, so that release and a policy change need not know how many.
+    for k in 0..MAX_DOMAIN_SPECS {
+        let name = dns_set_name(k, addr);
+        cmds.push(
+            json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
+            "type": "ipv4_addr", "flags": ["timeout"]}}}),
         );
         cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
     }
@@ -188,29 +271,45 @@ pub(super) fn add_sandbox(
             json!({"accept": null}),
         ],
     ));
+    if !domains.is_empty() {
+        // A connection to a resolved address lives on when the address times out.
+        cmds.push(rule(
+            table,
+            &chain,
+            vec![
+                is(json!({"&": [ct_mark(), DNS_MARK]}), json!(DNS_MARK)),
+                json!({"accept": null}),
+            ],
+        ));
+    }
+    for (k, spec) in domains.iter().enumerate().take(MAX_DOMAIN_SPECS) {
+        let mut expr = vec![is(
+            ip("daddr"),
+            json!(format!("@{}", dns_set_name(k, addr))),
+        )];
+        expr.extend(spec_match(spec));
+        expr.push(json!({"mangle": {"key": ct_mark(), "value": {"|": [ct_mark(), DNS_MARK]}}}));
+        expr.push(json!({"accept": null}));
+        cmds.push(rule(table, &chain, expr));
+    }
     cmds.extend(reject(None));
-    cmds.push(
-        json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
-        "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
-    );
     cmds
 }
 
-/// Replaces a sandbox's allow and deny sets in one transaction.
-pub(super) fn replace_policy(
+/// Addresses the DNS proxy resolved: (set index, address, seconds until they time out).
+pub(super) fn add_resolved(
     table: &str,
     addr: Ipv4Addr,
-    allow: &[Element],
-    deny: &[Element],
+    resolved: &[(usize, Ipv4Addr, u32)],
 ) -> Vec<Value> {
-    let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
-    let mut cmds = Vec::new();
-    for name in [&allow_set, &deny_set] {
-        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
-    }
-    cmds.extend(set_elements("add", table, &allow_set, allow));
-    cmds.extend(set_elements("add", table, &deny_set, deny));
-    cmds
+    resolved
+        .iter()
+        .map(|(k, ip, timeout)| {
+            json!({"add": {"element": {"family": FAMILY, "table": table,
+                "name": dns_set_name(*k, addr),
+                "elem": [{"elem": {"val": ip.to_string(), "timeout": timeout}}]}}})
+        })
+        .collect()
 }
 
 /// Removes a sandbox's map entry, chain and sets.
@@ -232,6 +331,9 @@ pub(super) fn remove_sandbox_chain(table: &str, addr: Ipv4Addr) -> Vec<Value> {
     ];
     for kind in ["allow", "deny"] {
         cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": set_name(kind, addr)}}}));
+    }
+    for k in 0..MAX_DOMAIN_SPECS {
+        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": dns_set_name(k, addr)}}}));
     }
     cmds
 }

@@ -2,8 +2,11 @@
 //! operator's named policies, and compiled into non-overlapping nftables set elements.
 //!
 //! A rule is `[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]` (IPv4; a bare address is /32). Without a
-//! protocol, a rule with ports means TCP and UDP, one without ports every protocol. Any other
-//! entry (starting with a letter) names a policy of the operator's file.
+//! protocol, a rule with ports means TCP and UDP, one without ports every protocol. A domain
+//! rule is `[tcp:|udp:]NAME[:PORT[-PORT]]` with NAME exact (`pypi.example.org`) or a suffix
+//! (`*.example.org`): the node's DNS proxy answers only such names and opens their answers'
+//! addresses (see `dns.rs`). Any other entry (a letter first, no dot) names a policy of the
+//! operator's file.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -15,6 +18,9 @@ pub const MAX_RULES: usize = 4096;
 pub const MAX_ELEMENTS: usize = 65536;
 /// Longest rule or policy name accepted.
 pub const MAX_RULE_LEN: usize = 128;
+/// Distinct protocol/port combinations among a policy's domain rules: each has its own
+/// nftables set of resolved addresses, and every sandbox has this many (empty) sets.
+pub const MAX_DOMAIN_SPECS: usize = 8;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PolicyError {
@@ -26,12 +32,14 @@ pub enum PolicyError {
     TooManyRules { count: usize },
     #[error("network policy compiles to more than {MAX_ELEMENTS} set elements (its rules overlap in many pieces): merge overlapping rules")]
     TooFragmented,
+    #[error("network policy has {count} different protocol/port combinations among its domain rules, at most {MAX_DOMAIN_SPECS} are allowed: give domain rules the same port ranges")]
+    TooManyDomainSpecs { count: usize },
     #[error("named policies file {path}: {why}; expected a JSON object {{\"NAME\": {{\"allow\": [RULE...], \"deny\": [RULE...]}}}}")]
     BadFile { path: String, why: String },
 }
 
 /// A transport protocol a rule names; None in [`Rule::proto`] means every protocol.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Proto {
     Tcp,
     Udp,
@@ -39,7 +47,7 @@ pub enum Proto {
 }
 
 impl Proto {
-    fn number(self) -> u8 {
+    pub fn number(self) -> u8 {
         match self {
             Proto::Tcp => 6,
             Proto::Udp => 17,
@@ -124,27 +132,138 @@ impl std::str::FromStr for Rule {
         let Some(ports) = ports else {
             return Ok(rule);
         };
-        if proto == Some(Proto::Icmp) {
-            return Err(bad("ICMP has no ports"));
+        let ports = parse_ports(proto, ports).map_err(|why| bad(&why))?;
+        Ok(Rule { ports, ..rule })
+    }
+}
+
+/// `PORT` or `LO-HI`, 1-65535, for TCP and UDP only.
+fn parse_ports(proto: Option<Proto>, ports: &str) -> Result<(u16, u16), String> {
+    if proto == Some(Proto::Icmp) {
+        return Err("ICMP has no ports".into());
+    }
+    let port = |p: &str| {
+        p.parse::<u32>()
+            .ok()
+            .filter(|p| (1..=65535).contains(p))
+            .map(|p| p as u16)
+            .ok_or_else(|| format!("port {p:?} is not 1-65535"))
+    };
+    let ports = match ports.split_once('-') {
+        Some((lo, hi)) => (port(lo)?, port(hi)?),
+        None => (port(ports)?, port(ports)?),
+    };
+    if ports.0 > ports.1 {
+        return Err(format!("port range {}-{} is backwards", ports.0, ports.1));
+    }
+    Ok(ports)
+}
+
+/// A name a domain rule matches: exactly, or (`*.suffix`) any name below the suffix.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct DomainPattern {
+    /// Lower case, no trailing dot.
+    pub name: String,
+    pub wildcard: bool,
+}
+
+impl DomainPattern {
+    /// Whether `name` (lower case, no trailing dot) matches: the labels below a wildcard's
+    /// suffix (what a tunnel would fill; "" for an exact match), else None.
+    pub fn matches<'a>(&self, name: &'a str) -> Option<&'a str> {
+        if self.wildcard {
+            let below = name.strip_suffix(self.name.as_str())?.strip_suffix('.')?;
+            (!below.is_empty()).then_some(below)
+        } else {
+            (name == self.name).then_some("")
         }
-        let port = |p: &str| {
-            p.parse::<u32>()
-                .ok()
-                .filter(|p| (1..=65535).contains(p))
-                .map(|p| p as u16)
-                .ok_or_else(|| bad(&format!("port {p:?} is not 1-65535")))
+    }
+}
+
+impl std::fmt::Display for DomainPattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.wildcard {
+            f.write_str("*.")?;
+        }
+        f.write_str(&self.name)
+    }
+}
+
+/// Protocol (None: TCP and UDP with ports, else all) and destination ports a domain rule
+/// opens on the addresses its names resolve to.
+pub type DomainSpec = (Option<Proto>, (u16, u16));
+
+/// `[tcp:|udp:]NAME[:PORT[-PORT]]`: the addresses NAME resolves to, on these ports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DomainRule {
+    pub pattern: DomainPattern,
+    pub proto: Option<Proto>,
+    pub ports: (u16, u16),
+}
+
+impl DomainRule {
+    pub fn spec(&self) -> DomainSpec {
+        (self.proto, self.ports)
+    }
+}
+
+/// Whether an entry is a domain rule: its host part has a dot and a letter or `*`.
+fn is_domain(entry: &str) -> bool {
+    let rest = ["tcp:", "udp:", "icmp:"]
+        .iter()
+        .find_map(|p| entry.strip_prefix(p))
+        .unwrap_or(entry);
+    let host = rest.split(':').next().unwrap_or("");
+    host.contains('.') && host.contains(|c: char| c.is_ascii_alphabetic() || c == '*')
+}
+
+impl std::str::FromStr for DomainRule {
+    type Err = PolicyError;
+
+    fn from_str(text: &str) -> Result<Self, PolicyError> {
+        let bad = |why: &str| PolicyError::BadRule {
+            rule: text.chars().take(MAX_RULE_LEN).collect(),
+            why: why.to_string(),
         };
-        let ports = match ports.split_once('-') {
-            Some((lo, hi)) => (port(lo)?, port(hi)?),
-            None => (port(ports)?, port(ports)?),
+        if text.len() > MAX_RULE_LEN {
+            return Err(bad(&format!("longer than {MAX_RULE_LEN} bytes")));
+        }
+        let (proto, rest) = match text.split_once(':') {
+            Some(("tcp", rest)) => (Some(Proto::Tcp), rest),
+            Some(("udp", rest)) => (Some(Proto::Udp), rest),
+            Some(("icmp", _)) => return Err(bad("domain rules are for TCP and UDP")),
+            _ => (None, text),
         };
-        if ports.0 > ports.1 {
+        let (host, ports) = match rest.split_once(':') {
+            Some((host, ports)) => (host, Some(ports)),
+            None => (rest, None),
+        };
+        let (wildcard, name) = match host.strip_prefix("*.") {
+            Some(name) => (true, name),
+            None => (false, host),
+        };
+        let name = name.to_ascii_lowercase();
+        let labels: Vec<&str> = name.split('.').collect();
+        let label_ok = |l: &&str| {
+            (1..=63).contains(&l.len())
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        };
+        if name.len() > 253 || labels.len() < 2 || !labels.iter().all(label_ok) {
             return Err(bad(&format!(
-                "port range {}-{} is backwards",
-                ports.0, ports.1
+                "{host:?} is not a domain name (labels of letters, digits and -; `*.` only in front)"
             )));
         }
-        Ok(Rule { ports, ..rule })
+        let ports = match ports {
+            Some(p) => parse_ports(proto, p).map_err(|why| bad(&why))?,
+            None => (0, 65535),
+        };
+        Ok(DomainRule {
+            pattern: DomainPattern { name, wildcard },
+            proto,
+            ports,
+        })
     }
 }
 
@@ -156,9 +275,10 @@ fn host_bits(net: Ipv4Addr, prefix: u8) -> bool {
     u32::from(net) & host_mask(prefix) != 0
 }
 
-/// What a policy entry is: a rule, else (starting with a letter) the name of a policy.
+/// What a policy entry is: a rule, else (a letter first, no dot) the name of a policy.
 fn is_name(entry: &str) -> bool {
     entry.starts_with(|c: char| c.is_ascii_alphabetic())
+        && !entry.contains('.')
         && !["tcp:", "udp:", "icmp:"]
             .iter()
             .any(|p| entry.starts_with(p))
@@ -178,11 +298,71 @@ pub struct PolicyText {
 pub struct Policy {
     pub allow: Vec<Rule>,
     pub deny: Vec<Rule>,
+    /// Names the DNS proxy answers, and the ports their addresses are opened on.
+    pub allow_domains: Vec<DomainRule>,
+    /// Names the DNS proxy never answers (their ports do not matter).
+    pub deny_domains: Vec<DomainPattern>,
 }
 
 impl Policy {
     pub fn is_empty(&self) -> bool {
-        self.allow.is_empty() && self.deny.is_empty()
+        self.rule_count() == 0
+    }
+
+    fn rule_count(&self) -> usize {
+        self.allow.len() + self.deny.len() + self.allow_domains.len() + self.deny_domains.len()
+    }
+
+    /// The distinct protocol/port combinations of the domain rules, in a stable order (a
+    /// combination's index names its set of resolved addresses).
+    pub fn domain_specs(&self) -> Vec<DomainSpec> {
+        let mut specs: Vec<DomainSpec> = self.allow_domains.iter().map(DomainRule::spec).collect();
+        specs.sort_unstable();
+        specs.dedup();
+        specs
+    }
+
+    /// Which sets of resolved addresses an answer for `name` goes to (indexes into
+    /// [`Policy::domain_specs`]), each with the labels below the wildcard suffix the name
+    /// matched through ("" for an exact match). Empty when a deny rule names it or no allow
+    /// rule does.
+    pub fn domain_verdict<'a>(&self, name: &'a str) -> Vec<(usize, &'a str)> {
+        if self.deny_domains.iter().any(|d| d.matches(name).is_some()) {
+            return Vec::new();
+        }
+        let specs = self.domain_specs();
+        let mut out: Vec<(usize, &str)> = Vec::new();
+        for rule in &self.allow_domains {
+            if let Some(below) = rule.pattern.matches(name) {
+                if let Some(k) = specs.iter().position(|s| *s == rule.spec()) {
+                    out.push((k, below));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One entry of a policy that is not a name.
+enum Entry {
+    Rule(Rule),
+    Domain(DomainRule),
+}
+
+fn parse_entry(text: &str) -> Result<Entry, PolicyError> {
+    if is_domain(text) {
+        text.parse().map(Entry::Domain)
+    } else {
+        text.parse().map(Entry::Rule)
+    }
+}
+
+fn push_entry(policy: &mut Policy, entry: Entry, deny: bool) {
+    match (entry, deny) {
+        (Entry::Rule(r), false) => policy.allow.push(r),
+        (Entry::Rule(r), true) => policy.deny.push(r),
+        (Entry::Domain(d), false) => policy.allow_domains.push(d),
+        (Entry::Domain(d), true) => policy.deny_domains.push(d.pattern),
     }
 }
 
@@ -227,18 +407,14 @@ impl NamedPolicies {
                     "policy name {name:?} must be 1-63 letters, digits, - or _, starting with a letter"
                 )));
             }
-            let rules = |list: &[String]| {
-                list.iter()
-                    .map(|r| {
-                        r.parse::<Rule>()
-                            .map_err(|e| bad(format!("policy {name:?}: {e}")))
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            };
-            let policy = Policy {
-                allow: rules(&text.allow)?,
-                deny: rules(&text.deny)?,
-            };
+            let mut policy = Policy::default();
+            for (list, deny) in [(&text.allow, false), (&text.deny, true)] {
+                for entry in list {
+                    let entry =
+                        parse_entry(entry).map_err(|e| bad(format!("policy {name:?}: {e}")))?;
+                    push_entry(&mut policy, entry, deny);
+                }
+            }
             policies.insert(name, policy);
         }
         Ok(Self { policies })
@@ -271,25 +447,33 @@ impl NamedPolicies {
                     if deny {
                         // A named policy in the deny list denies what it would allow.
                         policy.deny.extend(&named.allow);
+                        policy
+                            .deny_domains
+                            .extend(named.allow_domains.iter().map(|d| d.pattern.clone()));
                     } else {
                         policy.allow.extend(&named.allow);
                         policy.deny.extend(&named.deny);
+                        policy
+                            .allow_domains
+                            .extend(named.allow_domains.iter().cloned());
+                        policy
+                            .deny_domains
+                            .extend(named.deny_domains.iter().cloned());
                     }
                 } else {
-                    let rule = entry.parse()?;
-                    if deny {
-                        policy.deny.push(rule);
-                    } else {
-                        policy.allow.push(rule);
-                    }
+                    push_entry(&mut policy, parse_entry(entry)?, deny);
                 }
-                let count = policy.allow.len() + policy.deny.len();
+                let count = policy.rule_count();
                 if count > MAX_RULES {
                     return Err(PolicyError::TooManyRules {
                         count: entries.len().max(count),
                     });
                 }
             }
+        }
+        let specs = policy.domain_specs().len();
+        if specs > MAX_DOMAIN_SPECS {
+            return Err(PolicyError::TooManyDomainSpecs { count: specs });
         }
         Ok(policy)
     }

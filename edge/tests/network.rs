@@ -286,6 +286,12 @@ impl Internet {
             .collect()
     }
 
+    /// Sandboxes' sets in the table (allow, deny and resolved addresses).
+    fn sets(&self) -> usize {
+        let table = sh(&format!("nft list table inet {}", self.bridge));
+        table.matches("\tset ").count()
+    }
+
     /// Sandbox chains and map entries in the table.
     fn rules(&self) -> (usize, String) {
         let table = sh(&format!("nft list table inet {}", self.bridge));
@@ -668,7 +674,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     let started = Instant::now();
     for i in 0..CYCLES {
         let network = if i % 10 == 0 {
-            policy(&["mirror", "tcp:198.18.0.0/15:1-1024"])
+            policy(&["mirror", "pypi-mirror", "tcp:198.18.0.0/15:1-1024"])
         } else {
             NetworkPolicy::default()
         };
@@ -685,6 +691,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     assert_eq!(net.slots(), 0, "addresses left");
     let (chains, map) = net.rules();
     assert_eq!(chains, 0, "sandbox chains left");
+    assert_eq!(net.sets(), 0, "sandbox sets left");
     assert!(!map.contains(&net.pool_prefix), "map entries left: {map}");
     // "network attached setup_us=N added_us=M" (tracing's colours stripped).
     let log = daemon.log();
@@ -725,7 +732,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     // Adoption: a daemon killed with two sandboxes; one's record is lost (as if the daemon
     // died while creating it). The restarted daemon keeps the other one's network and
     // policy and frees everything of the lost one.
-    let kept = create(&client, policy(&["mirror"])).await;
+    let kept = create(&client, policy(&["mirror", "pypi-mirror"])).await;
     let lost = create(&client, NetworkPolicy::default()).await;
     assert_eq!(net.veths().len(), 2);
     daemon.kill9();
@@ -742,11 +749,17 @@ async fn create_delete_and_adoption_leak_nothing() {
     assert_eq!(net.veths().len(), 1, "the lost sandbox's veth is left");
     assert_eq!(net.slots(), 1);
     assert_eq!(net.rules().0, 1);
+    // Its allow, deny and one set of resolved addresses; the proxy knows its names again.
+    assert_eq!(net.sets(), 3);
+    assert_eq!(
+        lookup(&client, &kept, "mirror.test").await,
+        Some(vec![net.mirror])
+    );
     assert!(reaches(&client, &kept, net.mirror, 8080).await);
     assert!(!reaches(&client, &kept, net.mirror, 8081).await);
     client.delete(&kept).await.unwrap();
     assert_eq!(net.veths(), Vec::<String>::new());
-    assert_eq!((net.slots(), net.rules().0), (0, 0));
+    assert_eq!((net.slots(), net.rules().0, net.sets()), (0, 0, 0));
     daemon.stop(client).await;
 }
 

@@ -97,6 +97,9 @@ struct Held {
     table: String,
     addr: Ipv4Addr,
     slot: PathBuf,
+    /// Its sets of resolved addresses (one per protocol/port combination of domain rules).
+    #[serde(default)]
+    dns_sets: usize,
 }
 
 /// The bridge's own address: the pool's first.
@@ -186,15 +189,30 @@ impl Network {
         sandboxes.get(&addr).map(|n| n.policy.clone())
     }
 
-    /// Sets the policy the DNS proxy applies to `addr`; returns the names it resolved
-    /// under the old one that have not timed out.
-    fn set_names(&self, addr: Ipv4Addr, policy: &Policy) -> Vec<dns::Resolved> {
+    /// Sets the policy the DNS proxy applies to `addr`; returns the old policy and the
+    /// names resolved under it that have not timed out.
+    fn set_names(&self, addr: Ipv4Addr, policy: &Policy) -> (Policy, Vec<dns::Resolved>) {
         let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
         let named = sandboxes.entry(addr).or_default();
-        named.policy = policy.clone();
+        let old = std::mem::replace(&mut named.policy, policy.clone());
         let now = Instant::now();
         named.resolved.retain(|r| r.until > now);
-        named.resolved.clone()
+        (old, named.resolved.clone())
+    }
+
+    /// Records in the sandbox's directory (found through its address slot) how many sets
+    /// of resolved addresses it has, for [`release`].
+    fn record_dns_sets(&self, addr: Ipv4Addr, count: usize) {
+        let Ok(dir) = std::fs::read_link(self.slots.join(addr.to_string())) else {
+            return;
+        };
+        if let Some(mut held) = held(&dir) {
+            held.dns_sets = count;
+            let json = serde_json::to_vec(&held).unwrap_or_default();
+            if let Err(err) = std::fs::write(dir.join(RECORD), json) {
+                tracing::warn!(%err, %addr, "cannot record the sandbox's DNS sets");
+            }
+        }
     }
 
     /// Records names the proxy resolved for `addr` (the newest [`dns::MAX_REMEMBERED`]).
@@ -236,11 +254,11 @@ impl Network {
             policy::compile(&policy.allow)?,
             policy::compile(&policy.deny)?,
         );
-        let addr = self.allocate(sandbox_dir)?;
+        let domains = policy.domain_specs();
+        let addr = self.allocate(sandbox_dir, domains.len())?;
         // A sandbox that had this address before may have left its names.
         self.forget(addr);
         self.set_names(addr, policy);
-        let domains = policy.domain_specs();
         let veth = veth_name(addr);
         let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
             NetError::Setup(format!("open the network namespace of pid {pid}: {e}"))
@@ -286,11 +304,13 @@ impl Network {
             policy::compile(&policy.deny)?,
         );
         let domains = policy.domain_specs();
-        let mut cmds = nft::replace_policy(&self.bridge, addr, &allow, &deny, &domains);
+        let (old, resolved) = self.set_names(addr, policy);
+        let old_sets = old.domain_specs().len();
+        let mut cmds = nft::replace_policy(&self.bridge, addr, &allow, &deny, &domains, old_sets);
         // Names resolved before stay open as long as the new policy allows them.
         let now = Instant::now();
         let mut kept = Vec::new();
-        for resolved in self.set_names(addr, policy) {
+        for resolved in resolved {
             let left = resolved
                 .until
                 .saturating_duration_since(now)
@@ -301,7 +321,18 @@ impl Network {
             }
         }
         cmds.extend(nft::add_resolved(&self.bridge, addr, &kept));
-        nft::apply(cmds)?;
+        // Recorded first with the larger count: a release in between deletes what exists.
+        self.record_dns_sets(addr, old_sets.max(domains.len()));
+        let applied = nft::apply(cmds);
+        self.record_dns_sets(
+            addr,
+            if applied.is_ok() {
+                domains.len()
+            } else {
+                old_sets
+            },
+        );
+        applied?;
         flush_conntrack(addr);
         Ok(())
     }
@@ -316,6 +347,7 @@ impl Network {
                 policy::compile(&policy.deny)?,
             );
             self.set_names(*addr, policy);
+            self.record_dns_sets(*addr, policy.domain_specs().len());
             cmds.extend(nft::add_sandbox(
                 &self.bridge,
                 *addr,
@@ -371,7 +403,7 @@ impl Network {
 
     /// Takes a free address of the pool for `sandbox_dir` (a symlink `<slots>/<addr>` ->
     /// the directory; one whose directory is gone is free again) and records it there.
-    fn allocate(&self, sandbox_dir: &Path) -> Result<Ipv4Addr, NetError> {
+    fn allocate(&self, sandbox_dir: &Path, dns_sets: usize) -> Result<Ipv4Addr, NetError> {
         let first = u32::from(self.pool.0) + 2;
         let count = (1u32 << (32 - self.pool.1)) - 3;
         let start = random_u32() % count;
@@ -384,6 +416,7 @@ impl Network {
                         table: self.bridge.clone(),
                         addr,
                         slot: slot.clone(),
+                        dns_sets,
                     };
                     let json = serde_json::to_vec(&held).unwrap_or_default();
                     if let Err(e) = std::fs::write(sandbox_dir.join(RECORD), json) {
@@ -426,10 +459,12 @@ pub fn release(sandbox_dir: &Path) {
     let Some(held) = held(sandbox_dir) else {
         return;
     };
-    if let Err(err) = nft::apply(nft::remove_sandbox(&held.table, held.addr)) {
-        // One transaction fails as a whole: without a map entry the chain may still be there.
-        if let Err(again) = nft::apply(nft::remove_sandbox_chain(&held.table, held.addr)) {
-            tracing::debug!(%err, %again, addr = %held.addr, "sandbox rules already gone");
+    let cmds = nft::remove_sandbox(&held.table, held.addr, held.dns_sets);
+    if let Err(err) = nft::apply(cmds.clone()) {
+        // One transaction fails as a whole (a part already gone): then each part alone.
+        tracing::debug!(%err, addr = %held.addr, "sandbox rules partly gone");
+        for cmd in cmds {
+            let _ = nft::apply(vec![cmd]);
         }
     }
     let veth = veth_name(held.addr);

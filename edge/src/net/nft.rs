@@ -19,7 +19,7 @@ use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
-use super::policy::{DomainSpec, Element, Proto, MAX_DOMAIN_SPECS};
+use super::policy::{DomainSpec, Element, Proto};
 use super::NetError;
 
 const FAMILY: &str = "inet";
@@ -199,7 +199,7 @@ pub(super) fn add_sandbox(
     domains: &[DomainSpec],
 ) -> Vec<Value> {
     let chain = chain_name(addr);
-    let mut cmds = replace_policy(table, addr, allow, deny, domains);
+    let mut cmds = replace_policy(table, addr, allow, deny, domains, 0);
     cmds.push(
         json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
         "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
@@ -209,13 +209,15 @@ pub(super) fn add_sandbox(
 
 /// A sandbox's chain and sets, (re)written: emptied first, so that a policy change or a
 /// sandbox that had this address before leaves nothing of its own (resolved addresses the
-/// new policy still allows are added back by the caller, in the same transaction).
+/// new policy still allows are added back by the caller, in the same transaction). The
+/// sandbox had `old_dns_sets` sets of resolved addresses; it gets one per domain spec.
 pub(super) fn replace_policy(
     table: &str,
     addr: Ipv4Addr,
     allow: &[Element],
     deny: &[Element],
     domains: &[DomainSpec],
+    old_dns_sets: usize,
 ) -> Vec<Value> {
     let chain = chain_name(addr);
     let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
@@ -229,8 +231,8 @@ pub(super) fn replace_policy(
         );
         cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
     }
-    // Always all of them, so that release and a policy change need not know how many.
-    for k in 0..MAX_DOMAIN_SPECS {
+    // Only as many as needed: every set costs a few ms in each create's transaction.
+    for k in 0..domains.len() {
         let name = dns_set_name(k, addr);
         cmds.push(
             json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
@@ -242,6 +244,10 @@ pub(super) fn replace_policy(
     cmds.extend(set_elements("add", table, &deny_set, deny));
     cmds.push(json!({"add": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
     cmds.push(json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
+    // Once the chain no longer names them.
+    for k in domains.len()..old_dns_sets {
+        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": dns_set_name(k, addr)}}}));
+    }
     let reject = |set: Option<&str>| {
         let mut tcp = Vec::new();
         let mut other = Vec::new();
@@ -282,7 +288,7 @@ pub(super) fn replace_policy(
             ],
         ));
     }
-    for (k, spec) in domains.iter().enumerate().take(MAX_DOMAIN_SPECS) {
+    for (k, spec) in domains.iter().enumerate() {
         let mut expr = vec![is(
             ip("daddr"),
             json!(format!("@{}", dns_set_name(k, addr))),
@@ -312,27 +318,20 @@ pub(super) fn add_resolved(
         .collect()
 }
 
-/// Removes a sandbox's map entry, chain and sets.
-pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr) -> Vec<Value> {
+/// Removes a sandbox's map entry, chain and sets (in this order: each command of the list
+/// may also be applied on its own).
+pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr, dns_sets: usize) -> Vec<Value> {
+    let chain = chain_name(addr);
     let mut cmds = vec![
         json!({"delete": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
             "elem": [addr.to_string()]}}}),
-    ];
-    cmds.extend(remove_sandbox_chain(table, addr));
-    cmds
-}
-
-/// Removes a sandbox's chain and sets (once nothing jumps to the chain).
-pub(super) fn remove_sandbox_chain(table: &str, addr: Ipv4Addr) -> Vec<Value> {
-    let chain = chain_name(addr);
-    let mut cmds = vec![
         json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
         json!({"delete": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
     ];
     for kind in ["allow", "deny"] {
         cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": set_name(kind, addr)}}}));
     }
-    for k in 0..MAX_DOMAIN_SPECS {
+    for k in 0..dns_sets {
         cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": dns_set_name(k, addr)}}}));
     }
     cmds

@@ -22,6 +22,46 @@ pub enum NetCommand {
         #[arg(long)]
         internet: bool,
     },
+    /// Replace the network policy of every sandbox with all the given labels (one change
+    /// per sandbox; sandboxes created meanwhile are not covered).
+    SetByLabel {
+        #[arg(long = "label", short = 'l', value_name = "K=V", required = true)]
+        labels: Vec<String>,
+        #[arg(value_name = "RULE|NAME")]
+        allow: Vec<String>,
+        #[arg(long, value_name = "RULE|NAME")]
+        deny: Vec<String>,
+        #[arg(long)]
+        internet: bool,
+    },
+}
+
+fn policy_line(sandbox: &dsec_sdk::Sandbox) -> String {
+    let network = sandbox.network.clone().unwrap_or_default();
+    let list = |l: &[String]| {
+        if l.is_empty() {
+            "nothing".to_string()
+        } else {
+            l.join(" ")
+        }
+    };
+    format!(
+        "{}: allow {}{}; deny {}",
+        sandbox.id,
+        list(&network.allow),
+        if network.allow_internet {
+            " + internet"
+        } else {
+            ""
+        },
+        list(&network.deny)
+    )
+}
+
+fn policy_json(sandbox: &dsec_sdk::Sandbox) -> serde_json::Value {
+    let network = sandbox.network.clone().unwrap_or_default();
+    json!({"id": sandbox.id, "allow_internet": network.allow_internet,
+           "allow": network.allow, "deny": network.deny})
 }
 
 pub async fn run(c: &Client, command: NetCommand, json_out: bool) -> Result<(), NodeError> {
@@ -38,30 +78,35 @@ pub async fn run(c: &Client, command: NetCommand, json_out: bool) -> Result<(), 
                 deny,
             };
             let sandbox = c.set_network_policy(&id, policy).await?;
-            let network = sandbox.network.unwrap_or_default();
+            emit(json_out, policy_json(&sandbox), || {
+                println!("{}", policy_line(&sandbox))
+            });
+            Ok(())
+        }
+        NetCommand::SetByLabel {
+            labels,
+            allow,
+            deny,
+            internet,
+        } => {
+            let policy = NetworkPolicy {
+                allow_internet: internet,
+                allow,
+                deny,
+            };
+            let changed = c
+                .set_network_policy_by_labels(crate::node::parse_labels(&labels)?, policy)
+                .await?;
             emit(
                 json_out,
-                json!({"id": sandbox.id, "allow_internet": network.allow_internet,
-                       "allow": network.allow, "deny": network.deny}),
+                json!(changed.iter().map(policy_json).collect::<Vec<_>>()),
                 || {
-                    let list = |l: &[String]| {
-                        if l.is_empty() {
-                            "nothing".to_string()
-                        } else {
-                            l.join(" ")
-                        }
-                    };
-                    println!(
-                        "{}: allow {}{}; deny {}",
-                        sandbox.id,
-                        list(&network.allow),
-                        if network.allow_internet {
-                            " + internet"
-                        } else {
-                            ""
-                        },
-                        list(&network.deny)
-                    )
+                    for sandbox in &changed {
+                        println!("{}", policy_line(sandbox));
+                    }
+                    if changed.is_empty() {
+                        println!("no sandbox has those labels");
+                    }
                 },
             );
             Ok(())

@@ -878,6 +878,48 @@ async fn dns_proxy_answers_only_allowed_names() {
         assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
         assert!(err.to_string().contains(needle), "{rule}: {err}");
     }
+    // By label: every sandbox with the label, no other.
+    let mut labelled = Vec::new();
+    for task in ["t1", "t1", "t2"] {
+        let id = client
+            .create(CreateSandboxRequest {
+                memory_mib: 64,
+                disk_mib: 16,
+                labels: [("task".to_string(), task.to_string())].into(),
+                network: Some(NetworkPolicy::default()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .id;
+        labelled.push(id);
+    }
+    let t1 = std::collections::HashMap::from([("task".to_string(), "t1".to_string())]);
+    let changed = client
+        .set_network_policy_by_labels(t1.clone(), policy(&["mirror"]))
+        .await
+        .unwrap();
+    let mut changed: Vec<String> = changed.into_iter().map(|s| s.id).collect();
+    changed.sort();
+    let mut expected = labelled[..2].to_vec();
+    expected.sort();
+    assert_eq!(changed, expected);
+    for (id, open) in labelled.iter().zip([true, true, false]) {
+        assert_eq!(reaches(&client, id, net.mirror, 8080).await, open, "{id}");
+    }
+    client
+        .set_network_policy_by_labels(t1, NetworkPolicy::default())
+        .await
+        .unwrap();
+    for id in &labelled {
+        assert!(!reaches(&client, id, net.mirror, 8080).await, "{id}");
+    }
+    let err = client
+        .set_network_policy_by_labels(Default::default(), NetworkPolicy::default())
+        .await
+        .expect_err("a policy for every sandbox was accepted");
+    assert!(err.to_string().contains("at least one label"), "{err}");
+
     let specs: Vec<String> = (1..=9).map(|p| format!("tcp:mirror.test:{p}")).collect();
     let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
     let err = client

@@ -811,6 +811,31 @@ impl Client {
         )
     }
 
+    /// Sets the network policy of every sandbox whose labels include all of `labels` (at
+    /// least one): a List, then one `SetNetworkPolicy` per sandbox (each applied as one
+    /// transaction on its node). Sandboxes deleted meanwhile are skipped; ones created
+    /// meanwhile are not covered (create them with the policy). Returns those changed.
+    pub async fn set_network_policy_by_labels(
+        &self,
+        labels: std::collections::HashMap<String, String>,
+        network: NetworkPolicy,
+    ) -> Result<Vec<Sandbox>> {
+        if labels.is_empty() {
+            return Err(Error::Status(tonic::Status::invalid_argument(
+                "set_network_policy_by_labels needs at least one label (use set_network_policy for one sandbox)",
+            )));
+        }
+        let mut changed = Vec::new();
+        for sandbox in self.list(labels).await? {
+            match self.set_network_policy(&sandbox.id, network.clone()).await {
+                Ok(sandbox) => changed.push(sandbox),
+                Err(e) if e.code() == Some(tonic::Code::NotFound) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(changed)
+    }
+
     /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns
     /// the sandbox's public ports.
     pub async fn set_port_public(&self, id: &str, port: u32, public: bool) -> Result<Vec<u32>> {

@@ -825,6 +825,42 @@ async fn dns_proxy_answers_only_allowed_names() {
     assert!(!reaches(&client, &closed, net.mirror, 8080).await);
     assert_eq!(net.dns.asked().len(), asked_before, "{:?}", net.dns.asked());
 
+    // Refused queries and denied packets are written to the sandbox's event log (refused
+    // queries at most 30 a minute).
+    let events = || {
+        std::fs::read_to_string(
+            daemon
+                .state
+                .join("sandboxes")
+                .join(&open)
+                .join("events.log"),
+        )
+        .unwrap_or_default()
+    };
+    assert!(
+        events().contains("DNS query A \"forbidden.test\" refused"),
+        "{}",
+        events()
+    );
+    let (code, out) = run(
+        &client,
+        &open,
+        "i=0; while [ $i -lt 60 ]; do nslookup x$i.forbidden.test >/dev/null 2>&1; i=$((i+1)); done",
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    let refused = events().matches("refused").count();
+    assert!((30..=32).contains(&refused), "{refused} refusals logged");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !events().contains("packets denied by the policy") {
+        assert!(
+            Instant::now() < deadline,
+            "no denied packets logged: {}",
+            events()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     // A suffix rule: names below it resolve, tunnel-shaped ones are refused; deny wins.
     client
         .set_network_policy(

@@ -177,6 +177,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     let socket = config.socket_path();
     let node = Node::start(config.clone()).await?;
     tokio::spawn(node.clone().reaper());
+    tokio::spawn(network::report_denied(node.clone()));
 
     let _ = std::fs::remove_file(&socket);
     let unix = tokio::net::UnixListener::bind(&socket)

@@ -118,6 +118,49 @@ impl Node {
     }
 }
 
+/// How often the packets the policies rejected are written to the sandboxes' event logs.
+const DENIED_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Writes, every few seconds, how many packets each sandbox's policy rejected since the
+/// last look to its event log (the counters of `dsec_sandbox_network_denied_packets_total`).
+pub async fn report_denied(node: Arc<Node>) {
+    let Some(net) = node.edge.network.clone() else {
+        return;
+    };
+    let mut last: std::collections::HashMap<Ipv4Addr, u64> = Default::default();
+    let mut tick = tokio::time::interval(DENIED_REPORT_EVERY);
+    loop {
+        tick.tick().await;
+        let reader = net.clone();
+        let denied = match tokio::task::spawn_blocking(move || reader.denied_packets()).await {
+            Ok(Ok(denied)) => denied,
+            _ => continue,
+        };
+        let mut seen = std::collections::HashMap::with_capacity(denied.len());
+        for (addr, total) in denied {
+            // A policy change rewrites the chain and starts its counters at 0.
+            let before = last
+                .get(&addr)
+                .copied()
+                .filter(|b| *b <= total)
+                .unwrap_or(0);
+            if total > before {
+                if let Some(dir) = net.sandbox_dir(addr) {
+                    append_event(
+                        &dir,
+                        &format!(
+                            "network: {} packets denied by the policy ({total} since it was set)",
+                            total - before
+                        ),
+                    );
+                }
+            }
+            seen.insert(addr, total);
+        }
+        last = seen;
+    }
+}
+
 // ------------------------------------------------------------------ Network service
 
 pub struct NetworkService(pub Arc<Node>);

@@ -27,6 +27,9 @@ const MAX_TTL: u32 = 24 * 3600;
 /// How long the upstream resolver gets per try, and how many tries.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_millis(1500);
 const UPSTREAM_TRIES: usize = 2;
+/// Refused queries written to a sandbox's event log per minute (a sandbox must not fill
+/// the node's disk through its log).
+pub(super) const MAX_LOG_LINES: u32 = 30;
 /// Resolved names remembered per sandbox (to keep them open across a policy change).
 pub(super) const MAX_REMEMBERED: usize = 1024;
 
@@ -104,6 +107,10 @@ async fn answer(net: &Network, from: SocketAddr, datagram: &[u8]) -> Option<Vec<
     };
     let policy = net.policy_of(*from.ip());
     let (Some(policy), [question]) = (policy, query.queries.as_slice()) else {
+        net.log_refusal(
+            *from.ip(),
+            "network: DNS query refused: not exactly one question",
+        );
         return reply_to(&query, ResponseCode::Refused).to_vec().ok();
     };
     let name = question.name().to_ascii().to_ascii_lowercase();
@@ -120,7 +127,16 @@ async fn answer(net: &Network, from: SocketAddr, datagram: &[u8]) -> Option<Vec<
         || question.query_class() != DNSClass::IN
         || !matches!(wanted, RecordType::A | RecordType::AAAA)
     {
-        tracing::info!(sandbox_addr = %from.ip(), name, ?wanted, "DNS query refused");
+        let why = if sets.is_empty() {
+            "no domain rule of the policy allows the name (or a deny rule names it, or it is tunnel-shaped)"
+        } else {
+            "only A and AAAA queries of class IN are answered"
+        };
+        let shown: String = name.chars().take(80).collect();
+        net.log_refusal(
+            *from.ip(),
+            &format!("network: DNS query {wanted} {shown:?} refused: {why}"),
+        );
         return reply_to(&query, ResponseCode::Refused).to_vec().ok();
     }
     if wanted == RecordType::AAAA {

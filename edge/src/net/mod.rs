@@ -89,6 +89,10 @@ pub struct Network {
 struct Named {
     policy: Policy,
     resolved: Vec<dns::Resolved>,
+    /// Refused queries written to its event log in the current minute, and since when.
+    logged: (u32, Option<Instant>),
+    /// Refused queries not written (over the minute's budget).
+    unlogged: u32,
 }
 
 /// What a sandbox holds, recorded in its directory.
@@ -203,7 +207,7 @@ impl Network {
     /// Records in the sandbox's directory (found through its address slot) how many sets
     /// of resolved addresses it has, for [`release`].
     fn record_dns_sets(&self, addr: Ipv4Addr, count: usize) {
-        let Ok(dir) = std::fs::read_link(self.slots.join(addr.to_string())) else {
+        let Some(dir) = self.sandbox_dir(addr) else {
             return;
         };
         if let Some(mut held) = held(&dir) {
@@ -225,6 +229,40 @@ impl Network {
             let excess = named.resolved.len().saturating_sub(dns::MAX_REMEMBERED);
             named.resolved.drain(..excess);
         }
+    }
+
+    /// Writes a line about the sandbox at `addr` to its event log (found through its
+    /// address slot), at most [`dns::MAX_LOG_LINES`] a minute; later ones are counted and
+    /// the count written with the next minute's first line.
+    fn log_refusal(&self, addr: Ipv4Addr, line: &str) {
+        let skipped = {
+            let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(named) = sandboxes.get_mut(&addr) else {
+                return;
+            };
+            let now = Instant::now();
+            let (count, since) = &mut named.logged;
+            if since.is_none_or(|t| now.duration_since(t).as_secs() >= 60) {
+                *count = 0;
+                *since = Some(now);
+            }
+            if *count >= dns::MAX_LOG_LINES {
+                named.unlogged += 1;
+                return;
+            }
+            *count += 1;
+            std::mem::take(&mut named.unlogged)
+        };
+        let Some(dir) = self.sandbox_dir(addr) else {
+            return;
+        };
+        if skipped > 0 {
+            crate::daemon::record::append_event(
+                &dir,
+                &format!("network: {skipped} more refused DNS queries were not logged"),
+            );
+        }
+        crate::daemon::record::append_event(&dir, line);
     }
 
     /// The proxy forgets the sandbox at `addr`.
@@ -382,6 +420,11 @@ impl Network {
             ip_batch(&batch, None)?;
         }
         Ok(())
+    }
+
+    /// The directory of the sandbox holding `addr`, from its address slot.
+    pub fn sandbox_dir(&self, addr: Ipv4Addr) -> Option<PathBuf> {
+        std::fs::read_link(self.slots.join(addr.to_string())).ok()
     }
 
     /// Packets the policies rejected, per sandbox address. Blocking.

@@ -11,6 +11,7 @@ mod guest;
 mod kvmfloor;
 mod layerfs;
 mod machine;
+mod net;
 mod node;
 mod report;
 mod rig;
@@ -53,10 +54,42 @@ enum Cmd {
     /// SDK: create -> first exec beside unshare/bwrap, bursts of concurrent creates, exec
     /// round trip in a warm sandbox. Needs root.
     Node(NodeArgs),
+    /// Sandbox networking (containers): create latency with and without a sandbox
+    /// network and its setup time, setup time with sandboxes held, TCP throughput and
+    /// connection rate through a policy of 1 rule vs 1,000. Needs root, ip, nft.
+    Net(NetArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
     RigInner(RigInnerArgs),
+}
+
+#[derive(Args, Debug)]
+struct NetArgs {
+    /// Creates per contender in the setup and growth scenarios.
+    #[arg(long, default_value_t = 30)]
+    samples: usize,
+    /// Levels of sandboxes held on the node in the growth scenario.
+    #[arg(long, value_delimiter = ',', default_value = "0,100,200")]
+    held: Vec<usize>,
+    /// Rules of the large policy.
+    #[arg(long, default_value_t = 1000)]
+    rules: usize,
+    /// MiB sent per throughput sample.
+    #[arg(long, default_value_t = 256)]
+    transfer_mib: usize,
+    /// Connections per connection-rate sample.
+    #[arg(long, default_value_t = 200)]
+    connections: usize,
+    /// Samples per policy in the policy scenario.
+    #[arg(long, default_value_t = 5)]
+    policy_samples: usize,
+    /// dsec-edge [default: next to this binary, else target/release].
+    #[arg(long, value_name = "PATH")]
+    edge: Option<PathBuf>,
+    /// Write the results here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -850,6 +883,59 @@ fn node_cmd(a: NodeArgs) -> Result<(), String> {
     out
 }
 
+fn net_cmd(a: NetArgs) -> Result<(), String> {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("the net benchmark needs root (namespaces, a bridge, nftables)".into());
+    }
+    if a.held.is_empty() || a.rules == 0 || a.samples == 0 {
+        return Err("--held, --rules and --samples must not be empty or 0".into());
+    }
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-net-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir).map_err(|e| format!("create {}: {e}", workdir.display()))?;
+    let opts = net::NetOpts {
+        edge: a
+            .edge
+            .clone()
+            .unwrap_or_else(|| default_beside_or_release(&root, "dsec-edge")),
+        workdir: workdir.clone(),
+        samples: a.samples,
+        held: a.held.clone(),
+        rules: a.rules,
+        transfer_mib: a.transfer_mib,
+        connections: a.connections,
+        policy_samples: a.policy_samples,
+    };
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    let result = net::bench(&opts);
+    let _ = std::fs::remove_dir_all(&workdir);
+    let r = result?;
+    for sc in [&r.setup, &r.growth, &r.policy] {
+        print!("{}", sc.table());
+        println!();
+    }
+    if let Some(path) = &a.json {
+        write_json(
+            path,
+            "net",
+            &machine,
+            json!({
+                "options": {
+                    "samples": a.samples, "held": a.held, "rules": a.rules,
+                    "transfer_mib": a.transfer_mib, "connections": a.connections,
+                    "policy_samples": a.policy_samples, "edge": opts.edge,
+                },
+                "edge_commands": r.commands,
+                "setup": r.setup.to_json(),
+                "growth": r.growth.to_json(),
+                "policy": r.policy.to_json(),
+            }),
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
 /// machine) plus `fields`.
 fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
@@ -896,6 +982,7 @@ fn main() -> ExitCode {
         Cmd::Devices(a) => exit_code(devices_cmd(a)),
         Cmd::Layerfs(a) => exit_code(layerfs_cmd(a)),
         Cmd::Node(a) => exit_code(node_cmd(a)),
+        Cmd::Net(a) => exit_code(net_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {
                 order: a.order,

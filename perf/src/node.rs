@@ -151,8 +151,19 @@ pub struct Edge {
 
 impl Edge {
     pub fn start(bin: &Path, workdir: &Path, extra: &[String]) -> Result<Edge, NodeError> {
+        Self::start_named(bin, workdir, extra, &format!("dsec-perf-{}", std::process::id()))
+    }
+
+    /// As [`Edge::start`], with the sandboxes' cgroup name (several daemons at once need
+    /// one each).
+    pub fn start_named(
+        bin: &Path,
+        workdir: &Path,
+        extra: &[String],
+        cgroup_name: &str,
+    ) -> Result<Edge, NodeError> {
         let state = workdir.join("edge");
-        let cgroup_name = format!("dsec-perf-{}", std::process::id());
+        let cgroup_name = cgroup_name.to_string();
         std::fs::create_dir_all(&state).map_err(io(format!("create {}", state.display())))?;
         let log = workdir.join("edge.log");
         let log_file =

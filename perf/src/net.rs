@@ -1,0 +1,496 @@
+//! `dsec-perf net`: what sandbox networking costs a container node. Two real `dsec-edge`s
+//! (private state dirs), one with a sandbox network (its own bridge, nftables table and DNS
+//! proxy) and one without, and a test host in a network namespace of its own (a TCP sink
+//! and an accept-and-close server, threads of this process in that namespace):
+//!
+//! - setup: create latency with and without the network, alternating, and the network
+//!   setup time the daemon logs per create (`setup_us`, and `added_us`: the part still
+//!   running when the agent answered);
+//! - growth: the same while N sandboxes with networks are held on the node;
+//! - policy: TCP throughput and connection rate from a sandbox to the test host through a
+//!   policy of 1 rule vs one of `--rules` rules (the same allowing rule among them).
+
+use std::io::Read;
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dsec_sdk::{Backend, Client, CreateSandboxRequest, ExecStart, NetworkPolicy};
+
+use crate::node::Edge;
+use crate::report::{detail, metric, Contender, Sample, Scenario};
+
+pub struct NetOpts {
+    pub edge: PathBuf,
+    pub workdir: PathBuf,
+    pub samples: usize,
+    pub held: Vec<usize>,
+    pub rules: usize,
+    pub transfer_mib: usize,
+    pub connections: usize,
+    pub policy_samples: usize,
+}
+
+pub struct NetResults {
+    pub setup: Scenario,
+    pub growth: Scenario,
+    pub policy: Scenario,
+    pub commands: Vec<String>,
+}
+
+/// Port of the test host's sink (reads and drops) and of its accept-and-close server.
+const SINK_PORT: u16 = 9000;
+const ACCEPT_PORT: u16 = 9001;
+
+/// The test host: a namespace with a veth to the host and two servers in it.
+struct TestHost {
+    netns: String,
+    link: String,
+    addr: Ipv4Addr,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+fn sh(script: &str) -> Result<(), String> {
+    let out = Command::new("sh")
+        .args(["-c", script])
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+impl TestHost {
+    fn start(tag: &str) -> Result<Self, String> {
+        let netns = format!("dsperf-{tag}");
+        let link = format!("dp{tag}h");
+        let (uplink, addr) = (Ipv4Addr::new(198, 19, 77, 1), Ipv4Addr::new(198, 19, 77, 2));
+        let mut host = Self {
+            netns: netns.clone(),
+            link: link.clone(),
+            addr,
+            stop: Arc::default(),
+            threads: Vec::new(),
+        };
+        sh(&format!(
+            "ip netns add {netns} && ip link add {link} type veth peer name eth0 netns {netns} && \
+             ip addr add {uplink}/24 dev {link} && ip link set {link} up && \
+             ip -n {netns} addr add {addr}/24 dev eth0 && ip -n {netns} link set eth0 up && \
+             ip -n {netns} link set lo up"
+        ))?;
+        for (port, sink) in [(SINK_PORT, true), (ACCEPT_PORT, false)] {
+            let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+            let ns = std::fs::File::open(format!("/var/run/netns/{netns}"))
+                .map_err(|e| format!("open netns {netns}: {e}"))?;
+            let stop = host.stop.clone();
+            host.threads.push(std::thread::spawn(move || {
+                use std::os::fd::AsRawFd;
+                // SAFETY: setns(2) on a namespace file this thread holds open; it moves only
+                // this thread, which then binds its listener there.
+                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    let _ = ready_tx.send(Err(std::io::Error::last_os_error().to_string()));
+                    return;
+                }
+                let listener = match TcpListener::bind((addr, port)) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                let _ = listener.set_nonblocking(true);
+                let _ = ready_tx.send(Ok(()));
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((mut conn, _)) if sink => {
+                            let _ = conn.set_nonblocking(false);
+                            std::thread::spawn(move || {
+                                let mut buf = vec![0u8; 1 << 16];
+                                while matches!(conn.read(&mut buf), Ok(n) if n > 0) {}
+                            });
+                        }
+                        Ok((conn, _)) => drop(conn),
+                        Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                    }
+                }
+            }));
+            ready_rx
+                .recv_timeout(Duration::from_secs(5))
+                .map_err(|_| "the test host's server did not start".to_string())??;
+        }
+        Ok(host)
+    }
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.link])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+fn request(network: NetworkPolicy) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        backend: Backend::Container as i32,
+        memory_mib: 64,
+        disk_mib: 16,
+        network: Some(network),
+        ..Default::default()
+    }
+}
+
+/// The `setup_us` and `added_us` of the "network attached" lines of the daemon's log, in
+/// order.
+fn setup_times(log: &Path) -> Vec<(f64, f64)> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let field = |line: &str, name: &str| -> Option<f64> {
+        let v = line.split(&format!("{name}=")).nth(1)?;
+        v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    };
+    text.lines()
+        .filter(|l| l.contains("network attached"))
+        .map(|l| {
+            // tracing's colours stripped.
+            let plain: String = l
+                .split('\x1b')
+                .map(|p| p.split_once('m').map_or(p, |(_, rest)| rest))
+                .collect();
+            (
+                field(&plain, "setup_us").unwrap_or(f64::NAN),
+                field(&plain, "added_us").unwrap_or(f64::NAN),
+            )
+        })
+        .collect()
+}
+
+/// Runs `script` in the sandbox: its wall time in ms, or why it failed.
+async fn exec_ms(client: &Client, id: &str, script: &str) -> Result<f64, String> {
+    let start = ExecStart {
+        sandbox_id: id.into(),
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        timeout_ms: 120_000,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let out = client
+        .exec_with(start, None, |_, _| {})
+        .await
+        .map_err(|e| e.to_string())?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    match out.code {
+        Some(0) => Ok(ms),
+        code => Err(format!(
+            "exit {code:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
+}
+
+fn sample(contender: &str, index: usize, values: &[(&'static str, f64)]) -> Sample {
+    Sample {
+        contender: contender.into(),
+        index,
+        values: values.iter().copied().collect(),
+        error: None,
+    }
+}
+
+fn failed(contender: &str, index: usize, error: String) -> Sample {
+    Sample {
+        contender: contender.into(),
+        index,
+        values: Default::default(),
+        error: Some(error),
+    }
+}
+
+fn contender(name: &str, description: &str, command: &str) -> Contender {
+    Contender {
+        name: name.into(),
+        description: description.into(),
+        command: command.into(),
+    }
+}
+
+/// One create + delete: the create's latency in ms.
+async fn create_delete(client: &Client, network: NetworkPolicy) -> Result<f64, String> {
+    let t = Instant::now();
+    let sb = client
+        .create(request(network))
+        .await
+        .map_err(|e| e.to_string())?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    client.delete(&sb.id).await.map_err(|e| e.to_string())?;
+    Ok(ms)
+}
+
+pub fn bench(o: &NetOpts) -> Result<NetResults, String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(bench_async(o))
+}
+
+async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
+    let tag = format!("{}", std::process::id() % 100_000);
+    let host = TestHost::start(&tag)?;
+    // The daemon logs each create's network setup time at debug level.
+    std::env::set_var("DSEC_LOG", "info,dsec_edge::backend::container=debug");
+    let bridge = format!("dp{tag}");
+    let net_dir = o.workdir.join("net");
+    let plain_dir = o.workdir.join("plain");
+    for d in [&net_dir, &plain_dir] {
+        std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+    }
+    let pid = std::process::id();
+    let mut with_net = Edge::start_named(
+        &o.edge,
+        &net_dir,
+        &[
+            "--http".into(),
+            "off".into(),
+            "--net-bridge".into(),
+            bridge.clone(),
+        ],
+        &format!("dsec-perf-net-{pid}"),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut without = Edge::start_named(
+        &o.edge,
+        &plain_dir,
+        &["--http".into(), "off".into()],
+        &format!("dsec-perf-plain-{pid}"),
+    )
+    .map_err(|e| e.to_string())?;
+    let timeout = Duration::from_secs(30);
+    let net_client = with_net.connect(timeout).await.map_err(|e| e.to_string())?;
+    let plain_client = without.connect(timeout).await.map_err(|e| e.to_string())?;
+    let commands = vec![with_net.command.clone(), without.command.clone()];
+
+    // Setup: alternating creates on both daemons (one warm-up each).
+    let mut setup = Scenario {
+        name: "net-setup",
+        title: "container create with and without a sandbox network".into(),
+        method: format!(
+            "{} sequential create+delete per daemon, alternating (after one warm-up each); \
+             setup_us/added_us from the network daemon's log",
+            o.samples
+        ),
+        metrics: vec![
+            metric("create_ms", "create latency", "ms"),
+            detail("setup_ms", "network setup (in parallel)", "ms"),
+            detail("added_ms", "setup still running at agent-ready", "ms"),
+        ],
+        contenders: vec![
+            contender("net", "--net-bridge, no policy", &commands[0]),
+            contender("no-net", "loopback only", &commands[1]),
+        ],
+        comparisons: vec![("net".into(), "no-net".into())],
+        samples: Vec::new(),
+        skipped: None,
+        notes: vec![format!(
+            "goal: network setup p50 under 5 ms (container)"
+        )],
+    };
+    for (client, name) in [(&net_client, "net"), (&plain_client, "no-net")] {
+        create_delete(client, NetworkPolicy::default())
+            .await
+            .map_err(|e| format!("{name} warm-up: {e}"))?;
+    }
+    let logged_before = setup_times(&with_net.log).len();
+    let mut net_creates = Vec::new();
+    for i in 0..o.samples {
+        match create_delete(&net_client, NetworkPolicy::default()).await {
+            Ok(ms) => net_creates.push((i, ms)),
+            Err(e) => setup.samples.push(failed("net", i, e)),
+        }
+        setup
+            .samples
+            .push(match create_delete(&plain_client, NetworkPolicy::default()).await {
+                Ok(ms) => sample("no-net", i, &[("create_ms", ms)]),
+                Err(e) => failed("no-net", i, e),
+            });
+    }
+    let times = setup_times(&with_net.log);
+    for (k, (i, ms)) in net_creates.into_iter().enumerate() {
+        let (s, a) = times
+            .get(logged_before + k)
+            .copied()
+            .unwrap_or((f64::NAN, f64::NAN));
+        setup.samples.push(sample(
+            "net",
+            i,
+            &[("create_ms", ms), ("setup_ms", s / 1e3), ("added_ms", a / 1e3)],
+        ));
+    }
+
+    // Growth: setup time while N networked sandboxes are held.
+    let mut growth = Scenario {
+        name: "net-growth",
+        title: "network setup time with sandboxes held on the node".into(),
+        method: format!(
+            "{} create+delete at each level of held sandboxes (each held one has a veth, a \
+             chain and two sets); setup_us from the daemon's log",
+            o.samples
+        ),
+        metrics: vec![
+            metric("setup_ms", "network setup", "ms"),
+            detail("create_ms", "create latency", "ms"),
+        ],
+        contenders: o
+            .held
+            .iter()
+            .map(|n| contender(&format!("held-{n}"), "sandboxes held", &commands[0]))
+            .collect(),
+        comparisons: o
+            .held
+            .iter()
+            .skip(1)
+            .map(|n| (format!("held-{n}"), format!("held-{}", o.held[0])))
+            .collect(),
+        samples: Vec::new(),
+        skipped: None,
+        notes: Vec::new(),
+    };
+    let mut held_ids: Vec<String> = Vec::new();
+    for &level in &o.held {
+        while held_ids.len() < level {
+            let sb = net_client
+                .create(request(NetworkPolicy::default()))
+                .await
+                .map_err(|e| format!("hold sandbox {}: {e}", held_ids.len()))?;
+            held_ids.push(sb.id);
+        }
+        let before = setup_times(&with_net.log).len();
+        let mut creates = Vec::new();
+        for i in 0..o.samples {
+            creates.push((i, create_delete(&net_client, NetworkPolicy::default()).await));
+        }
+        let times = setup_times(&with_net.log);
+        let mut k = before;
+        let name = format!("held-{level}");
+        for (i, r) in creates {
+            growth.samples.push(match r {
+                Ok(ms) => {
+                    let s = times.get(k).map_or(f64::NAN, |t| t.0 / 1e3);
+                    k += 1;
+                    sample(&name, i, &[("setup_ms", s), ("create_ms", ms)])
+                }
+                Err(e) => failed(&name, i, e),
+            });
+        }
+    }
+    for id in held_ids.drain(..) {
+        let _ = net_client.delete(&id).await;
+    }
+
+    // Policy: throughput and connection rate with 1 rule vs many.
+    let allow = format!("tcp:{}:{SINK_PORT}-{ACCEPT_PORT}", host.addr);
+    let mut many: Vec<String> = (0..o.rules.saturating_sub(1))
+        .map(|i| format!("tcp:10.{}.{}.{}:443", 100 + i / 65536 % 100, i / 256 % 256, i % 256))
+        .collect();
+    many.insert(many.len() / 2, allow.clone());
+    let policies = [
+        ("1-rule", vec![allow.clone()]),
+        (if o.rules == 1000 { "1000-rules" } else { "many-rules" }, many),
+    ];
+    let mut policy = Scenario {
+        name: "net-policy",
+        title: format!(
+            "sandbox -> test host through a policy of 1 rule vs {} rules",
+            o.rules
+        ),
+        method: format!(
+            "per sample and policy: {} MiB sent with dd | nc to a sink, and {} sequential nc \
+             connections (connect, close) to an accept-and-close server; alternating",
+            o.transfer_mib, o.connections
+        ),
+        metrics: vec![
+            metric("throughput_mib_s", "TCP throughput", "MiB/s"),
+            metric("conn_per_s", "connections", "1/s"),
+        ],
+        contenders: policies
+            .iter()
+            .map(|(n, rules)| contender(n, &format!("{} allow rules", rules.len()), &commands[0]))
+            .collect(),
+        comparisons: vec![(policies[1].0.to_string(), policies[0].0.to_string())],
+        samples: Vec::new(),
+        skipped: None,
+        notes: vec!["goal: within 10% of the 1-rule policy".into()],
+    };
+    let mut ids = Vec::new();
+    for (_, rules) in &policies {
+        let sb = net_client
+            .create(request(NetworkPolicy {
+                allow: rules.clone(),
+                ..NetworkPolicy::default()
+            }))
+            .await
+            .map_err(|e| format!("create with {} rules: {e}", rules.len()))?;
+        ids.push(sb.id);
+    }
+    let send = format!(
+        "dd if=/dev/zero bs=64k count={} 2>/dev/null | nc {} {SINK_PORT}",
+        o.transfer_mib * 16,
+        host.addr
+    );
+    let connect = format!(
+        "i=0; while [ $i -lt {} ]; do nc {} {ACCEPT_PORT} </dev/null || exit 1; i=$((i+1)); done",
+        o.connections, host.addr
+    );
+    for i in 0..o.policy_samples {
+        for ((name, _), id) in policies.iter().zip(&ids) {
+            let result = async {
+                let send_ms = exec_ms(&net_client, id, &send).await?;
+                let conn_ms = exec_ms(&net_client, id, &connect).await?;
+                Ok::<_, String>((send_ms, conn_ms))
+            }
+            .await;
+            policy.samples.push(match result {
+                Ok((send_ms, conn_ms)) => sample(
+                    name,
+                    i,
+                    &[
+                        ("throughput_mib_s", o.transfer_mib as f64 / (send_ms / 1e3)),
+                        ("conn_per_s", o.connections as f64 / (conn_ms / 1e3)),
+                    ],
+                ),
+                Err(e) => failed(name, i, e),
+            });
+        }
+    }
+    for id in ids {
+        let _ = net_client.delete(&id).await;
+    }
+    drop(net_client);
+    drop(plain_client);
+    drop(with_net);
+    drop(without);
+    drop(host);
+    Ok(NetResults {
+        setup,
+        growth,
+        policy,
+        commands,
+    })
+}

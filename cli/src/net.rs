@@ -5,34 +5,48 @@ use serde_json::json;
 
 use crate::node::{emit, NodeError};
 
+/// A policy as the command line gives it.
+#[derive(clap::Args, Debug)]
+pub struct PolicyArgs {
+    /// Allowed: `[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]` rules, `[tcp:|udp:]NAME[:PORT[-PORT]]`
+    /// domain rules (NAME or `*.suffix`) and names of the node's policies (`dsec up
+    /// --policies FILE`), e.g. `tcp:10.1.0.0/16:443 tcp:pypi.org:443 pypi-mirror`.
+    #[arg(value_name = "RULE|NAME")]
+    allow: Vec<String>,
+    /// Denied (wins over allowed), same forms; repeatable.
+    #[arg(long, value_name = "RULE|NAME")]
+    deny: Vec<String>,
+    /// Allow every destination (deny rules still win).
+    #[arg(long)]
+    internet: bool,
+}
+
+impl From<PolicyArgs> for NetworkPolicy {
+    fn from(p: PolicyArgs) -> Self {
+        NetworkPolicy {
+            allow_internet: p.internet,
+            allow: p.allow,
+            deny: p.deny,
+        }
+    }
+}
+
 #[derive(clap::Subcommand, Debug)]
 pub enum NetCommand {
     /// Replace a running sandbox's network policy (nothing given: it reaches nothing). Takes
     /// effect for new connections at once and cuts open connections it denies.
     Set {
         id: String,
-        /// Allowed: `[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]` rules and names of the node's
-        /// policies (`dsec up --policies FILE`), e.g. `tcp:10.1.0.0/16:443 pypi-mirror`.
-        #[arg(value_name = "RULE|NAME")]
-        allow: Vec<String>,
-        /// Denied (wins over allowed), same forms; repeatable.
-        #[arg(long, value_name = "RULE|NAME")]
-        deny: Vec<String>,
-        /// Allow every destination (deny rules still win).
-        #[arg(long)]
-        internet: bool,
+        #[command(flatten)]
+        policy: PolicyArgs,
     },
     /// Replace the network policy of every sandbox with all the given labels (one change
     /// per sandbox; sandboxes created meanwhile are not covered).
     SetByLabel {
         #[arg(long = "label", short = 'l', value_name = "K=V", required = true)]
         labels: Vec<String>,
-        #[arg(value_name = "RULE|NAME")]
-        allow: Vec<String>,
-        #[arg(long, value_name = "RULE|NAME")]
-        deny: Vec<String>,
-        #[arg(long)]
-        internet: bool,
+        #[command(flatten)]
+        policy: PolicyArgs,
     },
 }
 
@@ -66,36 +80,16 @@ fn policy_json(sandbox: &dsec_sdk::Sandbox) -> serde_json::Value {
 
 pub async fn run(c: &Client, command: NetCommand, json_out: bool) -> Result<(), NodeError> {
     match command {
-        NetCommand::Set {
-            id,
-            allow,
-            deny,
-            internet,
-        } => {
-            let policy = NetworkPolicy {
-                allow_internet: internet,
-                allow,
-                deny,
-            };
-            let sandbox = c.set_network_policy(&id, policy).await?;
+        NetCommand::Set { id, policy } => {
+            let sandbox = c.set_network_policy(&id, policy.into()).await?;
             emit(json_out, policy_json(&sandbox), || {
                 println!("{}", policy_line(&sandbox))
             });
             Ok(())
         }
-        NetCommand::SetByLabel {
-            labels,
-            allow,
-            deny,
-            internet,
-        } => {
-            let policy = NetworkPolicy {
-                allow_internet: internet,
-                allow,
-                deny,
-            };
+        NetCommand::SetByLabel { labels, policy } => {
             let changed = c
-                .set_network_policy_by_labels(crate::node::parse_labels(&labels)?, policy)
+                .set_network_policy_by_labels(crate::node::parse_labels(&labels)?, policy.into())
                 .await?;
             emit(
                 json_out,

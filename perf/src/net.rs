@@ -263,15 +263,21 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
     }
     let pid = std::process::id();
+    let mut net_args = vec![
+        "--http".to_string(),
+        "off".into(),
+        "--net-bridge".into(),
+        bridge.clone(),
+    ];
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let most = o.held.iter().max().copied().unwrap_or(0) + 4;
+    if let Some(ratio) = crate::node::cpu_overcommit_for(most, cores) {
+        net_args.extend(["--overcommit-cpu".to_string(), ratio.to_string()]);
+    }
     let mut with_net = Edge::start_named(
         &o.edge,
         &net_dir,
-        &[
-            "--http".into(),
-            "off".into(),
-            "--net-bridge".into(),
-            bridge.clone(),
-        ],
+        &net_args,
         &format!("dsec-perf-net-{pid}"),
     )
     .map_err(|e| e.to_string())?;
@@ -308,9 +314,7 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         comparisons: vec![("net".into(), "no-net".into())],
         samples: Vec::new(),
         skipped: None,
-        notes: vec![format!(
-            "goal: network setup p50 under 5 ms (container)"
-        )],
+        notes: vec![format!("goal: network setup p50 under 5 ms (container)")],
     };
     for (client, name) in [(&net_client, "net"), (&plain_client, "no-net")] {
         create_delete(client, NetworkPolicy::default())
@@ -324,12 +328,12 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
             Ok(ms) => net_creates.push((i, ms)),
             Err(e) => setup.samples.push(failed("net", i, e)),
         }
-        setup
-            .samples
-            .push(match create_delete(&plain_client, NetworkPolicy::default()).await {
+        setup.samples.push(
+            match create_delete(&plain_client, NetworkPolicy::default()).await {
                 Ok(ms) => sample("no-net", i, &[("create_ms", ms)]),
                 Err(e) => failed("no-net", i, e),
-            });
+            },
+        );
     }
     let times = setup_times(&with_net.log);
     for (k, (i, ms)) in net_creates.into_iter().enumerate() {
@@ -340,7 +344,11 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         setup.samples.push(sample(
             "net",
             i,
-            &[("create_ms", ms), ("setup_ms", s / 1e3), ("added_ms", a / 1e3)],
+            &[
+                ("create_ms", ms),
+                ("setup_ms", s / 1e3),
+                ("added_ms", a / 1e3),
+            ],
         ));
     }
 
@@ -374,17 +382,27 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
     };
     let mut held_ids: Vec<String> = Vec::new();
     for &level in &o.held {
+        let mut hold_error = None;
         while held_ids.len() < level {
-            let sb = net_client
-                .create(request(NetworkPolicy::default()))
-                .await
-                .map_err(|e| format!("hold sandbox {}: {e}", held_ids.len()))?;
-            held_ids.push(sb.id);
+            match net_client.create(request(NetworkPolicy::default())).await {
+                Ok(sb) => held_ids.push(sb.id),
+                Err(e) => {
+                    hold_error = Some(format!("hold sandbox {}: {e}", held_ids.len()));
+                    break;
+                }
+            }
+        }
+        if let Some(e) = hold_error {
+            growth.samples.push(failed(&format!("held-{level}"), 0, e));
+            break;
         }
         let before = setup_times(&with_net.log).len();
         let mut creates = Vec::new();
         for i in 0..o.samples {
-            creates.push((i, create_delete(&net_client, NetworkPolicy::default()).await));
+            creates.push((
+                i,
+                create_delete(&net_client, NetworkPolicy::default()).await,
+            ));
         }
         let times = setup_times(&with_net.log);
         let mut k = before;
@@ -407,12 +425,26 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
     // Policy: throughput and connection rate with 1 rule vs many.
     let allow = format!("tcp:{}:{SINK_PORT}-{ACCEPT_PORT}", host.addr);
     let mut many: Vec<String> = (0..o.rules.saturating_sub(1))
-        .map(|i| format!("tcp:10.{}.{}.{}:443", 100 + i / 65536 % 100, i / 256 % 256, i % 256))
+        .map(|i| {
+            format!(
+                "tcp:10.{}.{}.{}:443",
+                100 + i / 65536 % 100,
+                i / 256 % 256,
+                i % 256
+            )
+        })
         .collect();
     many.insert(many.len() / 2, allow.clone());
     let policies = [
         ("1-rule", vec![allow.clone()]),
-        (if o.rules == 1000 { "1000-rules" } else { "many-rules" }, many),
+        (
+            if o.rules == 1000 {
+                "1000-rules"
+            } else {
+                "many-rules"
+            },
+            many,
+        ),
     ];
     let mut policy = Scenario {
         name: "net-policy",

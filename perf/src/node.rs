@@ -151,7 +151,12 @@ pub struct Edge {
 
 impl Edge {
     pub fn start(bin: &Path, workdir: &Path, extra: &[String]) -> Result<Edge, NodeError> {
-        Self::start_named(bin, workdir, extra, &format!("dsec-perf-{}", std::process::id()))
+        Self::start_named(
+            bin,
+            workdir,
+            extra,
+            &format!("dsec-perf-{}", std::process::id()),
+        )
     }
 
     /// As [`Edge::start`], with the sandboxes' cgroup name (several daemons at once need

@@ -81,23 +81,32 @@ impl Rule {
     }
 }
 
+fn bad_rule(text: &str, why: &str) -> PolicyError {
+    PolicyError::BadRule {
+        rule: text.chars().take(MAX_RULE_LEN).collect(),
+        why: why.to_string(),
+    }
+}
+
+/// A rule's protocol prefix and the rest, once its length is checked.
+fn split_proto(text: &str) -> Result<(Option<Proto>, &str), PolicyError> {
+    if text.len() > MAX_RULE_LEN {
+        return Err(bad_rule(text, &format!("longer than {MAX_RULE_LEN} bytes")));
+    }
+    Ok(match text.split_once(':') {
+        Some(("tcp", rest)) => (Some(Proto::Tcp), rest),
+        Some(("udp", rest)) => (Some(Proto::Udp), rest),
+        Some(("icmp", rest)) => (Some(Proto::Icmp), rest),
+        _ => (None, text),
+    })
+}
+
 impl std::str::FromStr for Rule {
     type Err = PolicyError;
 
     fn from_str(text: &str) -> Result<Self, PolicyError> {
-        let bad = |why: &str| PolicyError::BadRule {
-            rule: text.chars().take(MAX_RULE_LEN).collect(),
-            why: why.to_string(),
-        };
-        if text.len() > MAX_RULE_LEN {
-            return Err(bad(&format!("longer than {MAX_RULE_LEN} bytes")));
-        }
-        let (proto, rest) = match text.split_once(':') {
-            Some(("tcp", rest)) => (Some(Proto::Tcp), rest),
-            Some(("udp", rest)) => (Some(Proto::Udp), rest),
-            Some(("icmp", rest)) => (Some(Proto::Icmp), rest),
-            _ => (None, text),
-        };
+        let bad = |why: &str| bad_rule(text, why);
+        let (proto, rest) = split_proto(text)?;
         let (cidr, ports) = match rest.split_once(':') {
             Some((cidr, ports)) => (cidr, Some(ports)),
             None => (rest, None),
@@ -221,19 +230,11 @@ impl std::str::FromStr for DomainRule {
     type Err = PolicyError;
 
     fn from_str(text: &str) -> Result<Self, PolicyError> {
-        let bad = |why: &str| PolicyError::BadRule {
-            rule: text.chars().take(MAX_RULE_LEN).collect(),
-            why: why.to_string(),
-        };
-        if text.len() > MAX_RULE_LEN {
-            return Err(bad(&format!("longer than {MAX_RULE_LEN} bytes")));
+        let bad = |why: &str| bad_rule(text, why);
+        let (proto, rest) = split_proto(text)?;
+        if proto == Some(Proto::Icmp) {
+            return Err(bad("domain rules are for TCP and UDP"));
         }
-        let (proto, rest) = match text.split_once(':') {
-            Some(("tcp", rest)) => (Some(Proto::Tcp), rest),
-            Some(("udp", rest)) => (Some(Proto::Udp), rest),
-            Some(("icmp", _)) => return Err(bad("domain rules are for TCP and UDP")),
-            _ => (None, text),
-        };
         let (host, ports) = match rest.split_once(':') {
             Some((host, ports)) => (host, Some(ports)),
             None => (rest, None),
@@ -610,6 +611,54 @@ mod tests {
         }
         let err = "10.0.0.1/8".parse::<Rule>().unwrap_err().to_string();
         assert!(err.contains("did you mean 10.0.0.0/8"), "{err}");
+    }
+
+    #[test]
+    fn domain_rules_parse_and_match() {
+        let named = NamedPolicies::parse(
+            r#"{"pypi": {"allow": ["tcp:pypi.org:443", "tcp:*.pythonhosted.org:443", "udp:ntp.test:123"]}}"#,
+        )
+        .unwrap();
+        let text = PolicyText {
+            allow: vec!["pypi".into(), "Mirror.Test:8000-8099".into()],
+            deny: vec!["evil.pythonhosted.org".into()],
+        };
+        let policy = named.resolve(false, &text).unwrap();
+        assert!(policy.allow.is_empty());
+        assert_eq!(policy.allow_domains.len(), 4);
+        // tcp:443 (two rules), udp:123 and the mirror's TCP+UDP range: three sets.
+        assert_eq!(policy.domain_specs().len(), 3);
+        assert_eq!(policy.domain_verdict("pypi.org").len(), 1);
+        assert_eq!(
+            policy.domain_verdict("files.pythonhosted.org"),
+            vec![(
+                policy
+                    .domain_specs()
+                    .iter()
+                    .position(|s| *s == (Some(Proto::Tcp), (443, 443)))
+                    .unwrap(),
+                "files"
+            )]
+        );
+        assert!(policy.domain_verdict("pythonhosted.org").is_empty());
+        assert!(policy.domain_verdict("evil.pythonhosted.org").is_empty());
+        assert!(policy.domain_verdict("xpypi.org").is_empty());
+        assert_eq!(policy.domain_verdict("mirror.test").len(), 1);
+        for bad in [
+            "icmp:a.test",
+            "tcp:a..test:1",
+            "*.*.test",
+            "tcp:a.test:0",
+            "a_b.test",
+        ] {
+            assert!(
+                matches!(parse_entry(bad), Err(PolicyError::BadRule { .. })),
+                "{bad} was accepted"
+            );
+        }
+        // A policy name has no dot; an address is not a domain.
+        assert!(is_name("pypi") && !is_name("pypi.org"));
+        assert!(!is_domain("10.0.0.0/8") && !is_domain("tcp:1.2.3.4:80"));
     }
 
     #[test]

@@ -669,7 +669,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     let args = net.daemon_args(free_port());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (mut daemon, mut client) = Daemon::start("net-leaks", &args).await;
-    const CYCLES: usize = 200;
+    const CYCLES: usize = 1000;
     let mut creates = Vec::with_capacity(CYCLES);
     let started = Instant::now();
     for i in 0..CYCLES {

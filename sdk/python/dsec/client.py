@@ -757,6 +757,25 @@ class Client:
         s = self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return Sandbox(self, SandboxInfo._from(s))
 
+    def set_network_policy_by_labels(self, labels: Mapping[str, str],
+                                     allow: Iterable[str] = (), deny: Iterable[str] = (),
+                                     allow_internet: bool = False) -> List["Sandbox"]:
+        """Replaces the network policy of every sandbox carrying all of ``labels`` (at least
+        one): a List, then one SetNetworkPolicy per sandbox. Sandboxes deleted meanwhile are
+        skipped; ones created meanwhile are not covered. Returns the sandboxes changed."""
+        if not labels:
+            raise ValueError("set_network_policy_by_labels needs at least one label")
+        policy = _network_policy(allow, deny, allow_internet)
+        changed: List[Sandbox] = []
+        for sb in self.list(labels):
+            try:
+                sb.set_network_policy(list(policy.allow), list(policy.deny),
+                                      policy.allow_internet)
+            except NotFound:
+                continue
+            changed.append(sb)
+        return changed
+
     def list(self, labels: Optional[Mapping[str, str]] = None, *,
              page_size: int = 0) -> List["Sandbox"]:
         """Every sandbox carrying all of ``labels``, in the order of their ids: pages through
@@ -1150,6 +1169,23 @@ class AsyncClient:
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))
         return AsyncSandbox(self, SandboxInfo._from(s))
+
+    async def set_network_policy_by_labels(self, labels: Mapping[str, str],
+                                           allow: Iterable[str] = (), deny: Iterable[str] = (),
+                                           allow_internet: bool = False) -> List["AsyncSandbox"]:
+        """See :meth:`Client.set_network_policy_by_labels`."""
+        if not labels:
+            raise ValueError("set_network_policy_by_labels needs at least one label")
+        policy = _network_policy(allow, deny, allow_internet)
+        changed: List[AsyncSandbox] = []
+        for sb in await self.list(labels):
+            try:
+                await sb.set_network_policy(list(policy.allow), list(policy.deny),
+                                            policy.allow_internet)
+            except NotFound:
+                continue
+            changed.append(sb)
+        return changed
 
     async def list(self, labels: Optional[Mapping[str, str]] = None, *,
                    page_size: int = 0) -> List["AsyncSandbox"]:

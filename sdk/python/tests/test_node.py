@@ -757,3 +757,25 @@ class NetworkTest(NodeTest):
                 self.assertIn(needle, str(err.exception))
             with self.assertRaises(ValueError):
                 sb.set_network_policy(allow="tcp:1.2.3.4:80")
+
+    def test_set_network_policy_by_labels(self):
+        def allowed(sb) -> str:
+            r = sb.exec(["ip", "-4", "addr", "show", "dev", "eth0"])
+            addr = r.stdout.split(b"inet ")[1].split(b"/")[0].decode()
+            hexed = "".join(f"{int(o):02x}" for o in addr.split("."))
+            return subprocess.run(["nft", "list", "set", "inet", NET_BRIDGE, f"allow_{hexed}"],
+                                  capture_output=True, text=True, check=True).stdout
+
+        sbs = [self.client.create(memory_mib=64, disk_mib=16, labels=labels)
+               for labels in ({"task": "t1"}, {"task": "t1", "x": "y"}, {"task": "t2"})]
+        try:
+            changed = self.client.set_network_policy_by_labels(
+                {"task": "t1"}, allow=["tcp:198.51.100.0/24:443"])
+            self.assertEqual(sorted(s.id for s in changed), sorted(s.id for s in sbs[:2]))
+            for sb, has in zip(sbs, (True, True, False)):
+                self.assertEqual("198.51.100.0" in allowed(sb), has, sb.id)
+            with self.assertRaises(ValueError):
+                self.client.set_network_policy_by_labels({})
+        finally:
+            for sb in sbs:
+                sb.delete()

@@ -20,6 +20,12 @@
 #                   host clock; create -> first exec template vs --cold), pause that ends the
 #                   VMM and resume (three cycles, files and a process kept; across a kill -9
 #                   of the daemon), a corrupted template falls back to a cold boot
+#  10. node-network: microVMs on a node with `--net-bridge` in an L1 whose kernel adds
+#                   tests/rig/l1-net.config-fragment (bridge, veth, nftables; built once by
+#                   l1-net-kernel.sh, guests keep the standard kernel): a tap per booted
+#                   microVM on the bridge, default deny, a policy reaches a test host by port
+#                   only, the node's API never, a guest posing as another sandbox sends
+#                   nothing, nothing left after delete
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).
@@ -114,6 +120,20 @@ if ((${#missing[@]} == 0)); then
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
         || failed=$((failed + 1))
+fi
+echo "==> rig node-network (microVM taps, policies and the node's isolation, in an L1 with nftables)"
+if ((${#missing[@]} == 0)); then
+    if l1net=$("$HERE/l1-net-kernel.sh"); then
+        RIG_KERNEL=$l1net "$HERE/rig.sh" run "$HERE/tests/node-network.sh" \
+            "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+            "$(command -v ip)=/usr/sbin/ip" "$(command -v nft)=/usr/sbin/nft" \
+            "$(command -v conntrack)=/usr/sbin/conntrack" \
+            "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
+            || failed=$((failed + 1))
+    else
+        echo "FAIL node-network: tests/rig/l1-net-kernel.sh could not build the L1 kernel"
+        failed=$((failed + 1))
+    fi
 fi
 echo "rig suites failed: $failed"
 exit "$failed"

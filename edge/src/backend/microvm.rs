@@ -176,8 +176,17 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
         .clone()
         .unwrap_or_else(|| new_sandbox_id(BackendKind::MicroVm));
     let host = HostResources::create(config, &id)?;
-    let vm = image.boot_config(&host.dir).await?;
-    start(config, host, VmmLaunch::boot(vm), &options, id, spec).await
+    let mut vm = image.boot_config(&host.dir).await?;
+    let tap = crate::net::prepare_microvm(config, &host.dir, &spec.network_policy).await?;
+    vm.net = tap.as_ref().map(|t| dsec_vmm_api::config::NetConfig {
+        tap: t.tap.clone(),
+        mac: Some(t.mac.clone()),
+    });
+    let sandbox = start(config, host, VmmLaunch::boot(vm), &options, id, spec).await?;
+    if let Some(tap) = &tap {
+        crate::net::attach_microvm(config, tap, &sandbox.client).await?;
+    }
+    Ok(sandbox)
 }
 
 /// Boots `image` once as `id` (a scratch sandbox without cgroups), snapshots it paused at
@@ -290,7 +299,9 @@ async fn start(
 ) -> Result<Sandbox> {
     if let Some(jail) = &config.jail {
         let snapshots = jail.snapshot_dir(&id)?;
-        launch.jail = Some(jail.launch(&id, &snapshots));
+        let mut jailed = jail.launch(&id, &snapshots);
+        jailed.netns = crate::net::jail_netns(&host.dir);
+        launch.jail = Some(jailed);
         host.jail_root = Some(jail.root(&id));
         host.snapshot_dir = Some(snapshots);
     }

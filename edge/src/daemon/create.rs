@@ -357,7 +357,11 @@ impl Node {
             ImagePlan::MicroVm { .. } => None,
         };
         let spec = plan.spec(id, &pending.cgroups, rootfs, self.config.ready_timeout);
-        let sandbox = if request.kind == BackendKind::MicroVm && !request.cold {
+        // Template snapshots have no network device: a microVM with a policy boots.
+        let sandbox = if request.kind == BackendKind::MicroVm
+            && !request.cold
+            && request.network.is_empty()
+        {
             self.create_from_template(&spec).await?
         } else {
             Sandbox::create(request.kind, &self.edge, &spec).await?

@@ -32,13 +32,13 @@ pub fn resolve(
         .edge
         .network
         .as_ref()
-        .filter(|_| kind == BackendKind::Container)
+        .filter(|_| kind != BackendKind::MicroVm || node.edge.jail.is_some())
     else {
         if empty {
             return Ok(Policy::default());
         }
         return Err(NodeError::Unsupported(
-            "network egress needs a container sandbox on a node started with a sandbox network (`dsec up --net-bridge dsec0`); microVMs and nodes without it have loopback only, so allow_internet, allow and deny rules cannot be enforced: leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
+            "network egress needs a node started as root with a sandbox network (`dsec up --net-bridge dsec0`); without it sandboxes have loopback only, so allow_internet, allow and deny rules cannot be enforced: leave the network policy empty (servers inside a sandbox are reachable through Ports.Open and the node's HTTP entry point)",
         ));
     };
     let count = network.allow.len() + network.deny.len();
@@ -88,7 +88,7 @@ impl Node {
             let addr: Option<Ipv4Addr> = crate::net::address(&record.handle.dir);
             let Some(addr) = addr else {
                 return Err(NodeError::FailedPrecondition(format!(
-                    "sandbox {id} has no network interface (it was created before this node had a sandbox network): create a new sandbox"
+                    "sandbox {id} has no network interface (a microVM restored from its image's template snapshot has none, nor has a sandbox created before this node had a sandbox network): create one with `--cold` or with a policy"
                 )));
             };
             tokio::task::spawn_blocking(move || net.set_policy(addr, &policy))

@@ -1,8 +1,8 @@
-//! Sandbox networking for containers: a node bridge, an address pool, a veth pair per
-//! sandbox (`eth0` inside, its host end an isolated bridge port), NAT to the uplink, and a
-//! default-deny policy per sandbox in the node's nftables table (see `nft.rs`), and a DNS
-//! proxy on the bridge address that resolves only the names a sandbox's policy allows
-//! (see `dns.rs`).
+//! Sandbox networking: a node bridge, an address pool, a veth pair per container sandbox
+//! (`eth0` inside, its host end an isolated bridge port) or a tap per booted microVM
+//! (`tap.rs`), NAT to the uplink, a default-deny policy per sandbox in the node's nftables
+//! tables (see `nft.rs`), and a DNS proxy on the bridge address that resolves only the names
+//! a sandbox's policy allows (see `dns.rs`).
 //!
 //! Links are configured with `ip -batch` (iproute2) and rules with `nft -j -f -`: a few
 //! processes per create instead of a netlink stack in the daemon (see edge/README.md for the
@@ -13,6 +13,7 @@ pub mod policy;
 
 mod dns;
 mod nft;
+mod tap;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -24,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
+pub use tap::{attach_microvm, prepare_microvm, TapPlan};
 
 /// File in the sandbox directory naming its address, table and pool slot.
 const RECORD: &str = "net";
@@ -104,6 +106,9 @@ struct Held {
     /// Its sets of resolved addresses (one per protocol/port combination of domain rules).
     #[serde(default)]
     dns_sets: usize,
+    /// A microVM's network namespace while its VMM starts (see `tap.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    netns: Option<PathBuf>,
 }
 
 /// The bridge's own address: the pool's first.
@@ -212,8 +217,7 @@ impl Network {
         };
         if let Some(mut held) = held(&dir) {
             held.dns_sets = count;
-            let json = serde_json::to_vec(&held).unwrap_or_default();
-            if let Err(err) = std::fs::write(dir.join(RECORD), json) {
+            if let Err(err) = write_held(&dir, &held) {
                 tracing::warn!(%err, %addr, "cannot record the sandbox's DNS sets");
             }
         }
@@ -395,7 +399,10 @@ impl Network {
             ));
         }
         nft::apply(cmds)?;
-        let keep: Vec<String> = live.iter().map(|(a, _)| veth_name(*a)).collect();
+        let keep: Vec<String> = live
+            .iter()
+            .flat_map(|(a, _)| [veth_name(*a), tap::tap_name(*a)])
+            .collect();
         let mut batch = String::new();
         for entry in std::fs::read_dir("/sys/class/net")
             .into_iter()
@@ -405,7 +412,10 @@ impl Network {
             let name = entry.file_name().to_string_lossy().into_owned();
             let on_bridge = std::fs::read_link(entry.path().join("master"))
                 .is_ok_and(|m| m.file_name().is_some_and(|n| n == self.bridge.as_str()));
-            if name.starts_with("dsv") && !keep.contains(&name) && on_bridge {
+            if (name.starts_with("dsv") || name.starts_with("dst"))
+                && !keep.contains(&name)
+                && on_bridge
+            {
                 batch.push_str(&format!("link del {name}\n"));
             }
         }
@@ -460,13 +470,11 @@ impl Network {
                         addr,
                         slot: slot.clone(),
                         dns_sets,
+                        netns: None,
                     };
-                    let json = serde_json::to_vec(&held).unwrap_or_default();
-                    if let Err(e) = std::fs::write(sandbox_dir.join(RECORD), json) {
+                    if let Err(e) = write_held(sandbox_dir, &held) {
                         let _ = std::fs::remove_file(&slot);
-                        return Err(NetError::Setup(format!(
-                            "record the sandbox's address: {e}"
-                        )));
+                        return Err(e);
                     }
                     return Ok(addr);
                 }
@@ -496,8 +504,20 @@ fn held(sandbox_dir: &Path) -> Option<Held> {
     serde_json::from_slice(&std::fs::read(sandbox_dir.join(RECORD)).ok()?).ok()
 }
 
+fn write_held(sandbox_dir: &Path, held: &Held) -> Result<(), NetError> {
+    let json = serde_json::to_vec(held).unwrap_or_default();
+    std::fs::write(sandbox_dir.join(RECORD), json)
+        .map_err(|e| NetError::Setup(format!("record the sandbox's address: {e}")))
+}
+
+/// The network namespace a microVM's jailed VMM joins, if its tap is being set up.
+pub fn jail_netns(sandbox_dir: &Path) -> Option<PathBuf> {
+    held(sandbox_dir)?.netns
+}
+
 /// Frees what the sandbox in `sandbox_dir` holds: its rules, its veth (gone with its
-/// namespace, unless that is still alive), its conntrack entries and its address. Blocking.
+/// namespace, unless that is still alive) or tap (gone with its VMM), a microVM's
+/// namespace, its conntrack entries and its address. Blocking.
 pub fn release(sandbox_dir: &Path) {
     let Some(held) = held(sandbox_dir) else {
         return;
@@ -510,9 +530,13 @@ pub fn release(sandbox_dir: &Path) {
             let _ = nft::apply(vec![cmd]);
         }
     }
-    let veth = veth_name(held.addr);
-    if Path::new("/sys/class/net").join(&veth).exists() {
-        let _ = ip_batch(&format!("link del {veth}\n"), None);
+    for link in [veth_name(held.addr), tap::tap_name(held.addr)] {
+        if Path::new("/sys/class/net").join(&link).exists() {
+            let _ = ip_batch(&format!("link del {link}\n"), None);
+        }
+    }
+    if let Some(netns) = &held.netns {
+        tap::remove_netns(netns);
     }
     flush_conntrack(held.addr);
     if std::fs::read_link(&held.slot).is_ok_and(|t| t == sandbox_dir) {

@@ -12,6 +12,11 @@
 //! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point)
 //!   but the DNS proxy (UDP 53 on the bridge address).
 //! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
+//!
+//! A second table, `bridge <bridge>`, holds microVMs to their own addresses: a guest owns
+//! its kernel and could send as another sandbox (and get that one's policy) or claim the
+//! gateway's MAC. Frames from a tap (`dst*` ports) pass only as IPv4 or ARP whose port,
+//! source MAC and source address are in `ports` (one element per sandbox, added with it).
 
 use std::io::Write;
 use std::net::Ipv4Addr;
@@ -107,6 +112,57 @@ fn element(e: &Element) -> Value {
 
 /// The whole table with no sandboxes in it, replacing whatever was there (atomically: the
 /// old rules hold until the new ones do).
+/// The `bridge` family table: frames from taps pass only from their own MAC and address.
+fn port_table(table: &str) -> Vec<Value> {
+    let t = json!({"family": "bridge", "name": table});
+    let from_tap = is(
+        meta("iifname"),
+        json!(format!("{}*", super::tap::TAP_PREFIX)),
+    );
+    let ether = |field: &str| json!({"payload": {"protocol": "ether", "field": field}});
+    let arp = |field: &str| json!({"payload": {"protocol": "arp", "field": field}});
+    let not_own = |mac: Value, addr: Value| {
+        json!({"match": {"op": "!=", "left": {"concat": [meta("iifname"), mac, addr]},
+            "right": "@ports"}})
+    };
+    let rule = |expr: Vec<Value>| {
+        let mut all = vec![from_tap.clone()];
+        all.extend(expr);
+        all.extend([json!({"counter": null}), json!({"drop": null})]);
+        json!({"add": {"rule": {"family": "bridge", "table": table, "chain": "prerouting",
+            "expr": all}}})
+    };
+    vec![
+        json!({"add": {"table": t}}),
+        json!({"delete": {"table": t}}),
+        json!({"add": {"table": t}}),
+        json!({"add": {"set": {"family": "bridge", "table": table, "name": "ports",
+            "type": ["ifname", "ether_addr", "ipv4_addr"]}}}),
+        json!({"add": {"chain": {"family": "bridge", "table": table, "name": "prerouting",
+            "type": "filter", "hook": "prerouting", "prio": -200, "policy": "accept"}}}),
+        rule(vec![
+            is(ether("type"), json!("ip")),
+            not_own(ether("saddr"), ip("saddr")),
+        ]),
+        rule(vec![
+            is(ether("type"), json!("arp")),
+            not_own(ether("saddr"), arp("saddr ip")),
+        ]),
+        rule(vec![
+            is(ether("type"), json!("arp")),
+            not_own(arp("saddr ether"), arp("saddr ip")),
+        ]),
+        rule(vec![json!({"match": {"op": "!=", "left": ether("type"),
+            "right": {"set": ["ip", "arp"]}}})]),
+    ]
+}
+
+/// The `ports` element of the sandbox at `addr` (its tap, should it be a microVM).
+fn port_element(table: &str, addr: Ipv4Addr) -> Value {
+    json!({"family": "bridge", "table": table, "name": "ports",
+        "elem": [{"concat": [super::tap::tap_name(addr), super::tap::mac_of(addr), addr.to_string()]}]})
+}
+
 pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec<Value> {
     let t = json!({"family": FAMILY, "name": table});
     let gateway = super::gateway_of(pool);
@@ -123,7 +179,8 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
     let ct_replies = json!({"match": {"op": "in", "left": {"ct": {"key": "state"}},
         "right": ["established", "related"]}});
     let (counter, drop) = (json!({"counter": null}), json!({"drop": null}));
-    vec![
+    let mut cmds = port_table(table);
+    cmds.extend([
         json!({"add": {"table": t}}),
         json!({"delete": {"table": t}}),
         json!({"add": {"table": t}}),
@@ -179,7 +236,8 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
                 json!({"masquerade": null}),
             ],
         ),
-    ]
+    ]);
+    cmds
 }
 
 fn set_elements(op: &str, table: &str, name: &str, elements: &[Element]) -> Option<Value> {
@@ -204,6 +262,7 @@ pub(super) fn add_sandbox(
         json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
         "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
     );
+    cmds.push(json!({"add": {"element": port_element(table, addr)}}));
     cmds
 }
 
@@ -327,6 +386,7 @@ pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr, dns_sets: usize) -> Ve
             "elem": [addr.to_string()]}}}),
         json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
         json!({"delete": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
+        json!({"delete": {"element": port_element(table, addr)}}),
     ];
     for kind in ["allow", "deny"] {
         cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": set_name(kind, addr)}}}));
@@ -339,11 +399,13 @@ pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr, dns_sets: usize) -> Ve
 
 /// Deletes the table (nothing of it left is fine).
 pub(super) fn delete_table(table: &str) -> Vec<Value> {
-    let t = json!({"family": FAMILY, "name": table});
-    vec![
-        json!({"add": {"table": t}}),
-        json!({"delete": {"table": t}}),
-    ]
+    let mut cmds = Vec::new();
+    for family in [FAMILY, "bridge"] {
+        let t = json!({"family": family, "name": table});
+        cmds.push(json!({"add": {"table": t}}));
+        cmds.push(json!({"delete": {"table": t}}));
+    }
+    cmds
 }
 
 /// Packets each sandbox's chain rejected, by sandbox address (from the chains' counters).

@@ -1,0 +1,190 @@
+//! microVM taps. The jailed VMM joins an empty network namespace the edge made for the
+//! sandbox and creates its tap there (as root, before it drops privileges); once the VM
+//! runs, the tap moves to the host's namespace onto the bridge (an open tap keeps working
+//! across the move, and goes with the VMM's last descriptor). The guest's `eth0` is set up
+//! by the agent; the sandbox's rules are the same per-address chain containers get.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+
+use super::{ip_batch, nft, policy, NetError, Network, Policy};
+
+/// What a microVM's network device is made of, decided before its VMM starts.
+#[derive(Clone, Debug)]
+pub struct TapPlan {
+    pub addr: Ipv4Addr,
+    pub tap: String,
+    /// The guest's MAC: locally administered, from the address (unique on the bridge).
+    pub mac: String,
+    /// The empty network namespace the jailed VMM joins (a bind mount until attached).
+    pub netns: PathBuf,
+}
+
+/// Taps are named this and the address in hex (veths: `dsv`).
+pub(super) const TAP_PREFIX: &str = "dst";
+
+pub(super) fn tap_name(addr: Ipv4Addr) -> String {
+    format!("{TAP_PREFIX}{:08x}", u32::from(addr))
+}
+
+pub(super) fn mac_of(addr: Ipv4Addr) -> String {
+    let [a, b, c, d] = addr.octets();
+    format!("06:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+}
+
+impl Network {
+    /// Takes an address and writes the sandbox's rules, and makes the namespace its VMM
+    /// joins. Recorded in `sandbox_dir` first, so [`super::release`] frees it all. Blocking.
+    pub fn prepare_tap(&self, sandbox_dir: &Path, policy: &Policy) -> Result<TapPlan, NetError> {
+        let (allow, deny) = (
+            policy::compile(&policy.allow)?,
+            policy::compile(&policy.deny)?,
+        );
+        let domains = policy.domain_specs();
+        let addr = self.allocate(sandbox_dir, domains.len())?;
+        self.forget(addr);
+        self.set_names(addr, policy);
+        let netns = PathBuf::from(format!(
+            "{}.netns",
+            self.slots.join(addr.to_string()).display()
+        ));
+        let mut held = super::held(sandbox_dir)
+            .ok_or_else(|| NetError::Setup("the sandbox's address record vanished".into()))?;
+        held.netns = Some(netns.clone());
+        super::write_held(sandbox_dir, &held)?;
+        new_netns(&netns)?;
+        nft::apply(nft::add_sandbox(
+            &self.bridge,
+            addr,
+            &allow,
+            &deny,
+            &domains,
+        ))?;
+        Ok(TapPlan {
+            addr,
+            tap: tap_name(addr),
+            mac: mac_of(addr),
+            netns,
+        })
+    }
+
+    /// Once the VMM has opened its tap: moves it onto the bridge (an isolated port, like a
+    /// container's veth) and drops the namespace. Blocking.
+    pub fn attach_tap(&self, plan: &TapPlan) -> Result<(), NetError> {
+        let netns = std::fs::File::open(&plan.netns)
+            .map_err(|e| NetError::Setup(format!("open {}: {e}", plan.netns.display())))?;
+        let tap = &plan.tap;
+        ip_batch(
+            &format!("link set {tap} netns {}\n", std::process::id()),
+            Some(&netns),
+        )?;
+        drop(netns);
+        ip_batch(
+            &format!(
+                "link set {tap} master {bridge}\n\
+                 link set {tap} type bridge_slave isolated on\n\
+                 link set {tap} up\n",
+                bridge = self.bridge
+            ),
+            None,
+        )?;
+        remove_netns(&plan.netns);
+        Ok(())
+    }
+
+    /// The shell command that gives the guest its address, route and resolver.
+    pub fn guest_setup(&self, addr: Ipv4Addr) -> String {
+        format!(
+            "ip link set lo up; ip link set eth0 up && ip addr add {addr}/{len} dev eth0 && \
+             ip route add default via {gw} && echo 'nameserver {gw}' > /etc/resolv.conf",
+            len = self.pool.1,
+            gw = self.gateway
+        )
+    }
+}
+
+/// A new, empty network namespace kept by a bind mount at `path`.
+fn new_netns(path: &Path) -> Result<(), NetError> {
+    std::fs::File::create(path)
+        .map_err(|e| NetError::Setup(format!("create {}: {e}", path.display())))?;
+    let target = path.to_path_buf();
+    // unshare changes only the calling thread's namespace: a thread of its own, which ends.
+    std::thread::spawn(move || -> Result<(), NetError> {
+        unshare(CloneFlags::CLONE_NEWNET)
+            .map_err(|e| NetError::Setup(format!("new network namespace: {e}")))?;
+        mount(
+            Some("/proc/thread-self/ns/net"),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| {
+            NetError::Setup(format!(
+                "keep the network namespace at {}: {e}",
+                target.display()
+            ))
+        })
+    })
+    .join()
+    .unwrap_or_else(|_| Err(NetError::Setup("the namespace thread panicked".into())))
+}
+
+/// Unmounts and removes a namespace made by [`new_netns`] (gone already is fine).
+pub(super) fn remove_netns(path: &Path) {
+    let _ = umount2(path, MntFlags::MNT_DETACH);
+    let _ = std::fs::remove_file(path);
+}
+
+/// The microVM backend's hook before a boot: a tap for every booted microVM on a node with
+/// a network (template snapshots have no network device, so restored ones get none).
+pub async fn prepare_microvm(
+    config: &crate::backend::EdgeConfig,
+    sandbox_dir: &Path,
+    policy: &Policy,
+) -> crate::error::Result<Option<TapPlan>> {
+    let Some(network) = config.network.clone() else {
+        return Ok(None);
+    };
+    if config.jail.is_none() {
+        return Err(NetError::Setup(
+            "a microVM's tap needs a jailed VMM (the edge running as root)".into(),
+        )
+        .into());
+    }
+    let (dir, policy) = (sandbox_dir.to_path_buf(), policy.clone());
+    let plan = tokio::task::spawn_blocking(move || network.prepare_tap(&dir, &policy))
+        .await
+        .map_err(|e| NetError::Setup(format!("network setup task failed: {e}")))??;
+    Ok(Some(plan))
+}
+
+/// The hook once the microVM's agent answers: its tap onto the bridge, its `eth0` set up.
+pub async fn attach_microvm(
+    config: &crate::backend::EdgeConfig,
+    plan: &TapPlan,
+    agent: &crate::client::AgentClient,
+) -> crate::error::Result<()> {
+    let Some(network) = config.network.clone() else {
+        return Ok(());
+    };
+    let (net, moved) = (network.clone(), plan.clone());
+    tokio::task::spawn_blocking(move || net.attach_tap(&moved))
+        .await
+        .map_err(|e| NetError::Setup(format!("network setup task failed: {e}")))??;
+    let mut setup =
+        crate::client::ExecSpec::new(["/bin/sh", "-c", &network.guest_setup(plan.addr)]);
+    setup.timeout = Some(std::time::Duration::from_secs(10));
+    let done = agent.exec_collect(&setup, None).await?;
+    if done.outcome.code != Some(0) {
+        return Err(NetError::Setup(format!(
+            "the guest could not configure eth0: {}",
+            String::from_utf8_lossy(&done.stderr).trim()
+        ))
+        .into());
+    }
+    Ok(())
+}

@@ -1,0 +1,100 @@
+#!/bin/sh
+# Runs inside the rig's L1 (the kernel of tests/rig/l1-net-kernel.sh: bridge, veth,
+# nftables): microVM sandboxes on a node with a sandbox network. A test host in a network
+# namespace of L1's own ("web", 192.168.77.2, HTTP on 8080 and 9090); the daemon with
+# `--net-bridge dsec0`. A booted microVM gets a tap on the bridge and reaches nothing; with a
+# policy, the test host by port only; never the node's API or HTTP entry point, even with
+# --internet; a guest that takes another sandbox's address sends nothing; taps, namespaces
+# and rules are gone after delete, and ip_forward is put back when the daemon stops.
+# Expects in L1: /bin/dsec, /bin/dsec-vmm, iproute2 at /usr/sbin/ip, nft and conntrack in
+# /usr/sbin, DSEC_HOME=/dsec holding kernel/vmlinux and images/busybox/initramfs.cpio.
+# Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
+pass=0; fail=0
+ok()  { echo "PASS $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
+export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
+export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
+# iproute2 and nftables before busybox's applets (the daemon runs `ip -batch`).
+export PATH=/usr/sbin:$PATH
+T=300
+for f in /bin/dsec /bin/dsec-vmm /usr/sbin/ip /usr/sbin/nft $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/busybox/initramfs.cpio; do
+    [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
+done
+nft list tables >/dev/null 2>&1 || { bad kernel "no nftables in L1 (run with RIG_KERNEL from tests/rig/l1-net-kernel.sh)"; echo "$pass passed, $fail failed"; exit 1; }
+forward_before=$(cat /proc/sys/net/ipv4/ip_forward)
+
+# The test host: its own namespace, a veth to L1's.
+ip link set lo up
+ip netns add web
+ip link add webhost type veth peer name eth0 netns web
+ip addr add 192.168.77.1/24 dev webhost; ip link set webhost up
+ip -n web link set lo up; ip -n web addr add 192.168.77.2/24 dev eth0; ip -n web link set eth0 up
+mkdir -p /tmp/www; echo web-ok >/tmp/www/index.html
+ip netns exec web busybox httpd -p 8080 -h /tmp/www
+ip netns exec web busybox httpd -p 9090 -h /tmp/www
+# SYNs the test host receives on 8081 (nothing listens there), counted.
+ip netns exec web nft -f - <<'EOF'
+table ip probe {
+  chain input { type filter hook input priority 0; tcp dport 8081 counter; }
+}
+EOF
+syns() { ip netns exec web nft list chain ip probe input | awk '/counter/ {for (i=1;i<=NF;i++) if ($i=="packets") print $(i+1)}'; }
+
+DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http 0.0.0.0:7080 \
+    --cgroup-name dsec-rig --net-bridge dsec0 --net-pool 10.77.0.0/24 >/tmp/node.log 2>&1 &
+daemon=$!
+i=0
+until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
+dsec ls >/dev/null 2>&1 && ok daemon-up || { bad daemon-up "$(tail -5 /tmp/node.log)"; echo "$pass passed, $fail failed"; exit 1; }
+gw=10.77.0.1
+
+a=$(timeout $T dsec create --backend microvm --mem 128 --cold 2>/tmp/create.err)
+[ -n "$a" ] && ok create || { bad create "$(cat /tmp/create.err; tail -5 /tmp/node.log)"; }
+addr_of() { timeout $T dsec exec $1 -- sh -c "ip -4 addr show dev eth0 | awk '/inet / {print \$2}'" | cut -d/ -f1; }
+aa=$(addr_of $a)
+taps=$(ls /sys/class/net | grep -c '^dst')
+case $aa in 10.77.0.*) [ "$taps" = 1 ] && [ "$(basename "$(readlink /sys/class/net/dst*/master)")" = dsec0 ] \
+    && ok tap-on-bridge || bad tap-on-bridge "$taps taps: $(ls /sys/class/net)";;
+    *) bad tap-on-bridge "guest eth0 has '$aa'; $(tail -5 /tmp/node.log)";; esac
+# The VMM joined a namespace of its own; once the tap left it the bind mount went.
+[ -z "$(ls /run/dsec-net/dsec0/ | grep netns)" ] && ok netns-dropped || bad netns-dropped "$(ls /run/dsec-net/dsec0/)"
+reach() { timeout 60 dsec exec $1 -- sh -c "wget -q -T 3 -O - $2 2>/dev/null"; }
+
+[ -z "$(reach $a http://192.168.77.2:8080/)" ] && ok no-policy-reaches-nothing || bad no-policy-reaches-nothing "reached the test host"
+timeout $T dsec net set $a tcp:192.168.77.2:8080 >/dev/null || bad net-set "refused"
+[ "$(reach $a http://192.168.77.2:8080/)" = web-ok ] && ok policy-reaches-test-host || bad policy-reaches-test-host "$(timeout 60 dsec exec $a -- wget -T 3 -O - http://192.168.77.2:8080/ 2>&1)"
+[ -z "$(reach $a http://192.168.77.2:9090/)" ] && ok policy-by-port-only || bad policy-by-port-only "reached port 9090"
+timeout $T dsec net set $a --internet >/dev/null
+[ "$(reach $a http://192.168.77.2:9090/)" = web-ok ] && ok internet-reaches-any-port || bad internet-reaches-any-port "9090 closed with --internet"
+n=0
+for url in http://$gw:7080/ http://192.168.77.1:7080/ http://$gw:1/; do
+    out=$(timeout 60 dsec exec $a -- sh -c "wget -q -T 3 -O - $url 2>&1; echo rc=\$?")
+    case $out in *"rc=0"*|*401*|*404*|*refused*) echo "  reached $url: $out";; *) n=$((n + 1));; esac
+done
+[ $n = 3 ] && ok node-unreachable || bad node-unreachable "$n of 3 node addresses closed"
+
+# A guest owns its kernel: taking another sandbox's address must not get it that one's policy.
+b=$(timeout $T dsec create --backend microvm --mem 128 --cold 2>/tmp/create.err)
+timeout $T dsec net set $a tcp:192.168.77.2 >/dev/null
+timeout $T dsec net set $b tcp:192.168.77.2:9090 >/dev/null
+reach $a http://192.168.77.2:8081/ >/dev/null
+before=$(syns)
+[ "${before:-0}" -ge 1 ] && ok probe-counts || bad probe-counts "the test host saw no SYN from $a on 8081"
+timeout 60 dsec exec $b -- sh -c "ip addr flush dev eth0; ip addr add $aa/24 dev eth0; ip route add default via $gw; wget -q -T 3 -O - http://192.168.77.2:8081/" >/dev/null 2>&1
+after=$(syns)
+[ "$after" = "$before" ] && ok spoofed-source-dropped || bad spoofed-source-dropped "the test host got $((after - before)) SYNs from $b posing as $a"
+
+for s in $a $b; do timeout $T dsec rm $s >/dev/null 2>&1; done
+i=0
+while [ "$(ls /sys/class/net | grep -c '^dst')" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
+taps=$(ls /sys/class/net | grep -c '^dst')
+slots=$(ls /run/dsec-net/dsec0 | wc -l)
+chains=$(nft list table inet dsec0 | grep -c 'chain sb_')
+ports=$(nft list set bridge dsec0 ports | grep -c 'dst')
+[ "$taps$slots$chains$ports" = 0000 ] && ok nothing-left || bad nothing-left "$taps taps, $slots slots, $chains chains, $ports port elements"
+
+kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
+[ "$(cat /proc/sys/net/ipv4/ip_forward)" = "$forward_before" ] && [ ! -e /sys/class/net/dsec0 ] \
+    && ok clean-stop || bad clean-stop "ip_forward $(cat /proc/sys/net/ipv4/ip_forward) (was $forward_before), bridge $(ls /sys/class/net)"
+echo "$pass passed, $fail failed"
+exit $fail

@@ -4,14 +4,16 @@
 //! tables (see `nft.rs`), and a DNS proxy on the bridge address that resolves only the names
 //! a sandbox's policy allows (see `dns.rs`).
 //!
-//! Links are configured with `ip -batch` (iproute2) and rules with `nft -j -f -`: a few
-//! processes per create instead of a netlink stack in the daemon (see edge/README.md for the
-//! cost). What a sandbox holds is recorded in its directory (`net`), so [`release`] frees it
-//! from the directory alone: on delete, on a failed create, and after a daemon crash.
+//! A container's links are made through our own rtnetlink requests (`link.rs`: no process
+//! per create), rules with `nft -j -f -` (one process, in parallel); the rarer paths (the
+//! bridge, taps, release) run `ip -batch`. What a sandbox holds is recorded in its directory
+//! (`net`), so [`release`] frees it from the directory alone: on delete, on a failed create,
+//! and after a daemon crash.
 
 pub mod policy;
 
 mod dns;
+mod link;
 mod nft;
 mod tap;
 
@@ -312,24 +314,12 @@ impl Network {
         let rules = std::thread::spawn(move || {
             nft::apply(nft::add_sandbox(&table, addr, &allow, &deny, &domains))
         });
-        let host = ip_batch(
-            &format!(
-                "link add {veth} type veth peer name eth0 netns {pid}\n\
-                 link set {veth} master {bridge}\n\
-                 link set {veth} type bridge_slave isolated on\n\
-                 link set {veth} up\n"
-            ),
-            None,
-        );
-        let inside = host.and_then(|()| {
-            ip_batch(
-                &format!(
-                    "link set lo up\naddr add {addr}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
-                    self.pool.1, self.gateway
-                ),
-                Some(&netns),
-            )
+        let host = link::Rtnl::open().and_then(|mut rtnl| {
+            rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
+            rtnl.isolate_and_up(link::index_of(&veth)?)
         });
+        let inside =
+            host.and_then(|()| link::configure_inside(&netns, addr, self.pool.1, self.gateway));
         let rules = rules
             .join()
             .unwrap_or_else(|_| Err(NetError::Setup("the nft thread panicked".into())));

@@ -285,15 +285,13 @@ impl Network {
         Ok(policy)
     }
 
-    /// Gives the sandbox whose agent is `pid` (PID 1 of its network namespace) an address,
-    /// `eth0` with a default route through the bridge, and its policy. Recorded in
-    /// `sandbox_dir` first, so [`release`] frees whatever was made if anything fails. Blocking.
-    pub fn attach(
+    /// Takes an address for `sandbox_dir` (recorded there) and makes it the DNS proxy's
+    /// with `policy`; returns it and the nft commands of its chain and sets.
+    fn claim(
         &self,
         sandbox_dir: &Path,
-        pid: i32,
         policy: &Policy,
-    ) -> Result<Ipv4Addr, NetError> {
+    ) -> Result<(Ipv4Addr, Vec<serde_json::Value>), NetError> {
         let (allow, deny) = (
             policy::compile(&policy.allow)?,
             policy::compile(&policy.deny)?,
@@ -303,6 +301,20 @@ impl Network {
         // A sandbox that had this address before may have left its names.
         self.forget(addr);
         self.set_names(addr, policy);
+        let rules = nft::add_sandbox(&self.bridge, addr, &allow, &deny, &domains);
+        Ok((addr, rules))
+    }
+
+    /// Gives the sandbox whose agent is `pid` (PID 1 of its network namespace) an address,
+    /// `eth0` with a default route through the bridge, and its policy. Recorded in
+    /// `sandbox_dir` first, so [`release`] frees whatever was made if anything fails. Blocking.
+    pub fn attach(
+        &self,
+        sandbox_dir: &Path,
+        pid: i32,
+        policy: &Policy,
+    ) -> Result<Ipv4Addr, NetError> {
+        let (addr, rules) = self.claim(sandbox_dir, policy)?;
         let veth = veth_name(addr);
         let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
             NetError::Setup(format!("open the network namespace of pid {pid}: {e}"))
@@ -310,10 +322,7 @@ impl Network {
         let bridge = &self.bridge;
         // Rules and links in parallel: until the map entry exists the bridge drops the
         // sandbox's packets anyway.
-        let table = self.bridge.clone();
-        let rules = std::thread::spawn(move || {
-            nft::apply(nft::add_sandbox(&table, addr, &allow, &deny, &domains))
-        });
+        let rules = std::thread::spawn(move || nft::apply(rules));
         let host = link::Rtnl::open().and_then(|mut rtnl| {
             rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
             rtnl.isolate_and_up(link::index_of(&veth)?)

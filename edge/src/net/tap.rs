@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 
-use super::{ip_batch, nft, policy, NetError, Network, Policy};
+use super::{ip_batch, nft, NetError, Network, Policy};
 
 /// What a microVM's network device is made of, decided before its VMM starts.
 #[derive(Clone, Debug)]
@@ -39,14 +39,7 @@ impl Network {
     /// Takes an address and writes the sandbox's rules, and makes the namespace its VMM
     /// joins. Recorded in `sandbox_dir` first, so [`super::release`] frees it all. Blocking.
     pub fn prepare_tap(&self, sandbox_dir: &Path, policy: &Policy) -> Result<TapPlan, NetError> {
-        let (allow, deny) = (
-            policy::compile(&policy.allow)?,
-            policy::compile(&policy.deny)?,
-        );
-        let domains = policy.domain_specs();
-        let addr = self.allocate(sandbox_dir, domains.len())?;
-        self.forget(addr);
-        self.set_names(addr, policy);
+        let (addr, rules) = self.claim(sandbox_dir, policy)?;
         let netns = PathBuf::from(format!(
             "{}.netns",
             self.slots.join(addr.to_string()).display()
@@ -56,13 +49,7 @@ impl Network {
         held.netns = Some(netns.clone());
         super::write_held(sandbox_dir, &held)?;
         new_netns(&netns)?;
-        nft::apply(nft::add_sandbox(
-            &self.bridge,
-            addr,
-            &allow,
-            &deny,
-            &domains,
-        ))?;
+        nft::apply(rules)?;
         Ok(TapPlan {
             addr,
             tap: tap_name(addr),

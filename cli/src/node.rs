@@ -115,6 +115,8 @@ pub struct CreateOpts {
     pub public_ports: Vec<u32>,
     /// microVM: a real boot, not a template restore.
     pub cold: bool,
+    /// Restore this snapshot directory (its image and shape) instead of creating afresh.
+    pub from_snapshot: String,
 }
 
 pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), NodeError> {
@@ -140,6 +142,7 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
         labels: parse_labels(&o.labels)?,
         public_ports: o.public_ports,
         cold: o.cold,
+        from_snapshot: o.from_snapshot,
         ..Default::default()
     };
     let mut tasks = Vec::new();

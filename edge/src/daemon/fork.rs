@@ -12,6 +12,7 @@ use super::create::{limits_for, CreatePlan, Plan};
 use super::error::NodeError;
 use super::node::Node;
 use super::record::{new_access_token, now_ms, Entry, Record};
+use super::restore::SnapshotOrigin;
 use super::vmm_control;
 use crate::backend::microvm::{copy_sparse, MemoryRestore, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind};
@@ -38,6 +39,18 @@ impl Node {
                 .map_err(|e| NodeError::Internal(format!("create {}: {e}", parent.display())))?;
         }
         vmm_control::snapshot(&record, path.clone(), diff).await?;
+        // What a later restore of it (Create.from_snapshot) takes from this sandbox.
+        let on_disk = self
+            .config
+            .artifacts
+            .image(&record.image)
+            .root_disk()
+            .is_some();
+        let origin = SnapshotOrigin {
+            diff,
+            ..SnapshotOrigin::of(&record, on_disk)
+        };
+        origin.write(&path)?;
         entry.event(&format!("snapshot written to {}", path.display()));
         Ok(path)
     }
@@ -135,6 +148,7 @@ impl Node {
                 request_id: String::new(),
                 public_ports: parent.public_ports.clone(),
                 cold: false,
+                from_snapshot: None,
             };
             // The parent's image and memory cgroup limit, as it was created with.
             let plan = CreatePlan {

@@ -38,7 +38,15 @@ impl Node {
             std::fs::create_dir_all(parent)
                 .map_err(|e| NodeError::Internal(format!("create {}: {e}", parent.display())))?;
         }
-        vmm_control::snapshot(&record, path.clone(), diff).await?;
+        let written = vmm_control::snapshot(&record, path.clone(), diff).await?;
+        // How long the guest stood still for it (a fork's parent pause window, VMM-side).
+        tracing::info!(
+            sandbox = %id,
+            paused_ms = written.paused_ms,
+            pages = written.pages_written,
+            diff,
+            "snapshot written"
+        );
         // What a later restore of it (Create.from_snapshot) takes from this sandbox.
         let on_disk = self
             .config
@@ -51,7 +59,12 @@ impl Node {
             ..SnapshotOrigin::of(&record, on_disk)
         };
         origin.write(&path)?;
-        entry.event(&format!("snapshot written to {}", path.display()));
+        entry.event(&format!(
+            "snapshot written to {} ({} pages, guest paused {:.1} ms)",
+            path.display(),
+            written.pages_written,
+            written.paused_ms
+        ));
         Ok(path)
     }
 

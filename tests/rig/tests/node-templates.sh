@@ -3,7 +3,7 @@
 # the node daemon (`dsec up`, every VMM jailed) and the `dsec` CLI.
 # - the first create builds the image's template; creates restore it and run commands; two
 #   sandboxes from one template differ in /dev/urandom and have the host's clock;
-# - create -> first exec, template vs --cold (METRIC lines);
+# - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
 #   pause -> resume -> first exec (METRIC);
@@ -86,9 +86,13 @@ timeout $T dsec exec $src -- sh -c 'echo from-source >/root/snapfile
 snap=$(timeout $T dsec snapshot $src 2>/tmp/snap.err)
 timeout $T dsec exec $src -- sh -c 'echo changed-after-the-snapshot >/root/snapfile'
 timeout $T dsec rm $src >/dev/null 2>&1
+t0=$(now_ms)
 r1=$(timeout $T dsec restore $snap 2>>/tmp/create.err)
-r2=$(timeout $T dsec restore $snap 2>>/tmp/create.err)
 f1=$(timeout $T dsec exec $r1 -- cat /root/snapfile)
+t1=$(now_ms)
+echo "METRIC restore_snapshot_first_exec_ms $((t1 - t0))"
+r2=$(timeout $T dsec restore $snap 2>>/tmp/create.err)
+grep -o 'restored from a named snapshot.*' /tmp/node.log | tail -2
 f2=$(timeout $T dsec exec $r2 -- cat /root/snapfile)
 [ -n "$snap" ] && [ -n "$r1" ] && [ -n "$r2" ] && [ "$r1" != "$r2" ] && [ "$f1" = from-source ] && [ "$f2" = from-source ] \
     && [ "$(grep -c 'restored from a named snapshot' /tmp/node.log)" = 2 ] \
@@ -127,6 +131,30 @@ for i in 1 2 3; do sample cold --cold; sample template; done
 grep -o 'create done.*' /tmp/node.log | tail -6
 t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
 echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
+# A burst of 4 concurrent creates (`dsec create -n 4`), cold then template: wall time, how
+# many were made, creations per second x100.
+burst() { # KIND [--cold]
+    t0=$(now_ms)
+    ids=$(timeout $T dsec create --backend microvm --mem 128 -n 4 $2 2>>/tmp/create.err)
+    t1=$(now_ms)
+    n=$(echo "$ids" | grep -c sb-)
+    echo "METRIC burst4_${1}_ms $((t1 - t0))"
+    echo "METRIC burst4_${1}_created $n"
+    echo "METRIC burst4_${1}_creations_per_s_x100 $((n * 100000 / (t1 - t0 + 1)))"
+    timeout $T dsec rm $ids >/dev/null 2>&1
+}
+burst cold --cold
+burst template
+# A fork's parent pause window, VMM-side (the snapshot reply's paused_ms), 1 GiB guest.
+big=$(timeout $T dsec create --backend microvm --mem 1024 --cold 2>>/tmp/create.err)
+timeout $T dsec exec $big -- sh -c 'echo parent >/root/p'
+kid=$(timeout $T dsec fork $big 2>>/tmp/create.err | grep -o 'sb-[a-z0-9]*' | head -1)
+win=$(grep -o 'snapshot written.*' /tmp/node.log | tail -1 | tr -d '\033' | sed 's/\[[0-9;]*m//g')
+echo "fork of a 1 GiB guest: $win"
+echo "METRIC fork_parent_paused_ms_1g $(echo "$win" | grep -o 'paused_ms=[0-9.]*' | cut -d= -f2)"
+[ -n "$kid" ] && [ "$(timeout $T dsec exec $kid -- cat /root/p)" = parent ] && ok fork-1g-child \
+    || bad fork-1g-child "child '$kid' of '$big'"
+timeout $T dsec rm $big $kid >/dev/null 2>&1
 kill $daemon; wait $daemon 2>/dev/null
 export DSEC_TEMPLATE_MEMORY=lazy
 start_daemon

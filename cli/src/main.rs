@@ -95,22 +95,8 @@ enum Command {
         memory_mib: i64,
         #[arg(long = "disk", value_name = "MiB", default_value_t = 0)]
         disk_mib: i64,
-        /// Seconds until the node deletes it.
-        #[arg(long, default_value_t = 0)]
-        ttl: i64,
-        #[arg(long, default_value_t = 0)]
-        idle_timeout: i64,
-        #[arg(long = "env", short = 'e', value_name = "K=V")]
-        env: Vec<String>,
-        #[arg(long = "label", short = 'l', value_name = "K=V")]
-        labels: Vec<String>,
-        /// How many sandboxes (created concurrently).
-        #[arg(long, short = 'n', default_value_t = 1)]
-        count: usize,
-        /// A port open to everyone through the HTTP entry point, without the sandbox's access
-        /// token (repeatable; see `dsec port-public`).
-        #[arg(long = "public-port", value_name = "PORT")]
-        public_ports: Vec<u32>,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
         /// microVM: boot the kernel for real instead of restoring the image's template
         /// snapshot (the default).
         #[arg(long)]
@@ -190,20 +176,8 @@ enum Command {
     /// their ids. The snapshot is kept.
     Restore {
         snapshot: String,
-        /// Seconds until the node deletes it.
-        #[arg(long, default_value_t = 0)]
-        ttl: i64,
-        #[arg(long, default_value_t = 0)]
-        idle_timeout: i64,
-        #[arg(long = "env", short = 'e', value_name = "K=V")]
-        env: Vec<String>,
-        #[arg(long = "label", short = 'l', value_name = "K=V")]
-        labels: Vec<String>,
-        /// How many sandboxes (restored concurrently).
-        #[arg(long, short = 'n', default_value_t = 1)]
-        count: usize,
-        #[arg(long = "public-port", value_name = "PORT")]
-        public_ports: Vec<u32>,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
     },
     /// Delete sandboxes.
     Rm {
@@ -459,12 +433,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     vcpus,
                     memory_mib,
                     disk_mib,
-                    ttl,
-                    idle_timeout,
-                    env,
-                    labels,
-                    count,
-                    public_ports,
+                    sandbox,
                     cold,
                 } => {
                     let opts = node::CreateOpts {
@@ -473,12 +442,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         vcpus,
                         memory_mib,
                         disk_mib,
-                        ttl,
-                        idle_timeout,
-                        env,
-                        labels,
-                        count,
-                        public_ports,
+                        sandbox,
                         cold,
                         from_snapshot: String::new(),
                     };
@@ -491,27 +455,14 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     });
                     Ok(0)
                 }
-                Command::Restore {
-                    snapshot,
-                    ttl,
-                    idle_timeout,
-                    env,
-                    labels,
-                    count,
-                    public_ports,
-                } => {
+                Command::Restore { snapshot, sandbox } => {
                     let opts = node::CreateOpts {
                         backend: String::new(),
                         image: String::new(),
                         vcpus: 0,
                         memory_mib: 0,
                         disk_mib: 0,
-                        ttl,
-                        idle_timeout,
-                        env,
-                        labels,
-                        count,
-                        public_ports,
+                        sandbox,
                         cold: false,
                         from_snapshot: snapshot,
                     };

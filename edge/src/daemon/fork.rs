@@ -18,6 +18,11 @@ use crate::backend::microvm::{copy_sparse, MemoryRestore, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind};
 
 impl Node {
+    /// `image` boots from a root disk (its sandboxes have a writable upper disk).
+    fn on_disk_image(&self, image: &str) -> bool {
+        self.config.artifacts.image(image).root_disk().is_some()
+    }
+
     /// Snapshot of a microVM sandbox into `path` (default under the state dir).
     pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<PathBuf, NodeError> {
         let entry = self.get(id)?;
@@ -48,15 +53,9 @@ impl Node {
             "snapshot written"
         );
         // What a later restore of it (Create.from_snapshot) takes from this sandbox.
-        let on_disk = self
-            .config
-            .artifacts
-            .image(&record.image)
-            .root_disk()
-            .is_some();
         let origin = SnapshotOrigin {
             diff,
-            ..SnapshotOrigin::of(&record, on_disk)
+            ..SnapshotOrigin::of(&record, self.on_disk_image(&record.image))
         };
         origin.write(&path)?;
         entry.event(&format!(
@@ -90,12 +89,7 @@ impl Node {
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
             ));
         }
-        let on_disk = self
-            .config
-            .artifacts
-            .image(&parent.image)
-            .root_disk()
-            .is_some();
+        let on_disk = self.on_disk_image(&parent.image);
         // On a disk image every child needs its own copy of the writable upper disk, taken
         // while the parent is paused so that it matches the snapshot's memory exactly.
         let was_paused = parent.paused;

@@ -17,6 +17,7 @@ use super::node::Node;
 use super::record::random_hex;
 use crate::backend::microvm::{build_template, MemoryRestore, MicroVmImage, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind, Sandbox, SandboxSpec};
+use crate::error::EdgeError;
 use crate::microvm::SpawnOptions;
 
 /// The node's template snapshots.
@@ -27,6 +28,9 @@ pub struct Templates {
     memory: MemoryRestore,
     /// One build at a time per key; creates of that key wait for it.
     building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Keys with at least one good restore since this daemon started: a later restore of
+    /// one that only times out is a slow (loaded) node, not a bad template.
+    proven: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Templates {
@@ -43,7 +47,19 @@ impl Templates {
                 MemoryRestore::Private
             },
             building: Mutex::new(HashMap::new()),
+            proven: Mutex::default(),
         }
+    }
+
+    fn proven(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.proven.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a failed restore of template `key` means the template is bad (and must be
+    /// built again): a VMM that cannot load it does; a guest that only answered too late
+    /// does only if no restore of that template has worked yet.
+    fn blames_the_template(&self, key: &str, err: &EdgeError) -> bool {
+        !matches!(err, EdgeError::AgentNotReady { .. }) || !self.proven().contains(key)
     }
 
     fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -173,6 +189,7 @@ impl Node {
         .await;
         match restored {
             Ok(sandbox) => {
+                templates.proven().insert(key.clone());
                 tracing::info!(
                     sandbox = %id,
                     template = %key,
@@ -181,6 +198,16 @@ impl Node {
                     "restored from the template snapshot"
                 );
                 Ok(sandbox)
+            }
+            Err(err) if !templates.blames_the_template(&key, &err) => {
+                tracing::warn!(
+                    sandbox = %id,
+                    template = %key,
+                    %err,
+                    "a restore of the template snapshot timed out (it restored fine before, so \
+                     it is kept: the node is slow); booting cold"
+                );
+                Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?)
             }
             Err(err) => {
                 tracing::warn!(
@@ -191,6 +218,7 @@ impl Node {
                      builds it again); booting cold"
                 );
                 let _guard = lock.lock().await;
+                templates.proven().remove(&key);
                 let _ = std::fs::remove_dir_all(&dir);
                 Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?)
             }
@@ -349,6 +377,30 @@ mod tests {
         };
         assert_ne!(family, template_family(&bigger, &vmm));
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn only_a_proven_template_survives_a_restore_timeout() {
+        let templates = Templates::new(Path::new("/nonexistent-state"));
+        let timeout = EdgeError::AgentNotReady {
+            id: "sb-1".into(),
+            timeout: std::time::Duration::from_secs(30),
+            detail: String::new(),
+        };
+        let died = EdgeError::SandboxDied {
+            id: "sb-1".into(),
+            detail: String::new(),
+        };
+        assert!(
+            templates.blames_the_template("k", &timeout),
+            "never restored: bad"
+        );
+        templates.proven().insert("k".into());
+        assert!(!templates.blames_the_template("k", &timeout), "slow node");
+        assert!(
+            templates.blames_the_template("k", &died),
+            "the VMM could not load it"
+        );
     }
 
     #[test]

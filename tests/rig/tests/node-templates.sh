@@ -33,7 +33,7 @@ done
 now_ms() { read up _ </proc/uptime; echo $(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 )); }
 start_daemon() {
     DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off \
-        --http 127.0.0.1:7080 --cgroup-name dsec-rig >>/tmp/node.log 2>&1 &
+        --http 127.0.0.1:7080 --cgroup-name dsec-rig --ready-timeout 120 >>/tmp/node.log 2>&1 &
     daemon=$!
     i=0
     until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
@@ -214,14 +214,17 @@ timeout $T dsec resume $a >/dev/null && [ "$(timeout $T dsec exec $a -- cat /roo
     && ok resume-after-daemon-kill || bad resume-after-daemon-kill "$(tail -5 /tmp/node.log)"
 
 # A corrupted template: the create boots cold (warning), the next one builds it again.
+built=$(grep -c 'template snapshot built' /tmp/node.log)
 for st in /tmp/node/templates/*/snapshot/state; do echo garbage >$st; done
 c=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 [ -n "$c" ] && [ "$(timeout $T dsec exec $c -- echo hi)" = hi ] && grep -q 'could not be restored' /tmp/node.log \
     && ok corrupt-template-falls-back-cold || bad corrupt-template-falls-back-cold "id '$c': $(grep -i template /tmp/node.log | tail -3)"
 d=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
-[ -n "$d" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 2 ] && [ "$(timeout $T dsec exec $d -- echo hi)" = hi ] \
+[ -n "$d" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 1)) ] && [ "$(timeout $T dsec exec $d -- echo hi)" = hi ] \
     && ok template-rebuilt || bad template-rebuilt "$(grep -i template /tmp/node.log | tail -3)"
 
+# (The node's disk budget in L1 takes five sandboxes of 1 GiB.)
+timeout $T dsec rm $c $d >/dev/null 2>&1
 # A template whose memory file is missing: a cold boot with a warning, then built again.
 rm -f /tmp/node/templates/*/snapshot/memory
 warned=$(grep -c 'could not be restored' /tmp/node.log)
@@ -229,15 +232,16 @@ e=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 [ -n "$e" ] && [ "$(timeout $T dsec exec $e -- echo hi)" = hi ] && [ "$(grep -c 'could not be restored' /tmp/node.log)" -gt "$warned" ] \
     && ok missing-template-falls-back-cold || bad missing-template-falls-back-cold "id '$e': $(grep -i template /tmp/node.log | tail -3)"
 f=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
-[ -n "$f" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 3 ] && ok missing-template-rebuilt \
+[ -n "$f" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 2)) ] && ok missing-template-rebuilt \
     || bad missing-template-rebuilt "$(grep -i template /tmp/node.log | tail -3)"
 
+timeout $T dsec rm $e $f >/dev/null 2>&1
 # A changed image (the initramfs rewritten: new mtime) gets a new template; the stale one goes.
 old_tpl=$(ls /tmp/node/templates)
 touch $DSEC_HOME/images/busybox/initramfs.cpio
 g=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 new_tpl=$(ls /tmp/node/templates)
-[ -n "$g" ] && [ "$(timeout $T dsec exec $g -- echo hi)" = hi ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 4 ] \
+[ -n "$g" ] && [ "$(timeout $T dsec exec $g -- echo hi)" = hi ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 3)) ] \
     && [ -n "$new_tpl" ] && [ "$new_tpl" != "$old_tpl" ] && [ ! -e "/tmp/node/templates/$old_tpl" ] \
     && grep -q 'stale template removed' /tmp/node.log \
     && ok image-change-rebuilds-template || bad image-change-rebuilds-template "before '$old_tpl', after '$new_tpl': $(grep -i template /tmp/node.log | tail -3)"

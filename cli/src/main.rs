@@ -95,22 +95,8 @@ enum Command {
         memory_mib: i64,
         #[arg(long = "disk", value_name = "MiB", default_value_t = 0)]
         disk_mib: i64,
-        /// Seconds until the node deletes it.
-        #[arg(long, default_value_t = 0)]
-        ttl: i64,
-        #[arg(long, default_value_t = 0)]
-        idle_timeout: i64,
-        #[arg(long = "env", short = 'e', value_name = "K=V")]
-        env: Vec<String>,
-        #[arg(long = "label", short = 'l', value_name = "K=V")]
-        labels: Vec<String>,
-        /// How many sandboxes (created concurrently).
-        #[arg(long, short = 'n', default_value_t = 1)]
-        count: usize,
-        /// A port open to everyone through the HTTP entry point, without the sandbox's access
-        /// token (repeatable; see `dsec port-public`).
-        #[arg(long = "public-port", value_name = "PORT")]
-        public_ports: Vec<u32>,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
         /// microVM: boot the kernel for real instead of restoring the image's template
         /// snapshot (the default).
         #[arg(long)]
@@ -173,6 +159,25 @@ enum Command {
         id: String,
         #[arg(long, short = 'n', default_value_t = 1)]
         count: i32,
+    },
+    /// Snapshot a running microVM sandbox to a new directory on its node; prints the path
+    /// (what `dsec restore` takes).
+    Snapshot {
+        id: String,
+        /// Directory to write (default: under the node's state dir).
+        #[arg(long, default_value = "")]
+        path: String,
+        /// Only the pages changed since the previous snapshot (not restorable alone).
+        #[arg(long)]
+        diff: bool,
+    },
+    /// Restore a snapshot (`dsec snapshot`'s path) as new sandboxes with the snapshot's image,
+    /// shape, files and processes, each with its own id, entropy and the host's clock; prints
+    /// their ids. The snapshot is kept.
+    Restore {
+        snapshot: String,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
     },
     /// Delete sandboxes.
     Rm {
@@ -329,6 +334,8 @@ fn main() -> ExitCode {
             | Command::Top { .. }
             | Command::Url { .. }
             | Command::Create { .. }
+            | Command::Restore { .. }
+            | Command::Snapshot { .. }
     ) {
         // SAFETY: restores the default disposition of SIGPIPE before any thread starts.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -426,12 +433,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     vcpus,
                     memory_mib,
                     disk_mib,
-                    ttl,
-                    idle_timeout,
-                    env,
-                    labels,
-                    count,
-                    public_ports,
+                    sandbox,
                     cold,
                 } => {
                     let opts = node::CreateOpts {
@@ -440,13 +442,29 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         vcpus,
                         memory_mib,
                         disk_mib,
-                        ttl,
-                        idle_timeout,
-                        env,
-                        labels,
-                        count,
-                        public_ports,
+                        sandbox,
                         cold,
+                        from_snapshot: String::new(),
+                    };
+                    node::create(&c, opts, json).await.map(|()| 0)
+                }
+                Command::Snapshot { id, path, diff } => {
+                    let path = c.snapshot(&id, &path, diff).await?;
+                    node::emit(json, serde_json::json!({ "path": path }), || {
+                        println!("{path}")
+                    });
+                    Ok(0)
+                }
+                Command::Restore { snapshot, sandbox } => {
+                    let opts = node::CreateOpts {
+                        backend: String::new(),
+                        image: String::new(),
+                        vcpus: 0,
+                        memory_mib: 0,
+                        disk_mib: 0,
+                        sandbox,
+                        cold: false,
+                        from_snapshot: snapshot,
                     };
                     node::create(&c, opts, json).await.map(|()| 0)
                 }

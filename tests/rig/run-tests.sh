@@ -19,7 +19,10 @@
 #   9. node-templates: template snapshots (built once, restored by creates: own entropy,
 #                   host clock; create -> first exec template vs --cold), pause that ends the
 #                   VMM and resume (three cycles, files and a process kept; across a kill -9
-#                   of the daemon), a corrupted template falls back to a cold boot
+#                   of the daemon; a session's cwd kept), a corrupted or missing template falls
+#                   back to a cold boot, a changed image rebuilds it (the stale one removed),
+#                   restore of a named snapshot (`dsec snapshot` / `dsec restore`: files, a
+#                   process, own entropy and clock), a full disk fails a pause cleanly
 # Inputs (override with env): DSEC_BIN_DIR (default target/release) holding dsec
 # and dsec-vmm; DSEC_AGENT_INITRAMFS (default $DSEC_HOME/images/busybox/initramfs.cpio);
 # DSEC_DEBIAN_IMG (default $DSEC_HOME/images/debian/rootfs.img, from images/debian/build.sh).

@@ -22,6 +22,7 @@ mod reaper;
 pub mod record;
 pub mod registration;
 mod request_ids;
+mod restore;
 mod runtime;
 mod status;
 mod suspend;

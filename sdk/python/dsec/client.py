@@ -742,6 +742,21 @@ class Client:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        return self._create(req)
+
+    def restore(self, snapshot: str, *, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
+                idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
+                request_id: Optional[str] = None,
+                public_ports: Iterable[int] = ()) -> "Sandbox":
+        """A new sandbox restored from ``snapshot``, the path :meth:`Sandbox.snapshot`
+        returned on this node: the snapshot's image, shape, files and processes, with its own
+        id, entropy and the host's clock. The snapshot is kept."""
+        req = _create_request("", "", 0, 0, 0, env, ttl, idle_timeout, labels, 0, False,
+                              request_id, public_ports)
+        req.from_snapshot = snapshot
+        return self._create(req)
+
+    def _create(self, req: pb.CreateSandboxRequest) -> "Sandbox":
         req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
@@ -1155,6 +1170,20 @@ class AsyncClient:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        return await self._create(req)
+
+    async def restore(self, snapshot: str, *, env: Optional[Mapping[str, str]] = None,
+                      ttl: int = 0, idle_timeout: int = 0,
+                      labels: Optional[Mapping[str, str]] = None,
+                      request_id: Optional[str] = None,
+                      public_ports: Iterable[int] = ()) -> "AsyncSandbox":
+        """asyncio twin of :meth:`Client.restore`."""
+        req = _create_request("", "", 0, 0, 0, env, ttl, idle_timeout, labels, 0, False,
+                              request_id, public_ports)
+        req.from_snapshot = snapshot
+        return await self._create(req)
+
+    async def _create(self, req: pb.CreateSandboxRequest) -> "AsyncSandbox":
         req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:

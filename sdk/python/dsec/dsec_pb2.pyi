@@ -71,7 +71,7 @@ class NetworkPolicy(_message.Message):
     def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id", "cold")
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id", "cold", "from_snapshot")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class CreateSandboxRequest(_message.Message):
     NODE_LABELS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     COLD_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     image: str
     vcpus: int
@@ -127,7 +128,8 @@ class CreateSandboxRequest(_message.Message):
     node_labels: _containers.ScalarMap[str, str]
     sandbox_id: str
     cold: bool
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., project: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., sandbox_id: _Optional[str] = ..., cold: _Optional[bool] = ...) -> None: ...
+    from_snapshot: str
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., project: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., sandbox_id: _Optional[str] = ..., cold: _Optional[bool] = ..., from_snapshot: _Optional[str] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")

@@ -556,6 +556,32 @@ impl Client {
             .sandboxes)
     }
 
+    /// Snapshot of a running microVM sandbox into a new directory on its node (`path` empty:
+    /// the node picks one); returns the directory, which [`restore`](Self::restore) takes.
+    pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<String> {
+        Ok(self
+            .sandboxes()
+            .snapshot(SnapshotSandboxRequest {
+                sandbox_id: id.into(),
+                path: path.into(),
+                diff,
+            })
+            .await?
+            .into_inner()
+            .path)
+    }
+
+    /// A new sandbox restored from `snapshot` (a path [`snapshot`](Self::snapshot) returned on
+    /// this node): its image and shape come from the snapshot, env, labels, TTL and ports from
+    /// `request`, whose image and shape fields must be unset or equal to the snapshot's.
+    pub async fn restore(&self, snapshot: &str, request: CreateSandboxRequest) -> Result<Sandbox> {
+        self.create(CreateSandboxRequest {
+            from_snapshot: snapshot.into(),
+            ..request
+        })
+        .await
+    }
+
     pub async fn set_timeout(&self, id: &str, ttl_seconds: i64) -> Result<Sandbox> {
         Ok(self
             .sandboxes()

@@ -212,7 +212,9 @@ impl Drop for Checkout<'_> {
     }
 }
 
-async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub(crate) async fn join_all<F: std::future::Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
     let mut set = Vec::new();
     for f in futures {
         set.push(Box::pin(f));

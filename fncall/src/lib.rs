@@ -5,7 +5,9 @@ pub mod cgroup;
 pub mod container;
 pub mod engine;
 pub mod error;
+pub mod grpc;
 pub mod request;
+pub mod sandboxfusion;
 pub mod worker;
 
 pub use container::{CallLimits, ContainerFactory};

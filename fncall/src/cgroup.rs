@@ -1,6 +1,8 @@
-//! One pre-made cgroup per worker holding its calls (memory and process limits): created
-//! once when the worker starts, its memory limit rewritten only when a call asks for a
-//! different one, removed when the worker goes. cgroup v1 (memory + pids hierarchies) or v2.
+//! One pre-made cgroup per worker (memory and process limits): created once when the worker
+//! starts, which joins it before exec so that every call is born inside (no per-call
+//! migration); its memory limit (the idle worker's usage + the call's limit) is rewritten
+//! only when a call asks for a different one; removed when the worker goes. cgroup v1
+//! (memory + pids hierarchies) or v2.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -17,6 +19,8 @@ pub struct CallCgroup {
     v2: bool,
     memory_mib: Option<u32>,
     oom_kills_seen: u64,
+    /// Memory the worker's zygote holds, added to each call's limit.
+    baseline: u64,
 }
 
 fn write(path: &Path, value: &str) -> std::io::Result<()> {
@@ -56,6 +60,7 @@ impl CallCgroup {
             v2,
             memory_mib: None,
             oom_kills_seen: 0,
+            baseline: 0,
         })
     }
 
@@ -67,7 +72,21 @@ impl CallCgroup {
             v2: false,
             memory_mib: None,
             oom_kills_seen: 0,
+            baseline: 0,
         }
+    }
+
+    /// Takes the group's current usage (the idle worker) as what calls are limited on top of.
+    pub fn record_baseline(&mut self) {
+        let file = if self.v2 {
+            "memory.current"
+        } else {
+            "memory.usage_in_bytes"
+        };
+        self.baseline = std::fs::read_to_string(self.memory.join(file))
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
     }
 
     /// The `cgroup.procs` files a call's init writes "0" to, joining them.
@@ -89,7 +108,7 @@ impl CallCgroup {
         if self.memory_mib == Some(mib) {
             return Ok(());
         }
-        let bytes = (u64::from(mib) << 20).to_string();
+        let bytes = (self.baseline + (u64::from(mib) << 20)).to_string();
         if self.v2 {
             write(&self.memory.join("memory.max"), &bytes)?;
             let _ = write(&self.memory.join("memory.swap.max"), "0");

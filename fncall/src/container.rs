@@ -117,7 +117,7 @@ impl WorkerFactory for ContainerFactory {
             language: key.language.as_str(),
             detail,
         };
-        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes)
+        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 2)
             .map_err(|e| start_err(format!("cgroup: {e} (is this root?)")))?;
         let procs = cgroup
             .procs_files()
@@ -129,21 +129,14 @@ impl WorkerFactory for ContainerFactory {
             std::fs::File::open("/proc/self/ns/pid")
                 .map_err(|e| start_err(format!("open /proc/self/ns/pid: {e}")))?,
         );
-        let inherited: Vec<&OwnedFd> = procs.iter().chain([&pid_ns]).collect();
-        let setup = RootSetup::new(&rootfs, !key.network, &inherited)
+        let setup = RootSetup::new(&rootfs, !key.network, &procs, &pid_ns)
             .map_err(|e| start_err(format!("{e}")))?;
-        let fds = procs
-            .iter()
-            .map(|f| f.as_raw_fd().to_string())
-            .collect::<Vec<_>>()
-            .join(",");
         let mut command = tokio::process::Command::new("/usr/bin/python3");
         command
             .arg("-I")
             .arg("-c")
             .arg(ZYGOTE)
             .arg(key.language.as_str())
-            .arg(fds)
             .arg(MAX_REQUEST_FRAME.to_string())
             .arg(pid_ns.as_raw_fd().to_string())
             .env_clear()
@@ -176,9 +169,14 @@ impl WorkerFactory for ContainerFactory {
             uid,
             limits: self.limits.clone(),
             cgroup,
+            end_pending: false,
         };
         match tokio::time::timeout(START_TIMEOUT, worker.read_frame()).await {
-            Ok(Ok((b'H', _))) => Ok(Box::new(worker)),
+            Ok(Ok((b'H', _))) => {
+                // What the zygote itself holds: a call's limit comes on top of it.
+                worker.cgroup.record_baseline();
+                Ok(Box::new(worker))
+            }
             Ok(Ok((kind, _))) => Err(start_err(format!(
                 "the zygote sent frame {:?} instead of hello",
                 kind as char
@@ -215,7 +213,12 @@ struct ContainerWorker {
     uid: u32,
     limits: CallLimits,
     cgroup: CallCgroup,
+    /// The last call answered; its init's end (frame E) is still to come.
+    end_pending: bool,
 }
+
+/// How long a finished call's teardown may take before the worker is given up.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl Drop for ContainerWorker {
     fn drop(&mut self) {
@@ -288,28 +291,31 @@ impl ContainerWorker {
         .into_bytes()
     }
 
-    async fn exchange(&mut self, request: &[u8]) -> io::Result<(Option<Vec<u8>>, i32)> {
+    /// Sends the request; returns the result frame, or the init's wait status when it died
+    /// without one.
+    async fn exchange(&mut self, request: &[u8]) -> io::Result<std::result::Result<Vec<u8>, i32>> {
         self.stdin.write_u32(request.len() as u32).await?;
         self.stdin.write_all(request).await?;
         self.stdin.flush().await?;
-        let mut result = None;
-        loop {
-            let (kind, payload) = self.read_frame().await?;
-            match kind {
-                b'R' => result = Some(payload),
-                b'E' if payload.len() == 4 => {
-                    let status = i32::from_be_bytes(payload.try_into().expect("4 bytes"));
-                    return Ok((result, status));
-                }
-                other => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("unexpected frame {:?}", other as char),
-                    ))
-                }
+        match self.read_frame().await? {
+            (b'R', payload) => {
+                self.end_pending = true;
+                Ok(Ok(payload))
             }
+            (b'E', payload) => Ok(Err(wait_status(&payload)?)),
+            (other, _) => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unexpected frame {:?}", other as char),
+            )),
         }
     }
+}
+
+fn wait_status(payload: &[u8]) -> io::Result<i32> {
+    let bytes: [u8; 4] = payload
+        .try_into()
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "end frame of the wrong size"))?;
+    Ok(i32::from_be_bytes(bytes))
 }
 
 #[async_trait]
@@ -321,37 +327,40 @@ impl Worker for ContainerWorker {
             .map_err(|e| lost(format!("set the memory limit: {e}")))?;
         let request = self.request_json(call);
         let deadline = call.compile_timeout + call.run_timeout + GRACE;
-        let (raw, status) = match tokio::time::timeout(deadline, self.exchange(&request)).await {
-            Ok(Ok(done)) => done,
+        let answer = match tokio::time::timeout(deadline, self.exchange(&request)).await {
+            Ok(Ok(answer)) => answer,
             Ok(Err(e)) => return Err(lost(format!("worker protocol: {e}"))),
             Err(_) => return Err(lost(format!("no answer within {deadline:?}"))),
         };
         let out_of_memory = self.cgroup.oom_killed_since_last();
-        let Some(raw) = raw else {
-            // The call's init died before answering: killed (memory) or crashed.
-            let mut result = CallResult {
-                out_of_memory,
-                ..CallResult::default()
-            };
-            let signal = libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status));
-            result.run = Some(StageResult {
-                status: StageStatus::Finished,
-                exit_code: None,
-                signal: signal.or(Some(libc::SIGKILL)),
-                stdout: Vec::new(),
-                stderr: if out_of_memory {
-                    b"killed: over the memory limit\n".to_vec()
-                } else {
-                    Vec::new()
-                },
-                stdout_truncated: false,
-                stderr_truncated: false,
-                duration: Duration::ZERO,
-            });
-            return Ok(Outcome {
-                result,
-                reusable: false,
-            });
+        let raw = match answer {
+            Ok(raw) => raw,
+            Err(status) => {
+                // The call's init died before answering: killed (memory) or crashed.
+                let mut result = CallResult {
+                    out_of_memory,
+                    ..CallResult::default()
+                };
+                let signal = libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status));
+                result.run = Some(StageResult {
+                    status: StageStatus::Finished,
+                    exit_code: None,
+                    signal: signal.or(Some(libc::SIGKILL)),
+                    stdout: Vec::new(),
+                    stderr: if out_of_memory {
+                        b"killed: over the memory limit\n".to_vec()
+                    } else {
+                        Vec::new()
+                    },
+                    stdout_truncated: false,
+                    stderr_truncated: false,
+                    duration: Duration::ZERO,
+                });
+                return Ok(Outcome {
+                    result,
+                    reusable: false,
+                });
+            }
         };
         let mut result = parse_result(&raw).map_err(|e| lost(format!("result: {e}")))?;
         result.out_of_memory = out_of_memory;
@@ -359,8 +368,20 @@ impl Worker for ContainerWorker {
             .into_iter()
             .flatten()
             .any(|s| s.status == StageStatus::TimeLimitExceeded);
-        let reusable = !out_of_memory && !timed_out && status == 0;
+        let reusable = !out_of_memory && !timed_out;
         Ok(Outcome { result, reusable })
+    }
+
+    async fn settle(&mut self) -> bool {
+        if !std::mem::take(&mut self.end_pending) {
+            return true;
+        }
+        match tokio::time::timeout(SETTLE_TIMEOUT, self.read_frame()).await {
+            Ok(Ok((b'E', payload))) => {
+                wait_status(&payload).ok() == Some(0) && !self.cgroup.oom_killed_since_last()
+            }
+            _ => false,
+        }
     }
 }
 
@@ -424,7 +445,9 @@ struct RootSetup {
     dev: CString,
     dev_nodes: Vec<(CString, libc::dev_t)>,
     isolate_network: bool,
-    keep_fds: Vec<i32>,
+    /// `cgroup.procs` of the worker's groups: the zygote joins them before it execs.
+    cgroup_procs: Vec<i32>,
+    keep_fd: i32,
 }
 
 fn cstr(bytes: &[u8]) -> io::Result<CString> {
@@ -432,7 +455,12 @@ fn cstr(bytes: &[u8]) -> io::Result<CString> {
 }
 
 impl RootSetup {
-    fn new(rootfs: &Path, isolate_network: bool, keep: &[&OwnedFd]) -> io::Result<Self> {
+    fn new(
+        rootfs: &Path,
+        isolate_network: bool,
+        cgroup_procs: &[OwnedFd],
+        keep: &OwnedFd,
+    ) -> io::Result<Self> {
         let dev = rootfs.join("dev");
         let nodes = [
             ("null", 1, 3),
@@ -454,7 +482,8 @@ impl RootSetup {
                 })
                 .collect::<io::Result<_>>()?,
             isolate_network,
-            keep_fds: keep.iter().map(|f| f.as_raw_fd()).collect(),
+            cgroup_procs: cgroup_procs.iter().map(|f| f.as_raw_fd()).collect(),
+            keep_fd: keep.as_raw_fd(),
         })
     }
 
@@ -475,6 +504,21 @@ impl RootSetup {
         // SAFETY: plain system calls on NUL-terminated strings owned by `self`, which the
         // forked child keeps alive until exec.
         unsafe {
+            for fd in &self.cgroup_procs {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            // Shielded from the OOM killer where root may (CAP_SYS_RESOURCE); its calls raise
+            // theirs to 1000 anyway, so a call over its memory limit dies, not the worker.
+            let adj = libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            );
+            if adj >= 0 {
+                libc::write(adj, b"-1000".as_ptr().cast(), 5);
+                libc::close(adj);
+            }
             ok(libc::unshare(flags))?;
             ok(libc::mount(
                 null,
@@ -529,9 +573,7 @@ impl RootSetup {
                 ok(libc::ioctl(sock, libc::SIOCSIFFLAGS, &ifr))?;
                 libc::close(sock);
             }
-            for fd in &self.keep_fds {
-                ok(libc::fcntl(*fd, libc::F_SETFD, 0))?;
-            }
+            ok(libc::fcntl(self.keep_fd, libc::F_SETFD, 0))?;
             // The worker goes with whoever started it.
             ok(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         }

@@ -164,30 +164,41 @@ impl Engine {
             .map_err(|_| FnCallError::Busy(call.language.as_str()))?
             .expect("pool semaphores are never closed");
         permit.forget();
-        let mut worker = pool
+        let worker = pool
             .idle
             .lock()
             .expect("pool lock")
             .pop_front()
             .expect("a permit means an idle worker");
         // Whatever happens to the call from here (even a dropped request), the worker either
-        // goes back or is replaced: a guard does it.
-        let mut guard = Checkout {
-            pool: &pool,
-            worker: None,
+        // goes back or is replaced: the guard sees to it.
+        let mut checkout = Checkout {
+            pool: Arc::clone(&pool),
+            worker: Some(worker),
         };
-        let outcome = worker.call(call).await;
-        match outcome {
-            Ok(outcome) => {
-                if outcome.reusable {
-                    guard.worker = Some(worker);
+        let outcome = checkout
+            .worker
+            .as_mut()
+            .expect("checked out")
+            .call(call)
+            .await?;
+        let mut result = outcome.result;
+        result.total = started.elapsed();
+        if outcome.reusable {
+            // The caller has its answer; the worker goes back once the call's remains are
+            // gone (namespace teardown waits on the kernel, not on the caller).
+            let mut worker = checkout.worker.take().expect("checked out");
+            let pool = Arc::clone(&pool);
+            tokio::spawn(async move {
+                if worker.settle().await {
+                    pool.put_back(worker);
+                } else {
+                    drop(worker);
+                    pool.refill();
                 }
-                let mut result = outcome.result;
-                result.total = started.elapsed();
-                Ok(result)
-            }
-            Err(err) => Err(err),
+            });
         }
+        Ok(result)
     }
 
     /// Runs calls concurrently (bounded by the pools), results in the order given.
@@ -197,17 +208,19 @@ impl Engine {
     }
 }
 
-/// Returns a checked-out worker to its pool, or replaces it when none is handed back.
-struct Checkout<'a> {
-    pool: &'a Arc<Pool>,
+/// A worker taken from its pool for one call. Unless the call hands it back (takes it out),
+/// it is dropped (killed) and a replacement started: after an error, a misbehaving call,
+/// or a caller that went away mid-call.
+struct Checkout {
+    pool: Arc<Pool>,
     worker: Option<Box<dyn Worker>>,
 }
 
-impl Drop for Checkout<'_> {
+impl Drop for Checkout {
     fn drop(&mut self) {
-        match self.worker.take() {
-            Some(worker) => self.pool.put_back(worker),
-            None => self.pool.refill(),
+        if let Some(worker) = self.worker.take() {
+            drop(worker);
+            self.pool.refill();
         }
     }
 }

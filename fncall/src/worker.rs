@@ -27,7 +27,14 @@ pub struct Outcome {
 /// Runs one call at a time, each isolated from the ones before.
 #[async_trait]
 pub trait Worker: Send {
+    /// Runs the call; returns as soon as its result is known.
     async fn call(&mut self, call: &CallRequest) -> Result<Outcome>;
+
+    /// Waits until the last call's remains are gone (its namespaces torn down) and the
+    /// worker can take another; false: it cannot, replace it. Runs off the caller's path.
+    async fn settle(&mut self) -> bool {
+        true
+    }
 }
 
 /// Makes workers for a pool, in the background of calls.

@@ -3,7 +3,9 @@
 # at a time: fork a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
 # tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
 # unprivileged uid and writes the result frame straight to the engine. When the call init
-# exits, its pid namespace dies and takes every process of the call with it.
+# exits, its pid namespace dies and takes every process of the call with it. The zygote was
+# started inside the worker's cgroup, so calls are born there (moving a process between
+# cgroups costs an RCU grace period: milliseconds).
 #
 # Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a JSON
 # request. Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
@@ -11,9 +13,8 @@
 import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io, traceback, types, builtins
 
 LANG = sys.argv[1]
-CGROUP_FDS = [int(x) for x in sys.argv[2].split(",") if x]
-MAX_REQUEST = int(sys.argv[3])
-OWN_PID_NS = int(sys.argv[4])
+MAX_REQUEST = int(sys.argv[2])
+OWN_PID_NS = int(sys.argv[3])
 
 if LANG == "python":
     # What reward code imports most: paid once here, not per call.
@@ -91,10 +92,13 @@ def run_python_here(path):
     os.environ.update(ENV)
     sys.argv = [path]
     sys.path[0] = "/work"
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
-    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)))
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                 encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                  encoding="utf-8")
     sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-                                  line_buffering=True, errors="backslashreplace")
+                                  encoding="utf-8", line_buffering=True,
+                                  errors="backslashreplace")
     # Fresh randomness per call: the state forked from the zygote is the same in every call.
     random.seed()
     if numpy is not None:
@@ -237,16 +241,17 @@ def inside_work(name):
 
 
 def call_init(req):
-    """Pid 1 of the call: fresh /tmp and /work, the call cgroup, then the stages."""
+    """Pid 1 of the call: fresh /tmp and /work, then the stages."""
     check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
     lim = req["limits"]
     tmpfs = "size=%dk,nr_inodes=%d,mode=1777" % (lim["work_kib"], lim["inodes"])
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, "")  # 8: MS_NOEXEC
-    for fd in CGROUP_FDS:
-        os.write(fd, b"0")
-        os.close(fd)
+    os.close(OWN_PID_NS)
+    # The zygote is shielded from the OOM killer; the call is its first choice.
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
     uid = req["uid"]
     os.chown("/work", uid, uid)
     for name, data in req["files"].items():
@@ -255,10 +260,13 @@ def call_init(req):
         with open(path, "wb") as f:
             f.write(base64.b64decode(data))
         os.chown(path, uid, uid)
-    stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, base64.b64decode(req["stdin"]))
-    os.lseek(stdin_fd, 0, 0)
     empty_fd = os.open("/dev/null", os.O_RDONLY)
+    stdin_fd = empty_fd
+    if req["stdin"]:
+        # Not a pipe: the whole input is there at once, and no writer can block.
+        stdin_fd = os.memfd_create("stdin")
+        os.write(stdin_fd, base64.b64decode(req["stdin"]))
+        os.lseek(stdin_fd, 0, 0)
     result = {"compile": None, "run": None, "files": {}, "errors": []}
     lang = req["language"]
     if lang == "python":

@@ -193,3 +193,87 @@ async fn nothing_of_one_call_is_seen_by_the_next() {
         assert!(!out.contains("sleep"), "round {round}: {out}");
     }
 }
+
+/// Processes running as a call's uid (calls run as DEFAULT_UID_BASE + worker number).
+fn call_processes() -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        let uid: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|u| u.parse().ok())
+            .unwrap_or(0);
+        if uid >= u64::from(dsec_fncall::container::DEFAULT_UID_BASE) {
+            found.push(format!("{name}: {}", status.lines().next().unwrap_or("")));
+        }
+    }
+    found
+}
+
+fn host_mounts() -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_calls_leave_nothing_behind() {
+    let engine = Arc::new(engine());
+    let mounts_before = host_mounts();
+    let started = std::time::Instant::now();
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut tasks = Vec::new();
+    for i in 0..1000u32 {
+        let engine = Arc::clone(&engine);
+        let permit = Arc::clone(&semaphore).acquire_owned().await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            // A background process in every call: it must die with the call.
+            let code =
+                format!("import subprocess\nsubprocess.Popen(['sleep', '100'])\nprint({i} * 2)");
+            let result = engine.run(&CallRequest::new(Language::Python, code)).await;
+            (i, result)
+        }));
+    }
+    for task in tasks {
+        let (i, result) = task.await.unwrap();
+        let result = result.unwrap_or_else(|e| panic!("call {i}: {e}"));
+        let run = result.run.unwrap();
+        assert_eq!(
+            text(&run.stdout),
+            format!("{}\n", i * 2),
+            "call {i}: {}",
+            text(&run.stderr)
+        );
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(120),
+        "1000 calls took {elapsed:?}"
+    );
+    // Calls' processes die with their pid namespace as the call ends.
+    let mut left = call_processes();
+    for _ in 0..50 {
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left = call_processes();
+    }
+    assert!(left.is_empty(), "processes left by calls: {left:?}");
+    assert_eq!(
+        host_mounts(),
+        mounts_before,
+        "the host's mount table changed"
+    );
+    eprintln!("1000 python calls at concurrency 64: {elapsed:?}");
+}

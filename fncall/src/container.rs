@@ -4,6 +4,7 @@
 
 use std::ffi::CString;
 use std::io;
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -22,6 +23,11 @@ use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
 use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
 
 const ZYGOTE: &str = include_str!("zygote.py");
+/// The zygote's command line: reads zygote.py from a pipe (argv[1]) rather than carrying it
+/// on a command line everyone can read.
+const BOOTSTRAP: &str = "import os, sys\nfd = int(sys.argv.pop(1))\nsrc = b''\nwhile True:\n    chunk = os.read(fd, 65536)\n    if not chunk:\n        break\n    src += chunk\nos.close(fd)\nexec(compile(src, 'zygote.py', 'exec'))\n";
+// The script is written into the pipe before the zygote starts: it must fit its buffer.
+const _: () = assert!(ZYGOTE.len() < 65536);
 /// Bound on one request frame (code, stdin and files, base64 and JSON overhead included).
 const MAX_REQUEST_FRAME: usize = crate::request::MAX_INPUT_BYTES * 3 / 2 + (1 << 20);
 /// Bound on one result frame.
@@ -129,13 +135,19 @@ impl WorkerFactory for ContainerFactory {
             std::fs::File::open("/proc/self/ns/pid")
                 .map_err(|e| start_err(format!("open /proc/self/ns/pid: {e}")))?,
         );
-        let setup = RootSetup::new(&rootfs, !key.network, &procs, &pid_ns)
+        let (script_r, script_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| start_err(format!("pipe: {e}")))?;
+        std::fs::File::from(script_w)
+            .write_all(ZYGOTE.as_bytes())
+            .map_err(|e| start_err(format!("write the zygote script: {e}")))?;
+        let setup = RootSetup::new(&rootfs, !key.network, &procs, &[&pid_ns, &script_r])
             .map_err(|e| start_err(format!("{e}")))?;
         let mut command = tokio::process::Command::new("/usr/bin/python3");
         command
             .arg("-I")
             .arg("-c")
-            .arg(ZYGOTE)
+            .arg(BOOTSTRAP)
+            .arg(script_r.as_raw_fd().to_string())
             .arg(key.language.as_str())
             .arg(MAX_REQUEST_FRAME.to_string())
             .arg(pid_ns.as_raw_fd().to_string())
@@ -159,7 +171,7 @@ impl WorkerFactory for ContainerFactory {
         let mut child = command
             .spawn()
             .map_err(|e| start_err(format!("spawn the zygote in {}: {e}", rootfs.display())))?;
-        drop((procs, pid_ns));
+        drop((procs, pid_ns, script_r));
         let stdin = child.stdin.take().expect("piped stdin");
         let stdout = child.stdout.take().expect("piped stdout");
         let mut worker = ContainerWorker {
@@ -447,7 +459,8 @@ struct RootSetup {
     isolate_network: bool,
     /// `cgroup.procs` of the worker's groups: the zygote joins them before it execs.
     cgroup_procs: Vec<i32>,
-    keep_fd: i32,
+    /// Descriptors the zygote inherits.
+    keep_fds: Vec<i32>,
 }
 
 fn cstr(bytes: &[u8]) -> io::Result<CString> {
@@ -459,7 +472,7 @@ impl RootSetup {
         rootfs: &Path,
         isolate_network: bool,
         cgroup_procs: &[OwnedFd],
-        keep: &OwnedFd,
+        keep: &[&OwnedFd],
     ) -> io::Result<Self> {
         let dev = rootfs.join("dev");
         let nodes = [
@@ -483,7 +496,7 @@ impl RootSetup {
                 .collect::<io::Result<_>>()?,
             isolate_network,
             cgroup_procs: cgroup_procs.iter().map(|f| f.as_raw_fd()).collect(),
-            keep_fd: keep.as_raw_fd(),
+            keep_fds: keep.iter().map(|f| f.as_raw_fd()).collect(),
         })
     }
 
@@ -573,7 +586,9 @@ impl RootSetup {
                 ok(libc::ioctl(sock, libc::SIOCSIFFLAGS, &ifr))?;
                 libc::close(sock);
             }
-            ok(libc::fcntl(self.keep_fd, libc::F_SETFD, 0))?;
+            for fd in &self.keep_fds {
+                ok(libc::fcntl(*fd, libc::F_SETFD, 0))?;
+            }
             // The worker goes with whoever started it.
             ok(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL))?;
         }

@@ -57,11 +57,7 @@ fn stage_to_proto(stage: &StageResult) -> api::FnStageResult {
 }
 
 pub fn response_to_proto(result: &CallResult) -> api::FnRunResponse {
-    let success = result.run.is_some()
-        && [&result.compile, &result.run]
-            .into_iter()
-            .flatten()
-            .all(|s| s.succeeded());
+    let success = result.success();
     api::FnRunResponse {
         compile: result.compile.as_ref().map(stage_to_proto),
         run: result.run.as_ref().map(stage_to_proto),

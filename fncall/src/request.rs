@@ -233,6 +233,17 @@ pub struct CallResult {
     pub total: Duration,
 }
 
+impl CallResult {
+    /// Every stage ran to its end with exit code 0 (and the run stage happened).
+    pub fn success(&self) -> bool {
+        self.run.is_some()
+            && [&self.compile, &self.run]
+                .into_iter()
+                .flatten()
+                .all(|s| s.succeeded())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

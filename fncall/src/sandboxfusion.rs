@@ -125,9 +125,7 @@ fn stage(result: &StageResult) -> CommandRunResult {
 pub fn response(result: Result<CallResult, FnCallError>) -> RunCodeResponse {
     match result {
         Ok(result) => {
-            let stages = [&result.compile, &result.run];
-            let success =
-                result.run.is_some() && stages.iter().copied().flatten().all(|s| s.succeeded());
+            let success = result.success();
             let mut message = String::new();
             if result.out_of_memory {
                 message = "killed: over the memory limit".into();

@@ -113,6 +113,7 @@ class FnCallTest(NodeTest):
         conn = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=10)
         conn.request("GET", "/v1/ping")
         self.assertEqual(json.loads(conn.getresponse().read()), "pong")
+        conn.close()
 
     def test_sandbox_fusion_client(self):
         script = textwrap.dedent(f"""

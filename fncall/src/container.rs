@@ -72,13 +72,20 @@ impl Default for CallLimits {
 pub struct ContainerFactory {
     images_dir: PathBuf,
     limits: CallLimits,
-    /// First host uid of calls; worker N runs its calls as `uid_base + N % 65536`.
+    /// First host uid of calls; see `call_uid`.
     uid_base: u32,
 }
 
 /// Host uids of calls: above the container backend's id pool (2^30 .. 3 * 2^30), so no
 /// call shares an id with a sandbox.
 pub const DEFAULT_UID_BASE: u32 = 3 << 30;
+
+/// Worker `n` of the engine in process `pid` runs its calls as its own uid: distinct across
+/// the workers of a process, and across engines of the node (daemon, `dsec fn serve`) unless
+/// their pids meet modulo 4096, so that per-uid limits (RLIMIT_NPROC) are per worker.
+pub fn call_uid(base: u32, pid: u32, n: u64) -> u32 {
+    base + ((u64::from(pid % 4096) << 12) + n % 4096) as u32
+}
 
 impl ContainerFactory {
     pub fn new(images_dir: PathBuf, limits: CallLimits) -> Self {
@@ -118,7 +125,7 @@ impl WorkerFactory for ContainerFactory {
         // Numbered across all factories of the process: cgroup names and uids stay unique.
         static NEXT_WORKER: AtomicU64 = AtomicU64::new(0);
         let n = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
-        let uid = self.uid_base + (n % 65536) as u32;
+        let uid = call_uid(self.uid_base, std::process::id(), n);
         let start_err = |detail: String| FnCallError::WorkerStart {
             language: key.language.as_str(),
             detail,

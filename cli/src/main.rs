@@ -3,6 +3,7 @@
 
 mod cluster;
 mod cp;
+mod fncall;
 mod image;
 mod net;
 mod node;
@@ -186,6 +187,9 @@ enum Command {
     /// Network policies of sandboxes (what they may reach).
     #[command(subcommand)]
     Net(net::NetCommand),
+    /// One-shot code execution from warm workers (FnCall): `dsec fn run`, `dsec fn serve`.
+    #[command(subcommand)]
+    Fn(fncall::FnCommand),
     /// Print the URL of a port inside a sandbox on the node's HTTP entry point
     /// (http://PORT-ID-TOKEN.localhost:7080/ by default; no token for a public port).
     Url {
@@ -287,6 +291,8 @@ enum CliError {
     #[error(transparent)]
     Vm(#[from] vm::VmError),
     #[error(transparent)]
+    Fn(#[from] fncall::FnError),
+    #[error(transparent)]
     Image(#[from] dsec_layerfs::Error),
     #[error(transparent)]
     ImageLookup(#[from] dsec_edge::images::ImageError),
@@ -298,6 +304,15 @@ fn vm_command(command: vm::VmCommand) -> Result<i32, CliError> {
         .build()
         .map_err(CliError::Runtime)?;
     Ok(runtime.block_on(vm::run(command))?)
+}
+
+fn fn_command(endpoint: &str, command: fncall::FnCommand, json: bool) -> Result<i32, CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    Ok(runtime.block_on(fncall::run(endpoint, command, json))?)
 }
 
 fn main() -> ExitCode {
@@ -348,6 +363,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Vm(command) => vm_command(command),
+        Command::Fn(command) => fn_command(&endpoint, command, json),
         Command::Image(args) => image::run(args, json).map_err(CliError::from),
         Command::Info => info(json).map(|()| 0),
         Command::Up(mut args) => {
@@ -525,6 +541,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 | Command::Role(_)
                 | Command::Node(_)
                 | Command::Vm(_)
+                | Command::Fn(_)
                 | Command::Image(_) => Ok(0),
             }
         })

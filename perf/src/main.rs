@@ -7,6 +7,7 @@
 mod debian;
 mod direct;
 mod fleet;
+mod fncall;
 mod guest;
 mod kvmfloor;
 mod layerfs;
@@ -58,6 +59,11 @@ enum Cmd {
     /// network and its setup time, setup time with sandboxes held, TCP throughput and
     /// connection rate through a policy of 1 rule vs 1,000. Needs root, ip, nft.
     Net(NetArgs),
+    /// FnCall (one-shot code execution): python print(1+1), a numpy snippet and a C++ hello
+    /// world through our HTTP (SandboxFusion) and gRPC APIs, beside python3/g++ in bwrap
+    /// per call and `dsec run` per call: p50/p99 latency, calls/s at concurrency 1, 16, 64.
+    /// Needs root and the fncall image.
+    Fncall(FncallArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -88,6 +94,38 @@ struct NetArgs {
     #[arg(long, value_name = "PATH")]
     edge: Option<PathBuf>,
     /// Write the results here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct FncallArgs {
+    /// Latency samples per contender (contenders alternate call by call).
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+    /// Latency samples of the `dsec run` contender (a cold sandbox each); 0 skips it.
+    #[arg(long, default_value_t = 10)]
+    run_samples: usize,
+    /// Concurrencies of the throughput rounds.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    concurrency: Vec<usize>,
+    /// Throughput rounds per contender and concurrency.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Python workers kept warm by the engine.
+    #[arg(long, default_value_t = 8)]
+    python_workers: usize,
+    /// Image directory [default: $DSEC_HOME/images].
+    #[arg(long, value_name = "DIR")]
+    images: Option<PathBuf>,
+    /// The FnCall image.
+    #[arg(long, default_value = "fncall")]
+    image: String,
+    /// The dsec binary for the `dsec run` contender [default: next to this binary, else
+    /// target/release].
+    #[arg(long, value_name = "PATH")]
+    dsec: Option<PathBuf>,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
@@ -936,6 +974,41 @@ fn net_cmd(a: NetArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
+    let root = repo_root();
+    let dsec = a
+        .dsec
+        .clone()
+        .unwrap_or_else(|| default_beside_or_release(&root, "dsec"));
+    let opts = fncall::FnOpts {
+        images: a.images.clone().unwrap_or_else(fncall::default_images),
+        image: a.image.clone(),
+        bwrap: direct::which(Path::new("bwrap")),
+        dsec: dsec.is_file().then_some(dsec),
+        samples: a.samples,
+        run_samples: a.run_samples,
+        concurrency: a.concurrency.clone(),
+        rounds: a.rounds,
+        python_workers: a.python_workers,
+    };
+    fncall::check_image(&opts)?;
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    let r = fncall::bench(&opts)?;
+    for sc in [&r.latency, &r.throughput] {
+        print!("{}", sc.table());
+        println!();
+    }
+    if let Some(path) = &a.json {
+        let mut fields = fncall::to_json(&r);
+        fields["options"] = json!({
+            "samples": a.samples, "run_samples": a.run_samples, "concurrency": a.concurrency,
+            "rounds": a.rounds, "python_workers": a.python_workers, "image": a.image,
+        });
+        write_json(path, "fncall", &machine, fields)?;
+    }
+    Ok(())
+}
+
 /// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
 /// machine) plus `fields`.
 fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
@@ -983,6 +1056,7 @@ fn main() -> ExitCode {
         Cmd::Layerfs(a) => exit_code(layerfs_cmd(a)),
         Cmd::Node(a) => exit_code(node_cmd(a)),
         Cmd::Net(a) => exit_code(net_cmd(a)),
+        Cmd::Fncall(a) => exit_code(fncall_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {
                 order: a.order,

@@ -11,6 +11,7 @@ mod adoption;
 pub mod cgroup;
 mod create;
 pub mod error;
+mod fncall;
 mod fork;
 pub mod grpc;
 pub mod limits;
@@ -214,8 +215,10 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         }
     }
+    let fn_engine = fncall::start(&node.edge);
     let router = |require_token: bool| {
         tonic::transport::Server::builder()
+            .add_service(dsec_fncall::grpc::server(fn_engine.clone()))
             .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
             .add_service(
                 ProcessServer::new(runtime::ProcessService(node.clone()))

@@ -286,6 +286,65 @@ ExecEvent = Tuple[str, bytes]
 
 
 @dataclass
+class StageResult:
+    """One stage (compile or run) of a :meth:`Client.run_code` call."""
+    status: str  # "Finished", "TimeLimitExceeded" or "Error" (could not start)
+    exit_code: Optional[int]
+    signal: Optional[int]
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    seconds: float
+
+    @classmethod
+    def _from(cls, r: pb.FnStageResult) -> "StageResult":
+        status = {pb.FN_STAGE_STATUS_FINISHED: "Finished",
+                  pb.FN_STAGE_STATUS_TIME_LIMIT_EXCEEDED: "TimeLimitExceeded"}.get(r.status, "Error")
+        return cls(status, r.exit_code if r.HasField("exit_code") else None,
+                   r.signal if r.HasField("signal") else None, r.stdout, r.stderr,
+                   r.stdout_truncated, r.stderr_truncated, r.seconds)
+
+
+@dataclass
+class CodeResult:
+    """What :meth:`Client.run_code` returns: ``run`` is None when compilation failed."""
+    success: bool
+    compile: Optional[StageResult]
+    run: Optional[StageResult]
+    files: Dict[str, bytes]
+    file_errors: List[str]
+    out_of_memory: bool
+    total_seconds: float
+
+    @property
+    def stdout(self) -> str:
+        return self.run.stdout.decode(errors="replace") if self.run else ""
+
+    @property
+    def stderr(self) -> str:
+        stage = self.run or self.compile
+        return stage.stderr.decode(errors="replace") if stage else ""
+
+    @classmethod
+    def _from(cls, r: pb.FnRunResponse) -> "CodeResult":
+        return cls(r.success, StageResult._from(r.compile) if r.HasField("compile") else None,
+                   StageResult._from(r.run) if r.HasField("run") else None, dict(r.files),
+                   list(r.file_errors), r.out_of_memory, r.total_seconds)
+
+
+def _run_code_request(code: str, language: str, stdin, files, fetch_files, compile_timeout,
+                      run_timeout, memory_mib, network, image) -> pb.FnRunRequest:
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    return pb.FnRunRequest(
+        language=language, code=code, stdin=stdin or b"",
+        files={k: (v.encode() if isinstance(v, str) else v) for k, v in (files or {}).items()},
+        fetch_files=list(fetch_files), compile_timeout=compile_timeout, run_timeout=run_timeout,
+        memory_mib=memory_mib, network=network, image=image)
+
+
+@dataclass
 class PortUrl:
     """Where a sandbox port is served over plain HTTP by the node's HTTP entry point."""
 
@@ -722,6 +781,7 @@ class Client:
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
         self._network = rpc.NetworkStub(channel)
+        self._fn = rpc.FnStub(channel)
 
     def _call(self, fn, request):
         try:
@@ -805,6 +865,17 @@ class Client:
             if not r.next_page_token or r.next_page_token == token:
                 return out
             token = r.next_page_token
+
+    def run_code(self, code: str, language: str = "python", *, stdin=b"",
+                 files: Optional[Mapping[str, bytes]] = None, fetch_files: Iterable[str] = (),
+                 compile_timeout: float = 10, run_timeout: float = 10, memory_mib: int = 0,
+                 network: bool = False, image: str = "") -> CodeResult:
+        """Runs ``code`` once in a warm FnCall worker of the node (``Fn.Run``): a fresh,
+        isolated process; ``language`` is python, bash, cpp or node. ``files`` are written
+        to its working directory first, ``fetch_files`` read back after."""
+        req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
+                                run_timeout, memory_mib, network, image)
+        return CodeResult._from(self._call(self._fn.Run, req))
 
     def node_status(self) -> pb.NodeStatusResponse:
         return self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
@@ -1153,6 +1224,7 @@ class AsyncClient:
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
         self._network = rpc.NetworkStub(channel)
+        self._fn = rpc.FnStub(channel)
 
     async def _call(self, fn, request):
         try:
@@ -1194,6 +1266,16 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(0.2 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    async def run_code(self, code: str, language: str = "python", *, stdin=b"",
+                       files: Optional[Mapping[str, bytes]] = None,
+                       fetch_files: Iterable[str] = (), compile_timeout: float = 10,
+                       run_timeout: float = 10, memory_mib: int = 0, network: bool = False,
+                       image: str = "") -> CodeResult:
+        """:meth:`Client.run_code`, awaited."""
+        req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
+                                run_timeout, memory_mib, network, image)
+        return CodeResult._from(await self._call(self._fn.Run, req))
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))

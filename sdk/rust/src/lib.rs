@@ -862,6 +862,32 @@ impl Client {
         Ok(changed)
     }
 
+    /// Runs code once in a warm FnCall worker of the node (`Fn.Run`): `language` is python,
+    /// bash, cpp or node; the rest of `request` (stdin, files, timeouts, memory) as given.
+    pub async fn run_code(&self, mut request: FnRunRequest) -> Result<FnRunResponse> {
+        if request.language.is_empty() {
+            request.language = "python".into();
+        }
+        Ok(self.fn_client().run(request).await?.into_inner())
+    }
+
+    /// Runs calls concurrently on the node (`Fn.RunBatch`); answers in the order given.
+    pub async fn run_code_batch(&self, calls: Vec<FnRunRequest>) -> Result<Vec<FnRunBatchItem>> {
+        Ok(self
+            .fn_client()
+            .run_batch(FnRunBatchRequest { calls })
+            .await?
+            .into_inner()
+            .results)
+    }
+
+    fn fn_client(&self) -> dsec_api::v1::fn_client::FnClient<Transport> {
+        // Results carry stdout, stderr and fetched files: above tonic's 4 MiB default.
+        dsec_api::v1::fn_client::FnClient::new(self.channel.clone())
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
     /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns
     /// the sandbox's public ports.
     pub async fn set_port_public(&self, id: &str, port: u32, public: bool) -> Result<Vec<u32>> {

@@ -6,7 +6,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use dsec_api::tls::TlsDir;
+
 use crate::api::{self, ApiConfig, StoreConfig};
+use crate::pki::{self, PkiError};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct StoreArgs {
@@ -58,6 +61,10 @@ pub enum ControlCommand {
         /// Lease of a node's registration in seconds (nodes heartbeat every third of it).
         #[arg(long, value_name = "S", default_value_t = 10)]
         node_ttl: u64,
+        /// The cluster's TLS directory from `init` (ca.pem, apiserver.pem, apiserver.key):
+        /// clients get TLS, nodes mTLS. Without it the API is plaintext (loopback only).
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
     },
     /// Create a fresh control plane's organization (unlimited quota) and its first user (a
     /// cluster admin); prints that user's API token, once.
@@ -68,6 +75,29 @@ pub enum ControlCommand {
         org: String,
         #[arg(long, default_value = "admin")]
         admin: String,
+        /// Where the cluster CA (ca.pem, ca.key) and the apiservers' certificate go
+        /// (default: <state-dir>/tls); an existing CA there is kept.
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
+        /// Another name or IP address clients reach the apiservers at, for its certificate
+        /// (repeatable; apiserver.dsec, localhost and 127.0.0.1 are always in).
+        #[arg(long = "san", value_name = "NAME|IP")]
+        sans: Vec<String>,
+        /// Make no cluster CA (plaintext, one machine).
+        #[arg(long)]
+        no_tls: bool,
+    },
+    /// Issue node NAME's certificate from the cluster CA: writes node.pem, node.key and
+    /// ca.pem into --out, the node's `dsec up --tls-dir`.
+    IssueNode {
+        /// The cluster's TLS directory (with ca.key).
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/dsec/control/tls")]
+        tls_dir: PathBuf,
+        /// The node's name (its --node-name).
+        #[arg(long, value_name = "NAME")]
+        name: String,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
     },
 }
 
@@ -95,6 +125,7 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 store,
                 listen,
                 node_ttl,
+                tls_dir,
             } => {
                 if !(1..=3600).contains(&node_ttl) {
                     return Err(format!("--node-ttl {node_ttl}: give 1 to 3600 seconds"));
@@ -103,16 +134,46 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 let config = ApiConfig {
                     listen,
                     node_ttl: Duration::from_secs(node_ttl),
+                    tls: tls_dir.map(TlsDir::new),
                     ..ApiConfig::default()
                 };
                 api::serve(store, config).await
             }
-            ControlCommand::Init { store, org, admin } => {
+            ControlCommand::Init {
+                store,
+                org,
+                admin,
+                tls_dir,
+                sans,
+                no_tls,
+            } => {
+                if !no_tls {
+                    let dir = tls_dir.unwrap_or_else(|| store.state_dir.join("tls"));
+                    match pki::init(&dir, &sans) {
+                        Ok(()) => eprintln!(
+                            "cluster CA and apiserver certificate written to {}",
+                            dir.display()
+                        ),
+                        Err(PkiError::Exists(ca)) => {
+                            eprintln!("keeping the cluster CA already in {}", ca.display())
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
                 let store = store.config().open().await.map_err(|e| e.to_string())?;
                 let token = api::init(store, &org, &admin).await?;
                 println!("{}", token.secret);
                 eprintln!(
                     "organization {org} and cluster admin user:{admin} created; the token above is shown once: export DSEC_TOKEN=... or `dsec login`"
+                );
+                Ok(())
+            }
+            ControlCommand::IssueNode { tls_dir, name, out } => {
+                pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;
+                eprintln!(
+                    "certificate of node {name} written to {} (start it with --tls-dir {})",
+                    out.display(),
+                    out.display()
                 );
                 Ok(())
             }

@@ -5,6 +5,7 @@ pub mod api;
 pub mod command;
 pub mod iam;
 pub mod keys;
+pub mod pki;
 pub mod placement;
 pub mod quota;
 pub mod resources;

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cluster test with real processes (root): one etcd, two apiservers (`dsec control up`) and
-three nodes (`dsec up --node-name nK --control ...`, container backend, loopback ports), driven
+three nodes (`dsec up --node-name nK --control ...`, container backend, loopback ports), with
+the cluster's TLS (CA from `dsec control init`, node certificates, https clients), driven
 through the Python SDK against both apiservers:
 
 - 60 sandboxes created concurrently land on all 3 nodes; exec and files work through the
@@ -60,6 +61,8 @@ class Cluster:
         self.api = [f"127.0.0.1:{free_port()}" for _ in range(2)]
         self.node_addr = {n: f"127.0.0.1:{free_port()}" for n in NODES}
         self.admin_token = ""
+        self.tls = self.dir / "tls"
+        self.ca = str(self.tls / "ca.pem")
 
     def spawn(self, name, argv, env=None):
         log = open(self.dir / f"{name}.log", "ab")
@@ -69,7 +72,8 @@ class Cluster:
 
     def cli(self, *args, token=None, check=True):
         env = {**os.environ, "DSEC_TOKEN": token or self.admin_token,
-               "DSEC_ENDPOINT": f"http://{self.api[0]}", "XDG_CONFIG_HOME": str(self.dir)}
+               "DSEC_ENDPOINT": f"https://{self.api[0]}", "DSEC_CA_FILE": self.ca,
+               "XDG_CONFIG_HOME": str(self.dir)}
         r = subprocess.run([DSEC, *args], capture_output=True, text=True, env=env, timeout=30)
         if check and r.returncode != 0:
             raise AssertionError(f"dsec {' '.join(args)}: {r.returncode} {r.stderr}")
@@ -86,7 +90,8 @@ class Cluster:
         deadline = time.time() + 20
         while time.time() < deadline:
             init = subprocess.run([DSEC, "control", "init", "--etcd", self.etcd_url,
-                                   "--org", "acme", "--admin", "root"],
+                                   "--org", "acme", "--admin", "root",
+                                   "--tls-dir", str(self.tls)],
                                   capture_output=True, text=True, timeout=30)
             if init.returncode == 0:
                 break
@@ -95,25 +100,36 @@ class Cluster:
         self.admin_token = init.stdout.strip()
         for i, addr in enumerate(self.api):
             self.spawn(f"api{i}", [DSEC, "control", "up", "--etcd", self.etcd_url,
-                                   "--listen", addr, "--node-ttl", "3"])
+                                   "--listen", addr, "--node-ttl", "3",
+                                   "--tls-dir", str(self.tls)])
         for n in NODES:
-            state = self.dir / n
-            self.spawn(n, [DSEC, "up", "--state-dir", str(state), "--metrics", "off",
-                           "--http", "off", "--cgroup-name", f"dsec-cluster-{n}",
-                           "--default-backend", "container", "--memory-mib", "16384",
-                           "--listen", self.node_addr[n], "--node-name", n,
-                           "--control", ",".join(self.api)])
+            self.issue_node(n, self.tls)
+            self.start_node(n)
         wait_for("3 registered nodes", lambda: len(self.nodes()) == 3)
+
+    def issue_node(self, n, ca_dir):
+        subprocess.run([DSEC, "control", "issue-node", "--tls-dir", str(ca_dir), "--name", n,
+                        "--out", str(self.dir / f"{n}-tls")],
+                       check=True, capture_output=True, timeout=30)
+
+    def start_node(self, n, addr=None):
+        addr = addr or self.node_addr[n]
+        self.spawn(n, [DSEC, "up", "--state-dir", str(self.dir / n), "--metrics", "off",
+                       "--http", "off", "--cgroup-name", f"dsec-cluster-{n}",
+                       "--default-backend", "container", "--memory-mib", "16384",
+                       "--listen", addr, "--node-name", n,
+                       "--control", ",".join(self.api), "--tls-dir", str(self.dir / f"{n}-tls")])
 
     def nodes(self):
         r = self.cli("--json", "node", "ls", check=False)
         return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
 
     def client(self, token=None, project="acme/a"):
-        return dsec.Client(",".join(self.api), token=token or self.admin_token, project=project)
+        return dsec.Client(",".join(f"https://{a}" for a in self.api),
+                           token=token or self.admin_token, project=project, ca_file=self.ca)
 
     def stop(self):
-        for name in ["n1", "n2", "n3", "api0", "api1", "etcd"]:
+        for name in ["n1", "n2", "n3", "n4", "api0", "api1", "etcd"]:
             p = self.procs.get(name)
             if p and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -122,7 +138,7 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        for n in NODES:
+        for n in NODES + ["n4"]:
             for root, dirs, _ in os.walk("/sys/fs/cgroup"):
                 if os.path.basename(root) == f"dsec-cluster-{n}":
                     try:
@@ -144,6 +160,75 @@ def refused(call, error):
     except error:
         return True
     return False
+
+
+def check_transport_security(cluster):
+    """TLS for clients, mTLS between apiservers and nodes, a foreign node certificate refused."""
+    import grpc
+    from dsec import dsec_pb2 as pb, dsec_pb2_grpc as rpc
+
+    # Plaintext to a TLS apiserver gets no answer; https without the CA is refused up front.
+    plain = dsec.Client(cluster.api[0], token=cluster.admin_token, project="acme/a")
+    assert refused(lambda: plain.list(), dsec.DsecError)
+    no_ca = dict(os.environ)
+    no_ca.pop("DSEC_CA_FILE", None)
+    try:
+        dsec.Client(f"https://{cluster.api[0]}", token=cluster.admin_token, ca_file="")
+        raise AssertionError("an https client without a CA was made")
+    except dsec.DsecError as e:
+        assert "DSEC_CA_FILE" in e.details, e.details
+    r = subprocess.run([DSEC, "--endpoint", f"https://{cluster.api[0]}", "node", "ls"],
+                       capture_output=True, text=True, timeout=30,
+                       env={**no_ca, "DSEC_TOKEN": cluster.admin_token,
+                            "XDG_CONFIG_HOME": str(cluster.dir)})
+    assert r.returncode != 0 and "DSEC_CA_FILE" in r.stderr, r.stderr
+
+    # A node's TCP API takes only holders of a cluster certificate (the apiservers): the CA
+    # alone is not enough, a cluster certificate is.
+    with open(cluster.ca, "rb") as f:
+        ca = f.read()
+
+    def node_list(cert_dir=None):
+        key = cert = None
+        if cert_dir:
+            key = (cert_dir / "node.key").read_bytes()
+            cert = (cert_dir / "node.pem").read_bytes()
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                             certificate_chain=cert)
+        with grpc.secure_channel(cluster.node_addr["n1"], creds, options=[
+                ("grpc.ssl_target_name_override", "n1.node.dsec")]) as ch:
+            return rpc.SandboxesStub(ch).List(pb.ListSandboxesRequest(), timeout=5)
+
+    try:
+        node_list()
+        raise AssertionError("a node answered a caller without a cluster certificate")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+    assert len(node_list(cluster.dir / "n2-tls").sandboxes) >= 1
+    with grpc.insecure_channel(cluster.node_addr["n1"]) as ch:
+        try:
+            rpc.SandboxesStub(ch).List(pb.ListSandboxesRequest(), timeout=5)
+            raise AssertionError("a node answered plaintext on its TLS port")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+
+    # A node with a certificate from another CA (that trusts this cluster's CA) is refused
+    # and says why; it never joins.
+    other = cluster.dir / "other-ca"
+    subprocess.run([DSEC, "control", "init", "--state-dir", str(cluster.dir / "other-state"),
+                    "--tls-dir", str(other)], check=True, capture_output=True, timeout=30)
+    cluster.issue_node("n4", other)
+    shutil.copy(cluster.ca, cluster.dir / "n4-tls" / "ca.pem")
+    cluster.start_node("n4", f"127.0.0.1:{free_port()}")
+    log = cluster.dir / "n4.log"
+    wait_for("n4's refusal in its log",
+             lambda: "closed the TLS connection" in log.read_text(errors="replace"), 20)
+    assert "n4" not in [n["name"] for n in cluster.nodes()]
+    p = cluster.procs.pop("n4")
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=10)
+    print("TLS: plaintext and CA-less callers refused, node mTLS enforced, foreign node "
+          "certificate refused")
 
 
 def main():
@@ -187,6 +272,8 @@ def main():
         sb.write_file("/tmp/x", b"through the apiserver")
         assert sb.read_file("/tmp/x") == b"through the apiserver"
 
+        check_transport_security(cluster)
+
         # A viewer lists but cannot create; a revoked token is refused.
         v = cluster.client(token=viewer)
         assert len(v.list()) == 60
@@ -196,8 +283,7 @@ def main():
         assert len(cluster.client(token=spare).list()) == 60
         cluster.cli("token", "revoke", spare_id)
         assert refused(lambda: cluster.client(token=spare).list(), dsec.Unauthenticated)
-        assert refused(lambda: dsec.Client(",".join(cluster.api), token="dsec_bad",
-                                           project="acme/a").list(), dsec.Unauthenticated)
+        assert refused(lambda: cluster.client(token="dsec_bad").list(), dsec.Unauthenticated)
 
         # Project B sees none of A's sandboxes and cannot touch them.
         b = cluster.client(token=bob, project="acme/b")
@@ -242,7 +328,8 @@ def main():
         for s in leftovers:
             s.delete()
         env_ls = subprocess.run(
-            [DSEC, "--json", "--endpoint", f"http://{cluster.api[1]}", "project", "ls", "acme"],
+            [DSEC, "--json", "--endpoint", f"https://{cluster.api[1]}", "--ca-file", cluster.ca,
+             "project", "ls", "acme"],
             capture_output=True, text=True, timeout=30,
             env={**os.environ, "DSEC_TOKEN": cluster.admin_token})
         for line in env_ls.stdout.splitlines():

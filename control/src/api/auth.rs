@@ -79,6 +79,11 @@ impl ProjectCache {
         map.insert(id.to_string(), project);
     }
 
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     pub fn forget(&self, id: &str) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
     }

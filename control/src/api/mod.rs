@@ -16,6 +16,8 @@ mod auth;
 mod nodes;
 mod runtime;
 mod sandboxes;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -95,7 +95,7 @@ fn backend_of(name: &str) -> Option<Backend> {
     }
 }
 
-fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
+pub(super) fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
     let info = info.ok_or_else(|| Status::invalid_argument("the request carries no node"))?;
     if info.address.is_empty() || info.address.len() > 256 {
         return Err(Status::invalid_argument(format!(
@@ -118,7 +118,7 @@ fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
 /// Whether a DER certificate carries `name` as a DNS subject alternative name: the SAN
 /// entry is `[2] IA5String`, tag 0x82, a one-byte length and the name (certificates here
 /// come from the cluster CA, which writes only the names it was given).
-fn names_dns(der: &[u8], name: &str) -> bool {
+pub(super) fn names_dns(der: &[u8], name: &str) -> bool {
     let Ok(len) = u8::try_from(name.len()) else {
         return false;
     };

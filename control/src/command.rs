@@ -87,6 +87,25 @@ pub enum ControlCommand {
         #[arg(long)]
         no_tls: bool,
     },
+    /// Serve simulated nodes for benchmarks: each speaks the node API on its own port,
+    /// registers with the apiservers and admits creates against a fake capacity, starting
+    /// nothing.
+    SimNodes {
+        /// How many (named <prefix>0, <prefix>1, ...).
+        #[arg(long, default_value_t = 160)]
+        count: usize,
+        #[arg(long, default_value = "s")]
+        prefix: String,
+        /// The first node's address; the others take the ports after it.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:21000")]
+        first: SocketAddr,
+        /// Apiservers to register with (comma-separated host:port).
+        #[arg(long, value_name = "ADDR[,ADDR]")]
+        control: String,
+        /// Sandboxes each node admits.
+        #[arg(long, default_value_t = 1000)]
+        sandboxes: u64,
+    },
     /// Issue node NAME's certificate from the cluster CA: writes node.pem, node.key and
     /// ca.pem into --out, the node's `dsec up --tls-dir`.
     IssueNode {
@@ -167,6 +186,27 @@ pub fn run(command: ControlCommand) -> ExitCode {
                     "organization {org} and cluster admin user:{admin} created; the token above is shown once: export DSEC_TOKEN=... or `dsec login`"
                 );
                 Ok(())
+            }
+            ControlCommand::SimNodes {
+                count,
+                prefix,
+                first,
+                control,
+                sandboxes,
+            } => {
+                let capacity = crate::sim::SimCapacity {
+                    sandboxes,
+                    vcpus: sandboxes * 4,
+                    memory_mib: sandboxes * 4096,
+                    disk_mib: sandboxes * 8192,
+                };
+                let control = control
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                crate::sim::serve(&prefix, count, first, capacity, control).await
             }
             ControlCommand::IssueNode { tls_dir, name, out } => {
                 pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;

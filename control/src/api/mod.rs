@@ -37,7 +37,7 @@ use dsec_api::tls::TlsDir;
 
 use crate::iam::{Iam, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
-use crate::quota::Quotas;
+use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
 use crate::store::{EmbeddedStore, EtcdStore, Store, StoreError};
 use crate::watcher::Watcher;
@@ -96,6 +96,8 @@ pub struct Shared {
     pub store: Arc<dyn Store>,
     pub iam: Iam,
     pub quotas: Quotas,
+    /// Creates' reservations, committed per project in batches.
+    pub reserver: Reserver,
     pub registry: NodeRegistry,
     pub placer: Arc<Placer>,
     pub nodes: NodeChannels,
@@ -118,6 +120,7 @@ impl Shared {
         Arc::new(Shared {
             iam: Iam::new(store.clone()),
             quotas: Quotas::new(store.clone()),
+            reserver: Reserver::new(Quotas::new(store.clone())),
             registry: NodeRegistry::new(store.clone()),
             nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
             placer,

@@ -122,7 +122,7 @@ impl SandboxesApi {
             Ok(id) => id.to_string(),
             Err(e) => return Attempt::Failed(Status::internal(e.to_string())),
         };
-        if let Err(e) = shared.quotas.reserve(project, node, &id, quota).await {
+        if let Err(e) = shared.reserver.reserve(project, node, &id, quota).await {
             return Attempt::Failed(e.into());
         }
         request.sandbox_id = id.clone();

@@ -56,6 +56,15 @@ async fn connect(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<Chann
     endpoint.connect().await.map_err(|e| error_chain(&e))
 }
 
+/// The client refuses the apiserver's certificate: not signed by the CA it trusts.
+async fn refused_as_unknown_issuer(addr: SocketAddr, tls: ClientTlsConfig) {
+    let refused = connect(addr, Some(tls)).await.map(|_| ()).unwrap_err();
+    assert!(
+        refused.contains("UnknownIssuer"),
+        "unexpected refusal: {refused}"
+    );
+}
+
 fn node_info(name: &str) -> pb::NodeInfo {
     pb::NodeInfo {
         name: name.into(),
@@ -123,14 +132,7 @@ async fn nodes_need_a_certificate_of_the_cluster_ca() {
     );
 
     // A node trusting only its own CA refuses the apiserver: it is not who it says.
-    let refused = connect(addr, Some(foreign.client("node", APISERVER_NAME).unwrap()))
-        .await
-        .map(|_| ())
-        .unwrap_err();
-    assert!(
-        refused.contains("UnknownIssuer"),
-        "unexpected refusal: {refused}"
-    );
+    refused_as_unknown_issuer(addr, foreign.client("node", APISERVER_NAME).unwrap()).await;
 
     // A caller without a certificate (a token holder) is not a node.
     let channel = connect(
@@ -176,17 +178,11 @@ async fn clients_get_tls_checked_against_the_ca_and_plaintext_is_refused() {
 
     // A client checking against another CA refuses the apiserver.
     pki::init(&dir.path().join("other-ca"), &[]).unwrap();
-    let refused = connect(
+    refused_as_unknown_issuer(
         addr,
-        Some(client_with_ca(&dir.path().join("other-ca/ca.pem")).unwrap()),
+        client_with_ca(&dir.path().join("other-ca/ca.pem")).unwrap(),
     )
-    .await
-    .map(|_| ())
-    .unwrap_err();
-    assert!(
-        refused.contains("UnknownIssuer"),
-        "unexpected refusal: {refused}"
-    );
+    .await;
 }
 
 #[test]

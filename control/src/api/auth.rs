@@ -12,7 +12,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 
 use super::Shared;
-use crate::iam::{Action, AuditRecord, Caller, Outcome, ProjectPath};
+use crate::iam::{Action, AuditRecord, Caller, Iam, Outcome, ProjectPath};
 use crate::now_ms;
 
 /// Metadata a client may name its project in when the request has no field for it.
@@ -199,7 +199,9 @@ impl Shared {
                 },
             },
         };
-        if let Err(e) = self.iam.audit(&record).await {
+        // Committed with the other calls' records of the moment (one write per batch).
+        let (key, value) = Iam::audit_entry(&record);
+        if let Err(e) = self.audit_writer.put(key, value).await {
             tracing::warn!(%e, "cannot write the audit record");
         }
     }

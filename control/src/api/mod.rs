@@ -39,7 +39,7 @@ use crate::iam::{Iam, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
 use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
-use crate::store::{EmbeddedStore, EtcdStore, Store, StoreError};
+use crate::store::{EmbeddedStore, EtcdStore, PutBatcher, Store, StoreError};
 use crate::watcher::Watcher;
 
 pub use nodes::NodeChannels;
@@ -98,6 +98,8 @@ pub struct Shared {
     pub quotas: Quotas,
     /// Creates' reservations, committed per project in batches.
     pub reserver: Reserver,
+    /// Audit records, written in batches of concurrent calls.
+    pub audit_writer: PutBatcher,
     pub registry: NodeRegistry,
     pub placer: Arc<Placer>,
     pub nodes: NodeChannels,
@@ -121,6 +123,7 @@ impl Shared {
             iam: Iam::new(store.clone()),
             quotas: Quotas::new(store.clone()),
             reserver: Reserver::new(Quotas::new(store.clone())),
+            audit_writer: PutBatcher::new(store.clone()),
             registry: NodeRegistry::new(store.clone()),
             nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
             placer,

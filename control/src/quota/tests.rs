@@ -34,6 +34,18 @@ async fn projects(store: &Arc<dyn Store>) -> Quotas {
     Quotas::new(store.clone())
 }
 
+/// The projects, with acme and acme/rl limited to `limit` sandboxes' worth.
+async fn rl_limited_to(store: &Arc<dyn Store>, limit: u64) -> (Quotas, ProjectPath) {
+    let quotas = projects(store).await;
+    let rl = path("acme/rl");
+    quotas
+        .set_limit(&path("acme"), sandboxes(limit))
+        .await
+        .unwrap();
+    quotas.set_limit(&rl, sandboxes(limit)).await.unwrap();
+    (quotas, rl)
+}
+
 async fn a_child_quota_never_exceeds_what_its_parent_has_left(store: Arc<dyn Store>) {
     let quotas = projects(&store).await;
     quotas
@@ -202,13 +214,7 @@ async fn reservations_stop_at_the_limit_and_name_the_project_and_resource(store:
 async fn concurrent_reservers_never_overrun_a_limit(store: Arc<dyn Store>) {
     const LIMIT: u64 = 40;
     const RESERVERS: usize = 100;
-    let quotas = projects(&store).await;
-    let rl = path("acme/rl");
-    quotas
-        .set_limit(&path("acme"), sandboxes(LIMIT))
-        .await
-        .unwrap();
-    quotas.set_limit(&rl, sandboxes(LIMIT)).await.unwrap();
+    let (quotas, rl) = rl_limited_to(&store, LIMIT).await;
     let tasks: Vec<_> = (0..RESERVERS)
         .map(|i| {
             let (quotas, rl) = (quotas.clone(), rl.clone());
@@ -368,13 +374,7 @@ async fn reconciling_a_node_makes_usage_exact(store: Arc<dyn Store>) {
 async fn batched_reservations_never_overrun_a_limit_and_refuse_a_taken_id(store: Arc<dyn Store>) {
     const LIMIT: u64 = 250;
     const RESERVERS: usize = 300;
-    let quotas = projects(&store).await;
-    let rl = path("acme/rl");
-    quotas
-        .set_limit(&path("acme"), sandboxes(LIMIT))
-        .await
-        .unwrap();
-    quotas.set_limit(&rl, sandboxes(LIMIT)).await.unwrap();
+    let (quotas, rl) = rl_limited_to(&store, LIMIT).await;
     let reserver = Reserver::new(quotas.clone());
     let mut tasks: Vec<_> = (0..RESERVERS)
         .map(|i| {

@@ -31,10 +31,14 @@ use serde::Serialize;
     about = "DSec sandboxes: run commands in fresh microVMs or containers"
 )]
 struct Cli {
-    /// Node API endpoint (unix:/path or http://host:port); default $DSEC_ENDPOINT or
-    /// unix:/run/dsec/edge/edge.sock.
+    /// Node API endpoint (unix:/path, http://host:port, or an apiserver's https://host:port);
+    /// default $DSEC_ENDPOINT or unix:/run/dsec/edge/edge.sock.
     #[arg(long, global = true)]
     endpoint: Option<String>,
+    /// The cluster CA (ca.pem from `dsec control init`) an https:// endpoint is checked
+    /// against; default $DSEC_CA_FILE.
+    #[arg(long, global = true, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
     /// JSON output (node and image commands).
     #[arg(long, global = true)]
     json: bool,
@@ -330,6 +334,7 @@ fn main() -> ExitCode {
                 ("DSEC_TOKEN", login.token),
                 ("DSEC_PROJECT", login.project),
                 ("DSEC_ENDPOINT", login.endpoint),
+                ("DSEC_CA_FILE", login.ca_file),
             ] {
                 if std::env::var_os(name).is_none() && !value.is_empty() {
                     std::env::set_var(name, value);
@@ -338,6 +343,10 @@ fn main() -> ExitCode {
         }
     }
     let cli = Cli::parse();
+    // The SDK reads the CA from the environment (still one thread here).
+    if let Some(ca_file) = &cli.ca_file {
+        std::env::set_var("DSEC_CA_FILE", ca_file);
+    }
     // Commands that only print die quietly when their reader goes away (`dsec inspect ID |
     // grep -q`), as Unix tools do; the streaming ones (run, exec, cp, logs, shell, ports)
     // handle a closed stdout themselves, tearing down what they started.

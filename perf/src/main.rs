@@ -4,6 +4,7 @@
 //! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads);
 //! `dsec-perf node` measures the node daemon (create, bursts of creates, exec round trip).
 
+mod cluster;
 mod debian;
 mod direct;
 mod fleet;
@@ -64,6 +65,10 @@ enum Cmd {
     /// per call and `dsec run` per call: p50/p99 latency, calls/s at concurrency 1, 16, 64.
     /// Needs root and the fncall image.
     Fncall(FncallArgs),
+    /// The control plane: placement throughput through real apiservers (1 and 2 replicas)
+    /// and a real etcd over simulated nodes (`dsec control sim-nodes`), and what the
+    /// apiserver adds to a real create -> first exec. Needs root for the real node.
+    Cluster(ClusterArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -352,6 +357,63 @@ struct LayerfsArgs {
     /// Keep the scratch directory (staged tree, store, the last extracted tree and cache).
     #[arg(long)]
     keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct ClusterArgs {
+    /// The `dsec` binary (apiserver, sim nodes, node). Default: beside dsec-perf, else
+    /// target/release/dsec.
+    #[arg(long)]
+    dsec: Option<PathBuf>,
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 160)]
+    nodes: usize,
+    /// Creates per round.
+    #[arg(long, default_value_t = 10_000)]
+    creates: usize,
+    /// Concurrent SDK clients (one connection each).
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Rounds per replica count.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Apiserver replica counts to measure, comma-separated.
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    replicas: Vec<usize>,
+    /// Real create -> first exec samples per path (0 skips the real node).
+    #[arg(long, default_value_t = 20)]
+    real_samples: usize,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+fn cluster_cmd(a: ClusterArgs) -> Result<(), String> {
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-cluster-{}", std::process::id()));
+    let opts = cluster::ClusterOpts {
+        dsec: a
+            .dsec
+            .clone()
+            .unwrap_or_else(|| default_beside_or_release(&root, "dsec")),
+        workdir: workdir.clone(),
+        nodes: a.nodes,
+        creates: a.creates,
+        clients: a.clients.max(1),
+        rounds: a.rounds.max(1),
+        replicas: a.replicas.clone(),
+        real_samples: a.real_samples,
+    };
+    let result = cluster::run(&opts);
+    finish_workdir(a.keep_workdir, &workdir);
+    let (table, doc) = result?;
+    print!("{table}");
+    if let Some(path) = &a.json {
+        let machine = json!({"cpus": std::thread::available_parallelism().map_or(0, |n| n.get()), "cpu_model": machine::cpu_model()});
+        write_json(path, "cluster", &machine, doc)?;
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -1057,6 +1119,7 @@ fn main() -> ExitCode {
         Cmd::Node(a) => exit_code(node_cmd(a)),
         Cmd::Net(a) => exit_code(net_cmd(a)),
         Cmd::Fncall(a) => exit_code(fncall_cmd(a)),
+        Cmd::Cluster(a) => exit_code(cluster_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {
                 order: a.order,

@@ -37,7 +37,8 @@ def _grpc_target(target: str) -> str:
     comma-separated) -> one ``ipv4:``/``ipv6:`` target that gRPC balances over, going on on
     the others when one fails."""
     parts = [t.strip() for t in target.split(",") if t.strip()]
-    parts = [p[len("http://"):] if p.startswith("http://") else p for p in parts]
+    parts = [p.split("://", 1)[1] if p.startswith(("http://", "https://")) else p
+             for p in parts]
     if len(parts) == 1:
         return parts[0]
     scheme = "ipv6" if parts[0].startswith("[") else "ipv4"
@@ -758,6 +759,33 @@ def _channel_options():
             ("grpc.lb_policy_name", "round_robin")]
 
 
+def _open_channel(target: str, ca_file: Optional[str], aio: bool):
+    """An insecure channel, or for ``https://`` targets (an apiserver with the cluster's TLS)
+    a TLS channel that checks the server against the cluster CA in ``ca_file`` (default
+    ``$DSEC_CA_FILE``) and the host of the first address."""
+    grpc_mod = grpc.aio if aio else grpc
+    parts = [t.strip() for t in target.split(",") if t.strip()]
+    if not any(p.startswith("https://") for p in parts):
+        return grpc_mod.insecure_channel(_grpc_target(target), options=_channel_options())
+    ca_file = ca_file or os.environ.get("DSEC_CA_FILE", "")
+    if not ca_file:
+        raise DsecError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{target}: an https:// target needs the cluster CA: pass ca_file= "
+                        "or set DSEC_CA_FILE to the ca.pem of `dsec control init`")
+    try:
+        with open(ca_file, "rb") as f:
+            roots = f.read()
+    except OSError as e:
+        raise DsecError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"cannot read the cluster CA {ca_file}: {e}") from e
+    first = parts[0].split("://", 1)[-1]
+    host = first[1:first.index("]")] if first.startswith("[") else first.rsplit(":", 1)[0]
+    options = [o for o in _channel_options() if o[0] != "grpc.default_authority"]
+    options += [("grpc.ssl_target_name_override", host), ("grpc.default_authority", host)]
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc_mod.secure_channel(_grpc_target(target), credentials, options=options)
+
+
 # ---------------------------------------------------------------- sync API
 
 
@@ -765,15 +793,15 @@ class Client:
     """Synchronous client. ``Client()`` talks to the local node on its default socket."""
 
     def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
-                 project: Optional[str] = None):
+                 project: Optional[str] = None, ca_file: Optional[str] = None):
         """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
-        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
-        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
-        apiserver needs."""
+        replicas) separated by commas, ``https://HOST:PORT`` for an apiserver with TLS;
+        default ``$DSEC_ENDPOINT`` or the local node. ``token`` and ``project`` (default
+        ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an apiserver needs; ``ca_file`` (default
+        ``$DSEC_CA_FILE``) the cluster CA an https:// apiserver is checked against."""
         self.target = target or default_target()
         self.project, metadata = _credentials(token, project)
-        self._channel = grpc.insecure_channel(_grpc_target(self.target),
-                                              options=_channel_options())
+        self._channel = _open_channel(self.target, ca_file, aio=False)
         channel = _CredentialChannel(self._channel, metadata)
         self._sandboxes = rpc.SandboxesStub(channel)
         self._process = rpc.ProcessStub(channel)
@@ -1208,15 +1236,15 @@ class AsyncClient:
     """asyncio client (grpc.aio); same calls as :class:`Client`, awaited."""
 
     def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
-                 project: Optional[str] = None):
+                 project: Optional[str] = None, ca_file: Optional[str] = None):
         """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
-        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
-        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
-        apiserver needs."""
+        replicas) separated by commas, ``https://HOST:PORT`` for an apiserver with TLS;
+        default ``$DSEC_ENDPOINT`` or the local node. ``token`` and ``project`` (default
+        ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an apiserver needs; ``ca_file`` (default
+        ``$DSEC_CA_FILE``) the cluster CA an https:// apiserver is checked against."""
         self.target = target or default_target()
         self.project, metadata = _credentials(token, project)
-        self._channel = grpc.aio.insecure_channel(_grpc_target(self.target),
-                                              options=_channel_options())
+        self._channel = _open_channel(self.target, ca_file, aio=True)
         channel = _CredentialChannel(self._channel, metadata)
         self._sandboxes = rpc.SandboxesStub(channel)
         self._process = rpc.ProcessStub(channel)

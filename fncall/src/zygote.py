@@ -15,6 +15,8 @@ import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io
 LANG = sys.argv[1]
 MAX_REQUEST = int(sys.argv[2])
 OWN_PID_NS = int(sys.argv[3])
+# The sandbox seccomp filters (BPF, hex, comma-separated), installed by every stage.
+SECCOMP_HEX = sys.argv[4]
 
 if LANG == "python":
     # What reward code imports most: paid once here, not per call.
@@ -31,6 +33,19 @@ CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV = 2, 4
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+# Built once: a stage only makes the prctl calls.
+SECCOMP_PROGRAMS = []
+for _hex in filter(None, SECCOMP_HEX.split(",")):
+    _code = bytes.fromhex(_hex)
+    _buf = ctypes.create_string_buffer(_code, len(_code))
+    SECCOMP_PROGRAMS.append((_buf, SockFprog(len(_code) // 8, ctypes.addressof(_buf))))
 
 
 def check(ret, what):
@@ -70,6 +85,9 @@ def drop_privileges(uid):
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    # No new user namespaces, mounts, bpf, keyctl, perf, kexec, modules, io_uring, ...
+    for _buf, prog in SECCOMP_PROGRAMS:
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 def set_limits(req):

@@ -136,7 +136,7 @@ impl WorkerFactory for ContainerFactory {
             language: key.language.as_str(),
             detail,
         };
-        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 2)
+        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 3)
             .map_err(|e| start_err(format!("cgroup: {e} (is this root?)")))?;
         let procs = cgroup
             .procs_files()
@@ -165,6 +165,8 @@ impl WorkerFactory for ContainerFactory {
             .arg(MAX_REQUEST_FRAME.to_string())
             .arg(pid_ns.as_raw_fd().to_string())
             .arg(&self.seccomp_hex)
+            .arg(self.limits.work_kib.to_string())
+            .arg(self.limits.inodes.to_string())
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).

@@ -35,7 +35,7 @@ pub enum FnCommand {
         /// Memory limit in MiB.
         #[arg(long, default_value_t = 512)]
         mem: u32,
-        /// Let the code reach the network (default: loopback only).
+        /// Ask for network access: refused until calls get a sandbox network (default: loopback only).
         #[arg(long)]
         network: bool,
         /// Run in this process (root; the image under $DSEC_HOME/images) instead of the node.

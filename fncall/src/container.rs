@@ -74,6 +74,9 @@ pub struct ContainerFactory {
     limits: CallLimits,
     /// First host uid of calls; see `call_uid`.
     uid_base: u32,
+    /// The sandbox seccomp filters every stage of a call installs, as the zygote reads them
+    /// (see `filters_hex`).
+    seccomp_hex: String,
 }
 
 /// Host uids of calls: above the container backend's id pool (2^30 .. 3 * 2^30), so no
@@ -89,11 +92,14 @@ pub fn call_uid(base: u32, pid: u32, n: u64) -> u32 {
 
 impl ContainerFactory {
     pub fn new(images_dir: PathBuf, limits: CallLimits) -> Self {
+        // A static list: it compiles or the build is broken (dsec-confine's tests check it).
+        let filters = dsec_confine::sandbox_filters().expect("the sandbox seccomp filter builds");
         crate::cgroup::sweep_stale();
         Self {
             images_dir,
             limits,
             uid_base: DEFAULT_UID_BASE,
+            seccomp_hex: filters_hex(&filters),
         }
     }
 
@@ -130,7 +136,7 @@ impl WorkerFactory for ContainerFactory {
             language: key.language.as_str(),
             detail,
         };
-        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 2)
+        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 3)
             .map_err(|e| start_err(format!("cgroup: {e} (is this root?)")))?;
         let procs = cgroup
             .procs_files()
@@ -147,7 +153,7 @@ impl WorkerFactory for ContainerFactory {
         std::fs::File::from(script_w)
             .write_all(ZYGOTE.as_bytes())
             .map_err(|e| start_err(format!("write the zygote script: {e}")))?;
-        let setup = RootSetup::new(&rootfs, !key.network, &procs, &[&pid_ns, &script_r])
+        let setup = RootSetup::new(&rootfs, &procs, &[&pid_ns, &script_r])
             .map_err(|e| start_err(format!("{e}")))?;
         let mut command = tokio::process::Command::new("/usr/bin/python3");
         command
@@ -158,6 +164,9 @@ impl WorkerFactory for ContainerFactory {
             .arg(key.language.as_str())
             .arg(MAX_REQUEST_FRAME.to_string())
             .arg(pid_ns.as_raw_fd().to_string())
+            .arg(&self.seccomp_hex)
+            .arg(self.limits.work_kib.to_string())
+            .arg(self.limits.inodes.to_string())
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).
@@ -209,6 +218,26 @@ impl WorkerFactory for ContainerFactory {
             ))),
         }
     }
+}
+
+/// BPF programs as the zygote installs them: each program's `sock_filter`s in native layout
+/// (u16 code, u8 jt, u8 jf, u32 k), hex, programs separated by commas.
+fn filters_hex(filters: &[seccompiler::BpfProgram]) -> String {
+    let hex = |program: &seccompiler::BpfProgram| {
+        let mut out = String::new();
+        for insn in program {
+            let mut bytes = Vec::with_capacity(8);
+            bytes.extend_from_slice(&insn.code.to_ne_bytes());
+            bytes.push(insn.jt);
+            bytes.push(insn.jf);
+            bytes.extend_from_slice(&insn.k.to_ne_bytes());
+            for b in bytes {
+                out.push_str(&format!("{b:02x}"));
+            }
+        }
+        out
+    };
+    filters.iter().map(hex).collect::<Vec<_>>().join(",")
 }
 
 /// Where zygotes' own errors go: `DSEC_FNCALL_WORKER_LOG` (a file, appended) or nowhere.
@@ -463,7 +492,6 @@ struct RootSetup {
     rootfs: CString,
     dev: CString,
     dev_nodes: Vec<(CString, libc::dev_t)>,
-    isolate_network: bool,
     /// `cgroup.procs` of the worker's groups: the zygote joins them before it execs.
     cgroup_procs: Vec<i32>,
     /// Descriptors the zygote inherits.
@@ -475,12 +503,7 @@ fn cstr(bytes: &[u8]) -> io::Result<CString> {
 }
 
 impl RootSetup {
-    fn new(
-        rootfs: &Path,
-        isolate_network: bool,
-        cgroup_procs: &[OwnedFd],
-        keep: &[&OwnedFd],
-    ) -> io::Result<Self> {
+    fn new(rootfs: &Path, cgroup_procs: &[OwnedFd], keep: &[&OwnedFd]) -> io::Result<Self> {
         let dev = rootfs.join("dev");
         let nodes = [
             ("null", 1, 3),
@@ -501,7 +524,6 @@ impl RootSetup {
                     ))
                 })
                 .collect::<io::Result<_>>()?,
-            isolate_network,
             cgroup_procs: cgroup_procs.iter().map(|f| f.as_raw_fd()).collect(),
             keep_fds: keep.iter().map(|f| f.as_raw_fd()).collect(),
         })
@@ -517,10 +539,9 @@ impl RootSetup {
             }
         }
         let null = std::ptr::null::<libc::c_char>();
-        let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
-        if self.isolate_network {
-            flags |= libc::CLONE_NEWNET;
-        }
+        // Always a network namespace of its own: a worker never shares the host's.
+        let flags =
+            libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET;
         // SAFETY: plain system calls on NUL-terminated strings owned by `self`, which the
         // forked child keeps alive until exec.
         unsafe {
@@ -582,7 +603,7 @@ impl RootSetup {
             ok(libc::chdir(c"/".as_ptr()))?;
             let host = b"fncall";
             ok(libc::sethostname(host.as_ptr().cast(), host.len()))?;
-            if self.isolate_network {
+            {
                 // Loopback up: calls may use local sockets, nothing reaches out.
                 let sock = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
                 ok(sock)?;

@@ -151,6 +151,10 @@ impl Engine {
 
     pub async fn run_in(&self, image: &str, call: &CallRequest) -> Result<CallResult> {
         call.validate()?;
+        if call.network {
+            // Workers only have a loopback-only namespace: never the host's.
+            return Err(FnCallError::NoCallNetwork);
+        }
         let started = Instant::now();
         let pool = self
             .pool(PoolKey {

@@ -17,6 +17,8 @@ pub enum FnCallError {
     },
     #[error("the worker running the call failed ({0}); it was replaced, retry the call")]
     WorkerLost(String),
+    #[error("this node has no sandbox network for calls: calls with `network` set are refused (never run in the host's network namespace); drop `network` or use a sandbox (`dsec run`) on a node started with --net-bridge")]
+    NoCallNetwork,
     #[error("no {0} worker became free in time: the node is overloaded, retry later")]
     Busy(&'static str),
 }

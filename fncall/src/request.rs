@@ -88,7 +88,8 @@ pub struct CallRequest {
     pub compile_timeout: Duration,
     pub run_timeout: Duration,
     pub memory_mib: u32,
-    /// Reach the node's network (a worker in the host's network namespace).
+    /// Ask for network access: refused (`NoCallNetwork`) until calls get a namespace on the
+    /// node's sandbox network.
     pub network: bool,
 }
 

@@ -12,7 +12,8 @@ use crate::request::{CallRequest, CallResult, Language};
 pub struct PoolKey {
     pub image: String,
     pub language: Language,
-    /// Workers whose calls reach the node's network (none by default).
+    /// Workers whose calls reach a network: never made today (such calls are refused); kept
+    /// apart so a sandbox-network pool can come without changing the key.
     pub network: bool,
 }
 

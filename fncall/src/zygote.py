@@ -15,6 +15,12 @@ import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io
 LANG = sys.argv[1]
 MAX_REQUEST = int(sys.argv[2])
 OWN_PID_NS = int(sys.argv[3])
+# The sandbox seccomp filters (BPF, hex, comma-separated), installed by every stage.
+SECCOMP_HEX = sys.argv[4]
+# Size (KiB) and inodes of each call's /tmp and /work: mounted before the call arrives.
+WORK_KIB, WORK_INODES = int(sys.argv[5]), int(sys.argv[6])
+# A ready init's exit status when the engine closed the request pipe: the zygote ends too.
+EXIT_NO_MORE_CALLS = 3
 
 if LANG == "python":
     # What reward code imports most: paid once here, not per call.
@@ -31,6 +37,19 @@ CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV = 2, 4
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+# Built once: a stage only makes the prctl calls.
+SECCOMP_PROGRAMS = []
+for _hex in filter(None, SECCOMP_HEX.split(",")):
+    _code = bytes.fromhex(_hex)
+    _buf = ctypes.create_string_buffer(_code, len(_code))
+    SECCOMP_PROGRAMS.append((_buf, SockFprog(len(_code) // 8, ctypes.addressof(_buf))))
 
 
 def check(ret, what):
@@ -70,6 +89,9 @@ def drop_privileges(uid):
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    # No new user namespaces, mounts, bpf, keyctl, perf, kexec, modules, io_uring, ...
+    for _buf, prog in SECCOMP_PROGRAMS:
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 def set_limits(req):
@@ -242,17 +264,35 @@ def inside_work(name):
     return path
 
 
-def call_init(req):
-    """Pid 1 of the call: fresh /tmp and /work, then the stages."""
+def prepare_call_namespace():
+    """Pid 1 of a call to come: fresh mount namespace, empty /tmp and /work, its /proc."""
     if os.getpid() != 1:
         raise RuntimeError("the call's init is not pid 1 of its own pid namespace")
     check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
-    lim = req["limits"]
-    tmpfs = "size=%dk,nr_inodes=%d,mode=1777" % (lim["work_kib"], lim["inodes"])
+    tmpfs = "size=%dk,nr_inodes=%d,mode=1777" % (WORK_KIB, WORK_INODES)
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, "")  # 8: MS_NOEXEC
     os.close(OWN_PID_NS)
+
+
+def read_request():
+    """The next request frame from the engine (fd 0), or None when it closed the pipe."""
+    header = bytearray(4)
+    if read_exact(0, memoryview(header)) < 4:
+        return None
+    size = struct.unpack(">I", header)[0]
+    if size > MAX_REQUEST:
+        return None
+    body = bytearray(size)
+    if read_exact(0, memoryview(body)) < size:
+        return None
+    return body
+
+
+def call_init(req):
+    """The call in its prepared namespace: the files, then the stages."""
+    lim = req["limits"]
     # The zygote is shielded from the OOM killer; the call is its first choice.
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
@@ -308,33 +348,61 @@ def call_init(req):
     return result
 
 
+def ready_init(go_r):
+    """A call's init made ahead of its call: namespaces and mounts ready, it waits for its
+    turn (the previous call gone), then reads the request itself and answers."""
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prepare_call_namespace()
+        setup_error = None
+    except BaseException as e:
+        setup_error = e
+    if os.read(go_r, 1) != b"g":
+        os._exit(EXIT_NO_MORE_CALLS)
+    os.close(go_r)
+    body = read_request()
+    if body is None:
+        os._exit(EXIT_NO_MORE_CALLS)
+    try:
+        if setup_error is not None:
+            raise setup_error
+        result = call_init(json.loads(bytes(body)))
+    except BaseException as e:
+        result = {"error": "%s: %s" % (type(e).__name__, e)}
+    del body
+    write_frame(1, b"R", json.dumps(result).encode())
+    os._exit(0)
+
+
+def prepare():
+    """Forks the next call's init into a fresh pid namespace; returns its pid and the pipe
+    that tells it its turn has come."""
+    go_r, go_w = os.pipe()
+    check(libc.unshare(CLONE_NEWPID), "unshare pid namespace")
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        ready_init(go_r)
+    os.close(go_r)
+    check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
+    return pid, go_w
+
+
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    request = bytearray(MAX_REQUEST)
-    view = memoryview(request)
-    header = bytearray(4)
+    # The zygote never reads a request: each call's init reads its own, so nothing of a
+    # call is ever in the memory the next call is forked from.
+    current = prepare()
     write_frame(1, b"H", b"")
     while True:
-        if read_exact(0, memoryview(header)) < 4:
-            return
-        size = struct.unpack(">I", header)[0]
-        if size > MAX_REQUEST or read_exact(0, view[:size]) < size:
-            return
-        check(libc.unshare(CLONE_NEWPID), "unshare pid namespace")
-        pid = os.fork()
-        if pid == 0:
-            try:
-                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-                req = json.loads(bytes(view[:size]))
-                result = call_init(req)
-            except BaseException as e:
-                result = {"error": "%s: %s" % (type(e).__name__, e)}
-            write_frame(1, b"R", json.dumps(result).encode())
-            os._exit(0)
-        check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
-        # The next call must not find this one's request in the zygote's memory.
-        view[:size] = bytes(size)
+        pid, go_w = current
+        os.write(go_w, b"g")
+        os.close(go_w)
+        # The next init gets ready while this one waits for and serves its call.
+        current = prepare()
         _, status = os.waitpid(pid, 0)
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_NO_MORE_CALLS:
+            return
         write_frame(1, b"E", struct.pack(">i", status))
 
 

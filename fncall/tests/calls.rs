@@ -295,3 +295,101 @@ async fn a_thousand_concurrent_calls_leave_nothing_behind() {
     );
     eprintln!("1000 python calls at concurrency 64: {elapsed:?}");
 }
+
+/// A call cannot reach anything on the host's loopback (where the node's HTTP entry point
+/// and gRPC port listen), and a call asking for the network is refused, not run in the
+/// host's network namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cannot_reach_the_hosts_loopback() {
+    let engine = engine();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let code = format!(
+        "import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), timeout=2)\n print('reached the host')\nexcept OSError as e:\n print('refused', e)"
+    );
+    let got = run(&engine, Language::Python, &code).await.run.unwrap();
+    assert!(
+        text(&got.stdout).starts_with("refused"),
+        "{}{}",
+        text(&got.stdout),
+        text(&got.stderr)
+    );
+    let mut networked = CallRequest::new(Language::Python, &code);
+    networked.network = true;
+    let err = engine.run(&networked).await.unwrap_err();
+    assert!(
+        matches!(err, dsec_fncall::FnCallError::NoCallNetwork),
+        "{err}"
+    );
+    assert_eq!(
+        dsec_fncall::grpc::status(&err).code(),
+        tonic::Code::FailedPrecondition
+    );
+}
+
+/// The seccomp filter: no user namespace (the way to every other namespace and to mounts
+/// for an unprivileged process), no mount, no bpf/keyctl/perf_event_open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cannot_make_namespaces_or_mount() {
+    let engine = engine();
+    let got = run(
+        &engine,
+        Language::Bash,
+        "unshare -Ur true && echo userns-made; unshare -Urm sh -c 'mount -t tmpfs none /tmp && echo mounted'; unshare -m true && echo mountns-made; echo done",
+    )
+    .await
+    .run
+    .unwrap();
+    let out = text(&got.stdout);
+    assert_eq!(out, "done\n", "{out}{}", text(&got.stderr));
+    let got = run(
+        &engine,
+        Language::Python,
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfor name, nr, args in [('unshare', 272, (0x10000000,)), ('bpf', 321, (0, 0, 0)), ('keyctl', 250, (0, 0, 0)), ('perf_event_open', 298, (0, 0, 0, 0, 0))]:\n    ret = libc.syscall(nr, *args)\n    print(name, ret, os.strerror(ctypes.get_errno()))",
+    )
+    .await
+    .run
+    .unwrap();
+    let out = text(&got.stdout);
+    for name in ["unshare", "bpf", "keyctl", "perf_event_open"] {
+        assert!(
+            out.contains(&format!("{name} -1 Operation not permitted")),
+            "{name}: {out}{}",
+            text(&got.stderr)
+        );
+    }
+}
+
+/// Two calls at once on different workers: neither sees the other's files or processes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cannot_read_another_calls_files() {
+    let engine = Arc::new(engine());
+    let writer = {
+        let engine = Arc::clone(&engine);
+        tokio::spawn(async move {
+            run(
+                &engine,
+                Language::Bash,
+                "echo secret > /work/mine; echo secret > /tmp/mine; sleep 3; echo written",
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let reader = run(
+        &engine,
+        Language::Python,
+        "import glob\nfound = glob.glob('/tmp/mine') + glob.glob('/work/mine') + glob.glob('/proc/*/root/*/mine')\nprint('found', found)",
+    )
+    .await
+    .run
+    .unwrap();
+    assert_eq!(
+        text(&reader.stdout),
+        "found []\n",
+        "{}",
+        text(&reader.stderr)
+    );
+    let writer = writer.await.unwrap().run.unwrap();
+    assert_eq!(text(&writer.stdout), "written\n");
+}

@@ -48,6 +48,7 @@ impl Node {
         tracing::info!(
             sandbox = %id,
             paused_ms = written.paused_ms,
+            complete_ms = written.complete_ms,
             pages = written.pages_written,
             diff,
             "snapshot written"

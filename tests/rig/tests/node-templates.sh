@@ -2,7 +2,8 @@
 # Runs inside the rig's L1: microVM template snapshots and pause that frees memory, through
 # the node daemon (`dsec up`, every VMM jailed) and the `dsec` CLI.
 # - the first create builds the image's template; creates restore it and run commands; two
-#   sandboxes from one template differ in /dev/urandom and have the host's clock;
+#   sandboxes from one template differ in /dev/urandom, have the host's clock and are named
+#   after their ids (`hostname`; a fork child too);
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
@@ -77,6 +78,9 @@ timeout $T dsec exec $a -- sh -c 'echo a >/root/who'
 timeout $T dsec exec $b -- sh -c 'echo b >/root/who'
 [ "$(timeout $T dsec exec $a -- cat /root/who)" = a ] && [ "$(timeout $T dsec exec $b -- cat /root/who)" = b ] \
     && ok template-private-writes || bad template-private-writes "files mixed up"
+# Each sandbox is named after its id (the template's guest was snapshotted as another).
+ha=$(timeout $T dsec exec $a -- hostname); hb=$(timeout $T dsec exec $b -- hostname)
+[ "$ha" = "$a" ] && [ "$hb" = "$b" ] && ok template-hostname || bad template-hostname "'$ha' for $a, '$hb' for $b"
 timeout $T dsec rm $b >/dev/null 2>&1
 
 # Restore of a named snapshot into new sandboxes (Create.from_snapshot), after the source is gone.
@@ -152,8 +156,9 @@ kid=$(timeout $T dsec fork $big 2>>/tmp/create.err | grep -o 'sb-[a-z0-9]*' | he
 win=$(grep -o 'snapshot written.*' /tmp/node.log | tail -1 | tr -d '\033' | sed 's/\[[0-9;]*m//g')
 echo "fork of a 1 GiB guest: $win"
 echo "METRIC fork_parent_paused_ms_1g $(echo "$win" | grep -o 'paused_ms=[0-9.]*' | cut -d= -f2)"
-[ -n "$kid" ] && [ "$(timeout $T dsec exec $kid -- cat /root/p)" = parent ] && ok fork-1g-child \
-    || bad fork-1g-child "child '$kid' of '$big'"
+[ -n "$kid" ] && [ "$(timeout $T dsec exec $kid -- cat /root/p)" = parent ] \
+    && [ "$(timeout $T dsec exec $kid -- hostname)" = "$kid" ] && [ "$(timeout $T dsec exec $big -- hostname)" = "$big" ] \
+    && ok fork-1g-child || bad fork-1g-child "child '$kid' of '$big' (files, hostnames)"
 timeout $T dsec rm $big $kid >/dev/null 2>&1
 kill $daemon; wait $daemon 2>/dev/null
 export DSEC_TEMPLATE_MEMORY=lazy

@@ -52,6 +52,17 @@ guest-agent/mkinitramfs.sh --install --agent target/x86_64-unknown-linux-gnu/rel
 step "debian image (cached under ${DSEC_CACHE:-/var/cache/dsec}/images/debian; first build: debootstrap, a few minutes)"
 images/debian/build.sh --install >/dev/null
 
+step "fncall image: python3 + numpy, g++, nodejs (cached under ${DSEC_CACHE:-/var/cache/dsec}/images/fncall; first build: a few minutes)"
+images/fncall/build.sh --install >/dev/null
+
+# The unmodified SandboxFusion client, for the FnCall compatibility test (sdk/python/tests).
+sf_venv=${DSEC_CACHE:-/var/cache/dsec}/venv/sandbox-fusion
+if ! "$sf_venv/bin/python" -c 'import sandbox_fusion' 2>/dev/null; then
+    step "sandbox-fusion client (venv in $sf_venv)"
+    { python3 -m venv "$sf_venv" && "$sf_venv/bin/pip" install -q sandbox-fusion; } \
+        || echo "setup: warning: could not install sandbox-fusion (PyPI unreachable?); its test will try again" >&2
+fi
+
 target/release/dsec info
 if ((run_main_job)); then
     step "main job: dsec run -- uname -r"

@@ -38,6 +38,8 @@ pub mod node {
 }
 
 pub mod sandbox_id;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 /// The label under which a node keeps the project a sandbox of the apiserver belongs to (set
 /// by the apiserver on Create; a node's own clients cannot reach the apiserver's projects).

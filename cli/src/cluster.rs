@@ -10,7 +10,7 @@ use dsec_api::v1::*;
 use dsec_sdk::Credentials;
 use serde::{Deserialize, Serialize};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -37,6 +37,9 @@ pub struct Login {
     pub token: String,
     #[serde(default)]
     pub project: String,
+    /// The cluster CA of an https:// endpoint.
+    #[serde(default)]
+    pub ca_file: String,
 }
 
 fn login_path() -> Option<PathBuf> {
@@ -184,14 +187,15 @@ async fn admin(endpoint: &str, credentials: Credentials) -> Result<Admin> {
     };
     if !first.starts_with("http") {
         return Err(connect_error(
-            "cluster commands need an apiserver address: --endpoint http://HOST:PORT or DSEC_ENDPOINT (`dsec login`)".into(),
+            "cluster commands need an apiserver address: --endpoint http(s)://HOST:PORT or DSEC_ENDPOINT (`dsec login`)".into(),
         ));
     }
-    let channel = Endpoint::from_shared(first.to_string())
+    let channel = credentials
+        .endpoint(first)
         .map_err(|e| connect_error(e.to_string()))?
         .connect()
         .await
-        .map_err(|e| connect_error(e.to_string()))?;
+        .map_err(|e| connect_error(dsec_api::tls::error_chain(&e)))?;
     Ok(AdminClient::with_interceptor(channel, credentials))
 }
 
@@ -262,12 +266,16 @@ pub async fn run(endpoint: &str, command: ClusterCommand, json: bool) -> Result<
             let project = project
                 .or_else(|| std::env::var("DSEC_PROJECT").ok())
                 .unwrap_or_default();
-            let mut c = admin(endpoint, Credentials::new(Some(&token), Some(&project))).await?;
+            let ca_file = std::env::var("DSEC_CA_FILE").unwrap_or_default();
+            let credentials = Credentials::new(Some(&token), Some(&project))
+                .with_ca_file((!ca_file.is_empty()).then(|| PathBuf::from(&ca_file)));
+            let mut c = admin(endpoint, credentials).await?;
             let who = c.who_am_i(WhoAmIRequest {}).await?.into_inner();
             let path = Login {
                 endpoint: endpoint.to_string(),
                 token,
                 project,
+                ca_file,
             }
             .save()?;
             if json {

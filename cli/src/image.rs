@@ -136,7 +136,8 @@ fn execute(args: &ImageArgs) -> Result<Output, dsec_layerfs::Error> {
         ImageCommand::Ls => {
             let store = Store::open_existing(store_dir, config)?;
             let images = store.list_images()?;
-            let text = ImageTable(&images).to_string();
+            let mut text = ImageTable(&images).to_string();
+            text.push_str(&directory_images());
             Ok(Output::new(&images, text))
         }
         ImageCommand::Inspect { name } => {
@@ -280,4 +281,30 @@ impl Drop for BarProgress {
     fn drop(&mut self) {
         self.bar.finish_and_clear();
     }
+}
+
+/// The directory images beside the store (`$DSEC_HOME/images/NAME/rootfs`: busybox, debian,
+/// fncall), for the text listing.
+fn directory_images() -> String {
+    let dir = dsec_edge::paths::Artifacts::home().join("images");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("rootfs").is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    if names.is_empty() {
+        return String::new();
+    }
+    names.sort();
+    let mut text = format!("\ndirectory images ({}):\n", dir.display());
+    for name in names {
+        let manifest = dir.join(&name).join("manifest");
+        let packages = std::fs::read_to_string(&manifest)
+            .map(|m| format!("{} packages", m.lines().count()))
+            .unwrap_or_else(|_| "no package manifest".into());
+        text.push_str(&format!("  {name:<12} {packages}\n"));
+    }
+    text
 }

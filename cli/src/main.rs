@@ -3,6 +3,7 @@
 
 mod cluster;
 mod cp;
+mod fncall;
 mod image;
 mod net;
 mod node;
@@ -30,10 +31,14 @@ use serde::Serialize;
     about = "DSec sandboxes: run commands in fresh microVMs or containers"
 )]
 struct Cli {
-    /// Node API endpoint (unix:/path or http://host:port); default $DSEC_ENDPOINT or
-    /// unix:/run/dsec/edge/edge.sock.
+    /// Node API endpoint (unix:/path, http://host:port, or an apiserver's https://host:port);
+    /// default $DSEC_ENDPOINT or unix:/run/dsec/edge/edge.sock.
     #[arg(long, global = true)]
     endpoint: Option<String>,
+    /// The cluster CA (ca.pem from `dsec control init`) an https:// endpoint is checked
+    /// against; default $DSEC_CA_FILE.
+    #[arg(long, global = true, value_name = "FILE")]
+    ca_file: Option<PathBuf>,
     /// JSON output (node and image commands).
     #[arg(long, global = true)]
     json: bool,
@@ -95,22 +100,8 @@ enum Command {
         memory_mib: i64,
         #[arg(long = "disk", value_name = "MiB", default_value_t = 0)]
         disk_mib: i64,
-        /// Seconds until the node deletes it.
-        #[arg(long, default_value_t = 0)]
-        ttl: i64,
-        #[arg(long, default_value_t = 0)]
-        idle_timeout: i64,
-        #[arg(long = "env", short = 'e', value_name = "K=V")]
-        env: Vec<String>,
-        #[arg(long = "label", short = 'l', value_name = "K=V")]
-        labels: Vec<String>,
-        /// How many sandboxes (created concurrently).
-        #[arg(long, short = 'n', default_value_t = 1)]
-        count: usize,
-        /// A port open to everyone through the HTTP entry point, without the sandbox's access
-        /// token (repeatable; see `dsec port-public`).
-        #[arg(long = "public-port", value_name = "PORT")]
-        public_ports: Vec<u32>,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
         /// microVM: boot the kernel for real instead of restoring the image's template
         /// snapshot (the default).
         #[arg(long)]
@@ -174,6 +165,25 @@ enum Command {
         #[arg(long, short = 'n', default_value_t = 1)]
         count: i32,
     },
+    /// Snapshot a running microVM sandbox to a new directory on its node; prints the path
+    /// (what `dsec restore` takes).
+    Snapshot {
+        id: String,
+        /// Directory to write (default: under the node's state dir).
+        #[arg(long, default_value = "")]
+        path: String,
+        /// Only the pages changed since the previous snapshot (not restorable alone).
+        #[arg(long)]
+        diff: bool,
+    },
+    /// Restore a snapshot (`dsec snapshot`'s path) as new sandboxes with the snapshot's image,
+    /// shape, files and processes, each with its own id, entropy and the host's clock; prints
+    /// their ids. The snapshot is kept.
+    Restore {
+        snapshot: String,
+        #[command(flatten)]
+        sandbox: node::NewSandboxArgs,
+    },
     /// Delete sandboxes.
     Rm {
         ids: Vec<String>,
@@ -181,6 +191,9 @@ enum Command {
     /// Network policies of sandboxes (what they may reach).
     #[command(subcommand)]
     Net(net::NetCommand),
+    /// One-shot code execution from warm workers (FnCall): `dsec fn run`, `dsec fn serve`.
+    #[command(subcommand)]
+    Fn(fncall::FnCommand),
     /// Print the URL of a port inside a sandbox on the node's HTTP entry point
     /// (http://PORT-ID-TOKEN.localhost:7080/ by default; no token for a public port).
     Url {
@@ -282,6 +295,8 @@ enum CliError {
     #[error(transparent)]
     Vm(#[from] vm::VmError),
     #[error(transparent)]
+    Fn(#[from] fncall::FnError),
+    #[error(transparent)]
     Image(#[from] dsec_layerfs::Error),
     #[error(transparent)]
     ImageLookup(#[from] dsec_edge::images::ImageError),
@@ -293,6 +308,15 @@ fn vm_command(command: vm::VmCommand) -> Result<i32, CliError> {
         .build()
         .map_err(CliError::Runtime)?;
     Ok(runtime.block_on(vm::run(command))?)
+}
+
+fn fn_command(endpoint: &str, command: fncall::FnCommand, json: bool) -> Result<i32, CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)?;
+    Ok(runtime.block_on(fncall::run(endpoint, command, json))?)
 }
 
 fn main() -> ExitCode {
@@ -310,6 +334,7 @@ fn main() -> ExitCode {
                 ("DSEC_TOKEN", login.token),
                 ("DSEC_PROJECT", login.project),
                 ("DSEC_ENDPOINT", login.endpoint),
+                ("DSEC_CA_FILE", login.ca_file),
             ] {
                 if std::env::var_os(name).is_none() && !value.is_empty() {
                     std::env::set_var(name, value);
@@ -318,6 +343,10 @@ fn main() -> ExitCode {
         }
     }
     let cli = Cli::parse();
+    // The SDK reads the CA from the environment (still one thread here).
+    if let Some(ca_file) = &cli.ca_file {
+        std::env::set_var("DSEC_CA_FILE", ca_file);
+    }
     // Commands that only print die quietly when their reader goes away (`dsec inspect ID |
     // grep -q`), as Unix tools do; the streaming ones (run, exec, cp, logs, shell, ports)
     // handle a closed stdout themselves, tearing down what they started.
@@ -329,6 +358,8 @@ fn main() -> ExitCode {
             | Command::Top { .. }
             | Command::Url { .. }
             | Command::Create { .. }
+            | Command::Restore { .. }
+            | Command::Snapshot { .. }
     ) {
         // SAFETY: restores the default disposition of SIGPIPE before any thread starts.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
@@ -341,6 +372,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Vm(command) => vm_command(command),
+        Command::Fn(command) => fn_command(&endpoint, command, json),
         Command::Image(args) => image::run(args, json).map_err(CliError::from),
         Command::Info => info(json).map(|()| 0),
         Command::Up(mut args) => {
@@ -426,12 +458,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                     vcpus,
                     memory_mib,
                     disk_mib,
-                    ttl,
-                    idle_timeout,
-                    env,
-                    labels,
-                    count,
-                    public_ports,
+                    sandbox,
                     cold,
                 } => {
                     let opts = node::CreateOpts {
@@ -440,13 +467,29 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                         vcpus,
                         memory_mib,
                         disk_mib,
-                        ttl,
-                        idle_timeout,
-                        env,
-                        labels,
-                        count,
-                        public_ports,
+                        sandbox,
                         cold,
+                        from_snapshot: String::new(),
+                    };
+                    node::create(&c, opts, json).await.map(|()| 0)
+                }
+                Command::Snapshot { id, path, diff } => {
+                    let path = c.snapshot(&id, &path, diff).await?;
+                    node::emit(json, serde_json::json!({ "path": path }), || {
+                        println!("{path}")
+                    });
+                    Ok(0)
+                }
+                Command::Restore { snapshot, sandbox } => {
+                    let opts = node::CreateOpts {
+                        backend: String::new(),
+                        image: String::new(),
+                        vcpus: 0,
+                        memory_mib: 0,
+                        disk_mib: 0,
+                        sandbox,
+                        cold: false,
+                        from_snapshot: snapshot,
                     };
                     node::create(&c, opts, json).await.map(|()| 0)
                 }
@@ -507,6 +550,7 @@ fn node_command(endpoint: &str, command: Command, json: bool) -> Result<i32, Cli
                 | Command::Role(_)
                 | Command::Node(_)
                 | Command::Vm(_)
+                | Command::Fn(_)
                 | Command::Image(_) => Ok(0),
             }
         })

@@ -101,20 +101,38 @@ pub fn parse_labels(pairs: &[String]) -> Result<HashMap<String, String>, NodeErr
         .collect()
 }
 
+/// What every new sandbox gets besides its image and shape (`dsec create`, `dsec restore`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct NewSandboxArgs {
+    /// Seconds until the node deletes it.
+    #[arg(long, default_value_t = 0)]
+    pub ttl: i64,
+    #[arg(long, default_value_t = 0)]
+    pub idle_timeout: i64,
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    #[arg(long = "label", short = 'l', value_name = "K=V")]
+    pub labels: Vec<String>,
+    /// How many sandboxes (made concurrently).
+    #[arg(long, short = 'n', default_value_t = 1)]
+    pub count: usize,
+    /// A port open to everyone through the HTTP entry point, without the sandbox's access
+    /// token (repeatable; see `dsec port-public`).
+    #[arg(long = "public-port", value_name = "PORT")]
+    pub public_ports: Vec<u32>,
+}
+
 pub struct CreateOpts {
     pub backend: String,
     pub image: String,
     pub vcpus: i32,
     pub memory_mib: i64,
     pub disk_mib: i64,
-    pub ttl: i64,
-    pub idle_timeout: i64,
-    pub env: Vec<String>,
-    pub labels: Vec<String>,
-    pub count: usize,
-    pub public_ports: Vec<u32>,
+    pub sandbox: NewSandboxArgs,
     /// microVM: a real boot, not a template restore.
     pub cold: bool,
+    /// Restore this snapshot directory (its image and shape) instead of creating afresh.
+    pub from_snapshot: String,
 }
 
 pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), NodeError> {
@@ -134,16 +152,17 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
         vcpus: o.vcpus,
         memory_mib: o.memory_mib,
         disk_mib: o.disk_mib,
-        env: parse_labels(&o.env)?,
-        ttl_seconds: o.ttl,
-        idle_timeout_seconds: o.idle_timeout,
-        labels: parse_labels(&o.labels)?,
-        public_ports: o.public_ports,
+        env: parse_labels(&o.sandbox.env)?,
+        ttl_seconds: o.sandbox.ttl,
+        idle_timeout_seconds: o.sandbox.idle_timeout,
+        labels: parse_labels(&o.sandbox.labels)?,
+        public_ports: o.sandbox.public_ports,
         cold: o.cold,
+        from_snapshot: o.from_snapshot,
         ..Default::default()
     };
     let mut tasks = Vec::new();
-    for _ in 0..o.count.max(1) {
+    for _ in 0..o.sandbox.count.max(1) {
         let (c, r) = (c.clone(), request.clone());
         tasks.push(tokio::spawn(async move { c.create(r).await }));
     }

@@ -312,11 +312,12 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             )
             .await?;
             println!(
-                "snapshot {} ({}): {} pages written, VM paused {:.1} ms",
+                "snapshot {} ({}): {} pages written, VM paused {:.1} ms, complete after {:.1} ms",
                 snapshot.display(),
                 if diff { "diff" } else { "full" },
                 r.pages_written,
-                r.paused_ms
+                r.paused_ms,
+                r.complete_ms
             );
             Ok(0)
         }

@@ -6,7 +6,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use dsec_api::tls::TlsDir;
+
 use crate::api::{self, ApiConfig, StoreConfig};
+use crate::pki::{self, PkiError};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct StoreArgs {
@@ -58,6 +61,10 @@ pub enum ControlCommand {
         /// Lease of a node's registration in seconds (nodes heartbeat every third of it).
         #[arg(long, value_name = "S", default_value_t = 10)]
         node_ttl: u64,
+        /// The cluster's TLS directory from `init` (ca.pem, apiserver.pem, apiserver.key):
+        /// clients get TLS, nodes mTLS. Without it the API is plaintext (loopback only).
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
     },
     /// Create a fresh control plane's organization (unlimited quota) and its first user (a
     /// cluster admin); prints that user's API token, once.
@@ -68,6 +75,48 @@ pub enum ControlCommand {
         org: String,
         #[arg(long, default_value = "admin")]
         admin: String,
+        /// Where the cluster CA (ca.pem, ca.key) and the apiservers' certificate go
+        /// (default: <state-dir>/tls); an existing CA there is kept.
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
+        /// Another name or IP address clients reach the apiservers at, for its certificate
+        /// (repeatable; apiserver.dsec, localhost and 127.0.0.1 are always in).
+        #[arg(long = "san", value_name = "NAME|IP")]
+        sans: Vec<String>,
+        /// Make no cluster CA (plaintext, one machine).
+        #[arg(long)]
+        no_tls: bool,
+    },
+    /// Serve simulated nodes for benchmarks: each speaks the node API on its own port,
+    /// registers with the apiservers and admits creates against a fake capacity, starting
+    /// nothing.
+    SimNodes {
+        /// How many (named <prefix>0, <prefix>1, ...).
+        #[arg(long, default_value_t = 160)]
+        count: usize,
+        #[arg(long, default_value = "s")]
+        prefix: String,
+        /// The first node's address; the others take the ports after it.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:21000")]
+        first: SocketAddr,
+        /// Apiservers to register with (comma-separated host:port).
+        #[arg(long, value_name = "ADDR[,ADDR]")]
+        control: String,
+        /// Sandboxes each node admits.
+        #[arg(long, default_value_t = 1000)]
+        sandboxes: u64,
+    },
+    /// Issue node NAME's certificate from the cluster CA: writes node.pem, node.key and
+    /// ca.pem into --out, the node's `dsec up --tls-dir`.
+    IssueNode {
+        /// The cluster's TLS directory (with ca.key).
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/dsec/control/tls")]
+        tls_dir: PathBuf,
+        /// The node's name (its --node-name).
+        #[arg(long, value_name = "NAME")]
+        name: String,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
     },
 }
 
@@ -95,6 +144,7 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 store,
                 listen,
                 node_ttl,
+                tls_dir,
             } => {
                 if !(1..=3600).contains(&node_ttl) {
                     return Err(format!("--node-ttl {node_ttl}: give 1 to 3600 seconds"));
@@ -103,16 +153,67 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 let config = ApiConfig {
                     listen,
                     node_ttl: Duration::from_secs(node_ttl),
+                    tls: tls_dir.map(TlsDir::new),
                     ..ApiConfig::default()
                 };
                 api::serve(store, config).await
             }
-            ControlCommand::Init { store, org, admin } => {
+            ControlCommand::Init {
+                store,
+                org,
+                admin,
+                tls_dir,
+                sans,
+                no_tls,
+            } => {
+                if !no_tls {
+                    let dir = tls_dir.unwrap_or_else(|| store.state_dir.join("tls"));
+                    match pki::init(&dir, &sans) {
+                        Ok(()) => eprintln!(
+                            "cluster CA and apiserver certificate written to {}",
+                            dir.display()
+                        ),
+                        Err(PkiError::Exists(ca)) => {
+                            eprintln!("keeping the cluster CA already in {}", ca.display())
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
                 let store = store.config().open().await.map_err(|e| e.to_string())?;
                 let token = api::init(store, &org, &admin).await?;
                 println!("{}", token.secret);
                 eprintln!(
                     "organization {org} and cluster admin user:{admin} created; the token above is shown once: export DSEC_TOKEN=... or `dsec login`"
+                );
+                Ok(())
+            }
+            ControlCommand::SimNodes {
+                count,
+                prefix,
+                first,
+                control,
+                sandboxes,
+            } => {
+                let capacity = crate::sim::SimCapacity {
+                    sandboxes,
+                    vcpus: sandboxes * 4,
+                    memory_mib: sandboxes * 4096,
+                    disk_mib: sandboxes * 8192,
+                };
+                let control = control
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_string)
+                    .collect();
+                crate::sim::serve(&prefix, count, first, capacity, control).await
+            }
+            ControlCommand::IssueNode { tls_dir, name, out } => {
+                pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;
+                eprintln!(
+                    "certificate of node {name} written to {} (start it with --tls-dir {})",
+                    out.display(),
+                    out.display()
                 );
                 Ok(())
             }

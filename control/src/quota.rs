@@ -10,6 +10,8 @@
 //! against what the node reports it runs) and a vanished node's quota is found and returned
 //! with one range.
 
+mod batch;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +22,8 @@ use crate::keys;
 use crate::now_ms;
 use crate::resources::Resources;
 use crate::store::{from_json, to_json, Compare, KeyValue, Op, Store, StoreError, Txn};
+
+pub use batch::{Reserver, BATCH_MAX};
 
 /// A read-check-write is retried this often under contention before `Contended`.
 const CAS_ATTEMPTS: usize = 10_000;

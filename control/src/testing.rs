@@ -23,6 +23,24 @@ pub fn embedded() -> TestStore {
     }
 }
 
+/// A fresh etcd and a store on it whose endpoint list also names `extra` (e.g. members that
+/// are down), or `None` where etcd is not installed.
+pub async fn etcd_with(extra: &[String]) -> Option<TestStore> {
+    let test = etcd().await?;
+    let etcd = test._etcd?;
+    let mut endpoints = vec![etcd.endpoint.clone()];
+    endpoints.extend(extra.iter().cloned());
+    let store = EtcdStore::connect(&endpoints, "/test").await.unwrap();
+    Some(TestStore {
+        store: Arc::new(store),
+        _etcd: Some(etcd),
+    })
+}
+
+pub fn unused_endpoint() -> String {
+    format!("http://127.0.0.1:{}", free_port())
+}
+
 /// A fresh etcd and a store on it, or `None` (after saying so loudly) where etcd is not
 /// installed. Under CI a missing etcd fails the test instead.
 pub async fn etcd() -> Option<TestStore> {

@@ -124,6 +124,15 @@ pub struct CollectedExec {
     pub stderr: Vec<u8>,
 }
 
+/// What a restored guest takes on besides fresh entropy and the clock (None: unchanged).
+#[derive(Clone, Debug, Default)]
+pub struct GuestIdentity {
+    /// Its network interface's MAC ("06:00:0a:00:00:02").
+    pub mac: Option<String>,
+    /// Its hostname (the sandbox id).
+    pub hostname: Option<String>,
+}
+
 /// Typed access to the agent's services over one multiplexed connection.
 #[derive(Clone)]
 pub struct AgentClient {
@@ -174,12 +183,12 @@ impl AgentClient {
     }
 
     /// After a restore or fork: reseed the guest RNG with `entropy`, set its wall clock to
-    /// the host's and, given a `mac`, give its network interface that address. Returns how
-    /// far the guest clock was off (guest minus host).
+    /// the host's and give it `identity` (its network interface's MAC, its hostname). Returns
+    /// how far the guest clock was off (guest minus host).
     pub async fn refresh(
         &self,
         entropy: Vec<u8>,
-        mac: Option<String>,
+        identity: GuestIdentity,
     ) -> Result<std::time::Duration> {
         let realtime_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -189,7 +198,8 @@ impl AgentClient {
             .refresh(dsec_api::agent::v1::RefreshRequest {
                 entropy,
                 realtime_ns,
-                mac: mac.unwrap_or_default(),
+                mac: identity.mac.unwrap_or_default(),
+                hostname: identity.hostname.unwrap_or_default(),
             })
             .await
             .map_err(|s| EdgeError::agent("refresh", s))?;

@@ -223,6 +223,8 @@ pub struct StartingMicroVm {
     restored: bool,
     /// The MAC the restored guest's interface takes (the launch's or the restore request's).
     mac: Option<String>,
+    /// The hostname a restored guest takes (its sandbox id); None keeps the snapshot's.
+    hostname: Option<String>,
     started: Instant,
 }
 
@@ -307,6 +309,7 @@ impl MicroVm {
             process,
             restored,
             mac,
+            hostname: None,
             started: Instant::now(),
         })
     }
@@ -364,6 +367,13 @@ impl StartingMicroVm {
 
     pub fn dir(&self) -> &MicroVmDir {
         &self.dir
+    }
+
+    /// The hostname a restored guest takes when it is refreshed (a sandbox's id: every
+    /// sandbox from one template or snapshot would otherwise share the snapshot's name).
+    pub fn with_hostname(mut self, hostname: &str) -> Self {
+        self.hostname = Some(hostname.to_string());
+        self
     }
 
     /// For a `--prewarm` VMM: asks it to restore a snapshot (waiting up to `timeout` for its
@@ -430,6 +440,7 @@ impl StartingMicroVm {
                     let skew = if self.restored {
                         Some(self.refresh(&agent).await?)
                     } else {
+                        self.name_booted_guest(&agent).await?;
                         None
                     };
                     return Ok((agent, self.started.elapsed(), skew));
@@ -446,6 +457,25 @@ impl StartingMicroVm {
         }
     }
 
+    /// A booted guest gets its hostname (and the host's clock) too: every VM boots as `dsec`.
+    async fn name_booted_guest(&self, agent: &AgentClient) -> Result<()> {
+        let Some(hostname) = self.hostname.clone() else {
+            return Ok(());
+        };
+        let identity = crate::GuestIdentity {
+            mac: None,
+            hostname: Some(hostname),
+        };
+        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(Vec::new(), identity)).await {
+            Ok(result) => result.map(drop),
+            Err(_) => Err(EdgeError::Protocol(format!(
+                "guest {} did not take its hostname within {} s, so it was stopped",
+                self.dir.name(),
+                REFRESH_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
     /// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot:
     /// give it fresh host entropy, the host's time and its own MAC. Returns the clock skew
     /// that was corrected.
@@ -455,14 +485,18 @@ impl StartingMicroVm {
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| f.read_exact(&mut entropy))
             .map_err(|e| EdgeError::io("read host entropy for a restored guest", e))?;
-        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(entropy, self.mac.clone())).await
-        {
+        let identity = crate::GuestIdentity {
+            mac: self.mac.clone(),
+            hostname: self.hostname.clone(),
+        };
+        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(entropy, identity)).await {
             Ok(result) => {
                 let skew = result?;
                 tracing::info!(
                     vm = %self.dir.name(),
                     clock_skew_ms = skew.as_millis() as u64,
-                    "restored guest refreshed (fresh entropy, host clock)"
+                    hostname = self.hostname.as_deref().unwrap_or(""),
+                    "restored guest refreshed (fresh entropy, host clock, identity)"
                 );
                 Ok(skew)
             }

@@ -578,3 +578,87 @@ async fn an_agent_dying_after_an_oom_kill_says_out_of_memory() {
     client.delete(&sb.id).await.unwrap();
     drop(daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_takes_only_snapshots_this_node_wrote() {
+    let (daemon, client) = Daemon::start("restore", &[]).await;
+    let restore = |snapshot: &str, request: CreateSandboxRequest| {
+        let (client, snapshot) = (client.clone(), snapshot.to_string());
+        async move { client.restore(&snapshot, request).await }
+    };
+    let plain = CreateSandboxRequest::default;
+    assert_invalid(restore("snap/1", plain()).await, "absolute path");
+    assert_invalid(restore("/tmp/../etc", plain()).await, "without '..'");
+    assert_invalid(
+        restore(&format!("/{}", "a".repeat(4096)), plain()).await,
+        "from_snapshot",
+    );
+    let dir = std::env::temp_dir().join(format!("dsec-api-restore-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let snap = dir.display().to_string();
+    assert_invalid(restore(&snap, plain()).await, "sandbox.json");
+    let origin = |extra: &str| {
+        format!(
+            r#"{{"sandbox_id":"sb-src","image":"busybox","vcpus":1,"memory_mib":128,
+                "disk_mib":1024,"pids_limit":512,"on_disk":false{extra}}}"#
+        )
+    };
+    std::fs::write(dir.join("sandbox.json"), origin("")).unwrap();
+    assert_invalid(restore(&snap, plain()).await, "no VMM state");
+    std::fs::write(dir.join("state"), b"{}").unwrap();
+    // The snapshot's shape is kept: a different one is refused, as is a container or a cold boot.
+    assert_invalid(
+        restore(
+            &snap,
+            CreateSandboxRequest {
+                memory_mib: 256,
+                ..plain()
+            },
+        )
+        .await,
+        "memory_mib 256 differs from the snapshot's 128",
+    );
+    assert_invalid(
+        restore(
+            &snap,
+            CreateSandboxRequest {
+                image: "debian".into(),
+                ..plain()
+            },
+        )
+        .await,
+        "leave image unset",
+    );
+    assert_invalid(
+        restore(
+            &snap,
+            CreateSandboxRequest {
+                backend: 1,
+                ..plain()
+            },
+        )
+        .await,
+        "leave backend unset or microvm",
+    );
+    assert_invalid(
+        restore(
+            &snap,
+            CreateSandboxRequest {
+                cold: true,
+                ..plain()
+            },
+        )
+        .await,
+        "exclude each other",
+    );
+    // A file a jailed VMM (uid 65534) could have put there is not trusted.
+    std::os::unix::fs::chown(dir.join("sandbox.json"), Some(65534), Some(65534)).unwrap();
+    assert_invalid(restore(&snap, plain()).await, "did not write");
+    std::fs::remove_file(dir.join("sandbox.json")).unwrap();
+    std::fs::write(dir.join("sandbox.json"), origin(r#","diff":true"#)).unwrap();
+    let (code, text) = code(restore(&snap, plain()).await);
+    assert_eq!(code, tonic::Code::FailedPrecondition, "{text}");
+    assert!(text.contains("diff snapshot"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    drop(daemon);
+}

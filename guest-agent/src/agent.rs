@@ -32,6 +32,18 @@ fn parse_mac(text: &str) -> Option<[u8; 6]> {
     (parts.next().is_none() && mac[0] & 1 == 0 && mac != [0; 6]).then_some(mac)
 }
 
+/// A hostname the kernel takes and resolvers accept: 1-64 bytes of letters, digits, '-' and
+/// '.', not starting or ending with '-' or '.'.
+fn valid_hostname(name: &str) -> bool {
+    let edge_ok = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    (1..=64).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+        && edge_ok(name.chars().next())
+        && edge_ok(name.chars().last())
+}
+
 /// Adds `entropy` to the input pool, credited (the host's getrandom output is full-entropy, and
 /// a young guest's CRNG may not be initialised yet), then forces an immediate CRNG reseed, so
 /// two forks of one snapshot diverge from their very next read.
@@ -121,6 +133,22 @@ impl Agent for AgentService {
             crate::init::set_mac(&name, mac)
                 .map_err(|e| Status::internal(format!("cannot set the MAC of {name}: {e}")))?;
         }
+        if !request.hostname.is_empty() {
+            if !valid_hostname(&request.hostname) {
+                return Err(Status::invalid_argument(format!(
+                    "hostname {:?} is not 1-64 letters, digits, '-' or '.' (not at either end)",
+                    request.hostname.chars().take(80).collect::<String>()
+                )));
+            }
+            // A container's name is set at its launch; a plain process shares the host's.
+            if self.mode != Mode::Vm {
+                return Err(Status::failed_precondition(
+                    "only an agent running as a VM's init owns the hostname; send none",
+                ));
+            }
+            nix::unistd::sethostname(&request.hostname)
+                .map_err(|e| Status::internal(format!("cannot set the hostname: {e}")))?;
+        }
         let mut skew = 0;
         if request.realtime_ns > 0 {
             let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_REALTIME)
@@ -158,7 +186,17 @@ impl Agent for AgentService {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_mac;
+    use super::{parse_mac, valid_hostname};
+
+    #[test]
+    fn hostnames_are_checked() {
+        for good in ["sb-1a2b", "a", "x.example", &"y".repeat(64)] {
+            assert!(valid_hostname(good), "{good}");
+        }
+        for bad in ["", "-a", "a-", ".a", "a b", "a_b", "é", &"y".repeat(65)] {
+            assert!(!valid_hostname(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn macs_are_parsed_strictly() {

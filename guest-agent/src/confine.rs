@@ -7,13 +7,9 @@
 //! Both are applied between fork and exec of every command and session shell; the agent
 //! itself keeps its privileges (it set up the container and serves files as root).
 
-use std::collections::BTreeMap;
 use std::io;
 
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
-};
+use seccompiler::BpfProgram;
 
 use crate::AgentError;
 
@@ -33,55 +29,6 @@ const CONTAINER_CAPS: &[u32] = &[
     18, // SYS_CHROOT
     29, // AUDIT_WRITE
     31, // SETFCAP
-];
-
-/// System calls a container's commands may never make.
-const DENIED_SYSCALLS: &[libc::c_long] = &[
-    // Mounts, old and new API, and root switching.
-    libc::SYS_mount,
-    libc::SYS_umount2,
-    libc::SYS_pivot_root,
-    libc::SYS_fsopen,
-    libc::SYS_fsconfig,
-    libc::SYS_fsmount,
-    libc::SYS_fspick,
-    libc::SYS_open_tree,
-    libc::SYS_move_mount,
-    libc::SYS_mount_setattr,
-    // Joining other namespaces.
-    libc::SYS_setns,
-    // The kernel itself: modules, kexec, reboot, swap, clock, accounting, quotas, log.
-    libc::SYS_init_module,
-    libc::SYS_finit_module,
-    libc::SYS_delete_module,
-    libc::SYS_kexec_load,
-    libc::SYS_kexec_file_load,
-    libc::SYS_reboot,
-    libc::SYS_swapon,
-    libc::SYS_swapoff,
-    libc::SYS_settimeofday,
-    libc::SYS_clock_settime,
-    libc::SYS_clock_adjtime,
-    libc::SYS_adjtimex,
-    libc::SYS_acct,
-    libc::SYS_quotactl,
-    libc::SYS_syslog,
-    libc::SYS_vhangup,
-    libc::SYS_iopl,
-    libc::SYS_ioperm,
-    libc::SYS_lookup_dcookie,
-    // Interfaces with a long record of kernel exploits and no use in a sandbox.
-    libc::SYS_bpf,
-    libc::SYS_perf_event_open,
-    libc::SYS_userfaultfd,
-    libc::SYS_keyctl,
-    libc::SYS_add_key,
-    libc::SYS_request_key,
-    libc::SYS_open_by_handle_at,
-    libc::SYS_name_to_handle_at,
-    libc::SYS_io_uring_setup,
-    libc::SYS_io_uring_enter,
-    libc::SYS_io_uring_register,
 ];
 
 /// Restrictions applied to each command before exec.
@@ -112,7 +59,8 @@ impl Confinement {
             .collect();
         Ok(Self {
             dropped_caps,
-            filters: container_filters()?,
+            filters: dsec_confine::sandbox_filters()
+                .map_err(|e| AgentError::Setup(e.to_string()))?,
             container: true,
         })
     }
@@ -168,45 +116,4 @@ impl Confinement {
             let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "1000");
         }
     }
-}
-
-fn filter_err(err: impl std::fmt::Display) -> AgentError {
-    AgentError::Setup(format!("build the container seccomp filter: {err}"))
-}
-
-/// The container filters: everything allowed except [`DENIED_SYSCALLS`], new user
-/// namespaces through clone/unshare, and clone3 (whose flags live in memory a filter cannot
-/// read).
-fn container_filters() -> Result<Vec<BpfProgram>, AgentError> {
-    let eperm = SeccompAction::Errno(libc::EPERM as u32);
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        DENIED_SYSCALLS.iter().map(|&nr| (nr, Vec::new())).collect();
-    let new_userns = || -> Result<Vec<SeccompRule>, AgentError> {
-        let flag = libc::CLONE_NEWUSER as u64;
-        let cond = SeccompCondition::new(
-            0,
-            SeccompCmpArgLen::Qword,
-            SeccompCmpOp::MaskedEq(flag),
-            flag,
-        )
-        .map_err(filter_err)?;
-        Ok(vec![SeccompRule::new(vec![cond]).map_err(filter_err)?])
-    };
-    rules.insert(libc::SYS_clone, new_userns()?);
-    rules.insert(libc::SYS_unshare, new_userns()?);
-    let main = SeccompFilter::new(rules, SeccompAction::Allow, eperm, TargetArch::x86_64)
-        .map_err(filter_err)?;
-    // clone3 needs a different answer (ENOSYS), hence a second filter: the kernel runs
-    // every installed filter and the strictest answer wins, so the two compose.
-    let clone3 = SeccompFilter::new(
-        BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        TargetArch::x86_64,
-    )
-    .map_err(filter_err)?;
-    Ok(vec![
-        main.try_into().map_err(filter_err)?,
-        clone3.try_into().map_err(filter_err)?,
-    ])
 }

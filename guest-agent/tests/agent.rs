@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use dsec_edge::ExecSpec;
+use dsec_edge::{ExecSpec, GuestIdentity};
 
 mod common;
 use common::Agent;
@@ -226,27 +226,62 @@ async fn signals_reach_the_process_group() {
 async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() {
     let agent = Agent::start("refresh").await;
     // A plain process shares the host clock: the skew is measured, the clock is left alone.
-    let skew = agent.client.refresh(vec![7u8; 64], None).await.unwrap();
+    let skew = agent
+        .client
+        .refresh(vec![7u8; 64], Default::default())
+        .await
+        .unwrap();
     assert!(skew < Duration::from_secs(5), "skew {skew:?}");
     let err = agent
         .client
-        .refresh(vec![0u8; 64 * 1024], None)
+        .refresh(vec![0u8; 64 * 1024], Default::default())
         .await
         .unwrap_err();
     assert!(err.to_string().contains("at most"), "{err}");
     // A bad MAC is refused, and a plain process never touches the host's interfaces.
     let err = agent
         .client
-        .refresh(Vec::new(), Some("07:00:00:00:00:01".into()))
+        .refresh(
+            Vec::new(),
+            GuestIdentity {
+                mac: Some("07:00:00:00:00:01".into()),
+                hostname: None,
+            },
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("unicast"), "{err}");
     let err = agent
         .client
-        .refresh(Vec::new(), Some("06:00:00:00:00:01".into()))
+        .refresh(
+            Vec::new(),
+            GuestIdentity {
+                mac: Some("06:00:00:00:00:01".into()),
+                hostname: None,
+            },
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("VM's init"), "{err}");
+    // The same for a hostname: checked, then refused outside a VM.
+    for (name, expected) in [
+        ("-bad", "letters"),
+        (&*"x".repeat(65), "letters"),
+        ("sb-1", "VM's init"),
+    ] {
+        let err = agent
+            .client
+            .refresh(
+                Vec::new(),
+                GuestIdentity {
+                    mac: None,
+                    hostname: Some(name.into()),
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(expected), "{name}: {err}");
+    }
 }
 
 /// PTY exec on the host's devpts: the command's stdio is the slave and nothing else of the

@@ -69,6 +69,15 @@ async fn agent_as_pid1_sets_up_reaps_and_powers_off() {
     let info = client.info().await.unwrap();
     assert_eq!(info.mode, "vm");
     assert_eq!(info.hostname, "dsec");
+    // A restored or booted sandbox is then named after its id (no clock: the host's is shared).
+    dsec_api::agent::v1::agent_client::AgentClient::new(client.channel())
+        .refresh(dsec_api::agent::v1::RefreshRequest {
+            hostname: "sb-pid1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(client.info().await.unwrap().hostname, "sb-pid1");
 
     let script = "cat /proc/1/comm; for m in '/dev devtmpfs' '/tmp tmpfs' '/run tmpfs' '/proc proc'; do \
                   cut -d' ' -f2,3 /proc/mounts | grep -qx \"$m\" || echo \"missing $m\"; done; echo mounts-checked; \

@@ -13,14 +13,15 @@
 # backend), rootfs.img (microVM root disk, attached read-only) and initramfs.cpio, a link
 # to the busybox image's initramfs (the agent boots from it, then switches into the disk).
 #
-# Usage: build.sh [--install] [--print-dir] [--force]
+# --name NAME builds images/NAME/packages into images/NAME instead (images/fncall/build.sh).
+#
+# Usage: build.sh [--name NAME] [--install] [--print-dir] [--force]
 set -euo pipefail
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+IMAGES=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+NAME=debian
 SUITE=bookworm
 MIRROR=${DSEC_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-CACHE_ROOT=${DSEC_CACHE:-/var/cache/dsec}/images/debian
-DEST=${DSEC_HOME:-/var/lib/dsec}/images/debian
 INSTALL=0
 PRINT_DIR=0
 FORCE=0
@@ -33,18 +34,23 @@ while [[ $# -gt 0 ]]; do
         --install) INSTALL=1 ;;
         --print-dir) PRINT_DIR=1 ;;
         --force) FORCE=1 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        --name) NAME=${2:?--name needs a value}; shift ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (try --help)" ;;
     esac
     shift
 done
 
+[[ $NAME =~ ^[a-z0-9-]+$ && -f $IMAGES/$NAME/packages ]] || die "no image '$NAME' (no $IMAGES/$NAME/packages)"
+HERE=$IMAGES/$NAME
+CACHE_ROOT=${DSEC_CACHE:-/var/cache/dsec}/images/$NAME
+DEST=${DSEC_HOME:-/var/lib/dsec}/images/$NAME
 mapfile -t PKGS < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$HERE/packages" | grep -v '^$')
 [[ ${#PKGS[@]} -gt 0 ]] || die "$HERE/packages lists no package"
 HASH=$( {
     echo "suite $SUITE mirror $MIRROR"
     echo "--- packages"; printf '%s\n' "${PKGS[@]}"
-    echo "--- build.sh"; cat "$HERE/build.sh"
+    echo "--- build.sh"; cat "$IMAGES/debian/build.sh"
 } | sha256sum | cut -c1-16)
 OUT=$CACHE_ROOT/$HASH
 
@@ -139,9 +145,11 @@ CFG
     printf '127.0.0.1 localhost\n::1 localhost\n' >"$ROOT/etc/hosts"
     rm -f "$ROOT/etc/resolv.conf"
     : >"$ROOT/etc/resolv.conf"
-    for bin in bash python3 git; do
+    for bin in bash python3; do
         [[ -x $ROOT/usr/bin/$bin ]] || die "$bin missing from the debootstrapped tree"
     done
+    # FnCall workers mount each call's working directory here (the root stays read-only).
+    mkdir -p "$ROOT/work"
     chroot "$ROOT" dpkg-query -W -f='${Package} ${Version}\n' >"$STAGE/manifest"
 
     # The microVM root disk: erofs is read-only by design, sized to its content and lz4

@@ -4,9 +4,11 @@
 //! `dsec-perf layerfs` measures the layerfs image path (cold start, warm reads);
 //! `dsec-perf node` measures the node daemon (create, bursts of creates, exec round trip).
 
+mod cluster;
 mod debian;
 mod direct;
 mod fleet;
+mod fncall;
 mod guest;
 mod kvmfloor;
 mod layerfs;
@@ -58,6 +60,15 @@ enum Cmd {
     /// network and its setup time, setup time with sandboxes held, TCP throughput and
     /// connection rate through a policy of 1 rule vs 1,000. Needs root, ip, nft.
     Net(NetArgs),
+    /// FnCall (one-shot code execution): python print(1+1), a numpy snippet and a C++ hello
+    /// world through our HTTP (SandboxFusion) and gRPC APIs, beside python3/g++ in bwrap
+    /// per call and `dsec run` per call: p50/p99 latency, calls/s at concurrency 1, 16, 64.
+    /// Needs root and the fncall image.
+    Fncall(FncallArgs),
+    /// The control plane: placement throughput through real apiservers (1 and 2 replicas)
+    /// and a real etcd over simulated nodes (`dsec control sim-nodes`), and what the
+    /// apiserver adds to a real create -> first exec. Needs root for the real node.
+    Cluster(ClusterArgs),
     /// (Used inside the rig's L1.) Boot the Linux guest with each VMM in --order and print
     /// one PERF-RIG line per boot.
     #[command(hide = true)]
@@ -88,6 +99,38 @@ struct NetArgs {
     #[arg(long, value_name = "PATH")]
     edge: Option<PathBuf>,
     /// Write the results here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct FncallArgs {
+    /// Latency samples per contender (contenders alternate call by call).
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+    /// Latency samples of the `dsec run` contender (a cold sandbox each); 0 skips it.
+    #[arg(long, default_value_t = 10)]
+    run_samples: usize,
+    /// Concurrencies of the throughput rounds.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    concurrency: Vec<usize>,
+    /// Throughput rounds per contender and concurrency.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Python workers kept warm by the engine.
+    #[arg(long, default_value_t = 8)]
+    python_workers: usize,
+    /// Image directory [default: $DSEC_HOME/images].
+    #[arg(long, value_name = "DIR")]
+    images: Option<PathBuf>,
+    /// The FnCall image.
+    #[arg(long, default_value = "fncall")]
+    image: String,
+    /// The dsec binary for the `dsec run` contender [default: next to this binary, else
+    /// target/release].
+    #[arg(long, value_name = "PATH")]
+    dsec: Option<PathBuf>,
+    /// Write the full results (machine info, summaries, ratios, every sample) here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
@@ -314,6 +357,63 @@ struct LayerfsArgs {
     /// Keep the scratch directory (staged tree, store, the last extracted tree and cache).
     #[arg(long)]
     keep_workdir: bool,
+}
+
+#[derive(Args, Debug)]
+struct ClusterArgs {
+    /// The `dsec` binary (apiserver, sim nodes, node). Default: beside dsec-perf, else
+    /// target/release/dsec.
+    #[arg(long)]
+    dsec: Option<PathBuf>,
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 160)]
+    nodes: usize,
+    /// Creates per round.
+    #[arg(long, default_value_t = 10_000)]
+    creates: usize,
+    /// Concurrent SDK clients (one connection each).
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Rounds per replica count.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Apiserver replica counts to measure, comma-separated.
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    replicas: Vec<usize>,
+    /// Real create -> first exec samples per path (0 skips the real node).
+    #[arg(long, default_value_t = 20)]
+    real_samples: usize,
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long)]
+    keep_workdir: bool,
+}
+
+fn cluster_cmd(a: ClusterArgs) -> Result<(), String> {
+    let root = repo_root();
+    let workdir = std::env::temp_dir().join(format!("dsec-perf-cluster-{}", std::process::id()));
+    let opts = cluster::ClusterOpts {
+        dsec: a
+            .dsec
+            .clone()
+            .unwrap_or_else(|| default_beside_or_release(&root, "dsec")),
+        workdir: workdir.clone(),
+        nodes: a.nodes,
+        creates: a.creates,
+        clients: a.clients.max(1),
+        rounds: a.rounds.max(1),
+        replicas: a.replicas.clone(),
+        real_samples: a.real_samples,
+    };
+    let result = cluster::run(&opts);
+    finish_workdir(a.keep_workdir, &workdir);
+    let (table, doc) = result?;
+    print!("{table}");
+    if let Some(path) = &a.json {
+        let machine = json!({"cpus": std::thread::available_parallelism().map_or(0, |n| n.get()), "cpu_model": machine::cpu_model()});
+        write_json(path, "cluster", &machine, doc)?;
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -936,6 +1036,41 @@ fn net_cmd(a: NetArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
+    let root = repo_root();
+    let dsec = a
+        .dsec
+        .clone()
+        .unwrap_or_else(|| default_beside_or_release(&root, "dsec"));
+    let opts = fncall::FnOpts {
+        images: a.images.clone().unwrap_or_else(fncall::default_images),
+        image: a.image.clone(),
+        bwrap: direct::which(Path::new("bwrap")),
+        dsec: dsec.is_file().then_some(dsec),
+        samples: a.samples,
+        run_samples: a.run_samples,
+        concurrency: a.concurrency.clone(),
+        rounds: a.rounds,
+        python_workers: a.python_workers,
+    };
+    fncall::check_image(&opts)?;
+    let machine = machine::info(Path::new("qemu-system-x86_64"));
+    let r = fncall::bench(&opts)?;
+    for sc in [&r.latency, &r.throughput] {
+        print!("{}", sc.table());
+        println!();
+    }
+    if let Some(path) = &a.json {
+        let mut fields = fncall::to_json(&r);
+        fields["options"] = json!({
+            "samples": a.samples, "run_samples": a.run_samples, "concurrency": a.concurrency,
+            "rounds": a.rounds, "python_workers": a.python_workers, "image": a.image,
+        });
+        write_json(path, "fncall", &machine, fields)?;
+    }
+    Ok(())
+}
+
 /// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
 /// machine) plus `fields`.
 fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
@@ -983,6 +1118,8 @@ fn main() -> ExitCode {
         Cmd::Layerfs(a) => exit_code(layerfs_cmd(a)),
         Cmd::Node(a) => exit_code(node_cmd(a)),
         Cmd::Net(a) => exit_code(net_cmd(a)),
+        Cmd::Fncall(a) => exit_code(fncall_cmd(a)),
+        Cmd::Cluster(a) => exit_code(cluster_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {
                 order: a.order,

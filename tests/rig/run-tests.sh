@@ -19,7 +19,10 @@
 #   9. node-templates: template snapshots (built once, restored by creates: own entropy,
 #                   host clock; create -> first exec template vs --cold), pause that ends the
 #                   VMM and resume (three cycles, files and a process kept; across a kill -9
-#                   of the daemon), a corrupted template falls back to a cold boot
+#                   of the daemon; a session's cwd kept), a corrupted or missing template falls
+#                   back to a cold boot, a changed image rebuilds it (the stale one removed),
+#                   restore of a named snapshot (`dsec snapshot` / `dsec restore`: files, a
+#                   process, own entropy and clock), a full disk fails a pause cleanly
 #  10. node-network: microVMs on a node with `--net-bridge` in an L1 whose kernel adds
 #                   tests/rig/l1-net.config-fragment (bridge, veth, nftables; built once by
 #                   l1-net-kernel.sh, guests keep the standard kernel): a tap per booted

@@ -241,6 +241,7 @@ mod tests {
                 pages_written: 3,
                 diff: true,
                 paused_ms: 1.5,
+                complete_ms: 9.0,
             }))
         });
         let reply = client.snapshot(Path::new("/s"), true).unwrap();

@@ -108,8 +108,13 @@ pub struct StatusReply {
 pub struct SnapshotReply {
     pub pages_written: u64,
     pub diff: bool,
-    /// How long the vCPUs were paused for it.
+    /// How long the vCPUs stood still for it. A running VM is paused only while its vCPU
+    /// and device state are read; its memory is written while the guest runs again.
     pub paused_ms: f64,
+    /// Request -> snapshot complete (memory written, directory committed); the reply comes
+    /// only then.
+    #[serde(default)]
+    pub complete_ms: f64,
 }
 
 /// The balloon's target, actual size, the guest's statistics and the device's counters.

@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod config;
 pub mod control;
+pub mod cow_writer;
 pub mod devices;
 pub mod exit;
 pub mod jail;

@@ -2,7 +2,6 @@
 //! dirty bitmap for pages the VMM itself writes (KVM's dirty log covers the guest's writes).
 
 use std::fs::File;
-use std::io::{Seek, SeekFrom, Write};
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
@@ -224,63 +223,188 @@ pub enum DumpPages<'a> {
     Dirty(&'a VmFd),
 }
 
-/// Writes guest memory into `file` at each region's file offset. Returns the file page
-/// numbers written, in file order.
-pub fn dump(
-    mem: &GuestMemory,
-    regions: &[RegionLayout],
-    file: &mut File,
-    which: DumpPages<'_>,
-) -> Result<Vec<u64>, MemoryError> {
-    let total: u64 = regions
-        .iter()
-        .map(|r| r.file_offset + r.size)
-        .max()
-        .unwrap_or(0);
-    file.set_len(total).map_err(MemoryError::Write)?;
-    let mut written = Vec::new();
-    for (slot, (region, layout)) in mem.iter().zip(regions).enumerate() {
-        let pages = region.len() as usize / PAGE_SIZE;
-        let kvm_dirty = match which {
-            DumpPages::All => None,
-            DumpPages::Dirty(vm) => Some(
-                vm.get_dirty_log(slot as u32, region.len() as usize)
-                    .map_err(MemoryError::DirtyLog)?,
-            ),
-        };
-        let host = region
-            .get_host_address(MemoryRegionAddress(0))
-            .map_err(|e| MemoryError::Write(std::io::Error::other(e.to_string())))?;
-        // The VMM's own writes (virtio rings, device data) are tracked here, not by KVM.
-        let bitmap: &AtomicBitmap = MmapRegion::bitmap(region);
-        for page in 0..pages {
-            let include = match &kvm_dirty {
-                None => true,
-                Some(bits) => {
-                    (bits[page / 64] >> (page % 64)) & 1 == 1
+/// One region of guest memory as raw host addresses: what a memory writer reads.
+#[derive(Clone, Copy)]
+struct RawRegion {
+    host: *const u8,
+    len: usize,
+    file_offset: u64,
+}
+
+/// Everything needed to write guest memory into a memory file, prepared while the VM is
+/// paused. [`MemoryWriter::write`] allocates nothing and makes only `pwrite64` calls, so it
+/// may run in a forked child of this multi-threaded process (see `crate::cow_writer`).
+pub struct MemoryWriter {
+    fd: std::os::fd::RawFd,
+    regions: Vec<RawRegion>,
+    /// Sorted file page numbers to write (a diff); None: every non-zero page.
+    pages: Option<Vec<u64>>,
+}
+
+// SAFETY: the raw pointers name guest memory mappings that live as long as the VM; the
+// writer only reads them.
+unsafe impl Send for MemoryWriter {}
+
+impl MemoryWriter {
+    /// Prepares writing `mem` into `file` (sized to the whole layout here): every non-zero
+    /// page, or with `DumpPages::Dirty` the pages dirtied since the last snapshot (reading
+    /// KVM's log and the VMM's bitmap clears both: the next diff starts now).
+    pub fn prepare(
+        mem: &GuestMemory,
+        regions: &[RegionLayout],
+        file: &File,
+        which: DumpPages<'_>,
+    ) -> Result<MemoryWriter, MemoryError> {
+        use std::os::fd::AsRawFd;
+        let total: u64 = regions
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0);
+        file.set_len(total).map_err(MemoryError::Write)?;
+        let mut raw = Vec::new();
+        let mut dirty = matches!(which, DumpPages::Dirty(_)).then(Vec::new);
+        for (slot, (region, layout)) in mem.iter().zip(regions).enumerate() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|e| MemoryError::Write(std::io::Error::other(e.to_string())))?;
+            raw.push(RawRegion {
+                host,
+                len: region.len() as usize,
+                file_offset: layout.file_offset,
+            });
+            // The VMM's own writes (virtio rings, device data) are tracked here, not by KVM.
+            let bitmap: &AtomicBitmap = MmapRegion::bitmap(region);
+            if let (DumpPages::Dirty(vm), Some(list)) = (&which, dirty.as_mut()) {
+                let bits = vm
+                    .get_dirty_log(slot as u32, region.len() as usize)
+                    .map_err(MemoryError::DirtyLog)?;
+                let first = layout.file_offset / PAGE_SIZE as u64;
+                for page in 0..region.len() as usize / PAGE_SIZE {
+                    if (bits[page / 64] >> (page % 64)) & 1 == 1
                         || bitmap.is_addr_set(page * PAGE_SIZE)
+                    {
+                        list.push(first + page as u64);
+                    }
                 }
-            };
-            if !include {
-                continue;
             }
-            // SAFETY: `page` < pages, so the slice lies inside this region's live mapping; the
-            // VM is paused, so nothing writes to it while we read.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(host.add(page * PAGE_SIZE), PAGE_SIZE) };
-            if kvm_dirty.is_none() && is_zero(bytes) {
-                continue;
-            }
-            let offset = layout.file_offset + (page * PAGE_SIZE) as u64;
-            file.seek(SeekFrom::Start(offset))
-                .map_err(MemoryError::Write)?;
-            file.write_all(bytes).map_err(MemoryError::Write)?;
-            written.push(offset / PAGE_SIZE as u64);
+            // The next diff starts from here.
+            bitmap.reset();
         }
-        // The next diff starts from here.
-        bitmap.reset();
+        Ok(MemoryWriter {
+            fd: file.as_raw_fd(),
+            regions: raw,
+            pages: dirty,
+        })
     }
-    Ok(written)
+
+    /// The file page numbers a diff writes (empty for a full snapshot).
+    pub fn diff_pages(&self) -> &[u64] {
+        self.pages.as_deref().unwrap_or(&[])
+    }
+
+    /// Writes the pages; returns how many were written, or the errno of the failed write.
+    /// Consecutive pages go out in one `pwrite64`. Allocation-free (see the type's docs).
+    pub fn write(&self) -> Result<u64, i32> {
+        let mut run = Run::default();
+        let mut written = 0u64;
+        match &self.pages {
+            Some(pages) => {
+                for &page in pages {
+                    let Some(host) = self.host_of_file_page(page) else {
+                        continue;
+                    };
+                    run.add(self.fd, host, page * PAGE_SIZE as u64)?;
+                    written += 1;
+                }
+            }
+            None => {
+                for r in &self.regions {
+                    for page in 0..r.len / PAGE_SIZE {
+                        // SAFETY: `page` < the region's page count, so the page lies inside
+                        // its live mapping; nothing writes it while we read (the VM is
+                        // paused, or this is a forked child's private copy).
+                        let host = unsafe { r.host.add(page * PAGE_SIZE) };
+                        // SAFETY: as above, PAGE_SIZE readable bytes at `host`.
+                        let bytes = unsafe { std::slice::from_raw_parts(host, PAGE_SIZE) };
+                        if is_zero(bytes) {
+                            continue;
+                        }
+                        run.add(self.fd, host, r.file_offset + (page * PAGE_SIZE) as u64)?;
+                        written += 1;
+                    }
+                }
+            }
+        }
+        run.flush(self.fd)?;
+        Ok(written)
+    }
+
+    fn host_of_file_page(&self, page: u64) -> Option<*const u8> {
+        let offset = page * PAGE_SIZE as u64;
+        self.regions
+            .iter()
+            .find(|r| offset >= r.file_offset && offset < r.file_offset + r.len as u64)
+            // SAFETY: the offset lies inside this region (checked just above).
+            .map(|r| unsafe { r.host.add((offset - r.file_offset) as usize) })
+    }
+}
+
+/// Pages that are consecutive both in host memory and in the file, written in one call.
+#[derive(Default)]
+struct Run {
+    host: usize,
+    offset: u64,
+    len: usize,
+}
+
+/// At most this much per `pwrite64`, so a run never grows past what one call writes.
+const MAX_RUN: usize = 1 << 20;
+
+impl Run {
+    fn add(&mut self, fd: i32, host: *const u8, offset: u64) -> Result<(), i32> {
+        let contiguous = self.len > 0
+            && self.host + self.len == host as usize
+            && self.offset + self.len as u64 == offset
+            && self.len < MAX_RUN;
+        if !contiguous {
+            self.flush(fd)?;
+            self.host = host as usize;
+            self.offset = offset;
+        }
+        self.len += PAGE_SIZE;
+        Ok(())
+    }
+
+    fn flush(&mut self, fd: i32) -> Result<(), i32> {
+        let mut done = 0;
+        while done < self.len {
+            // SAFETY: the run spans whole pages inside one live guest mapping (built by
+            // `add` from pages checked by the caller).
+            let n = unsafe {
+                libc::pwrite64(
+                    fd,
+                    (self.host + done) as *const libc::c_void,
+                    self.len - done,
+                    (self.offset + done as u64) as libc::off64_t,
+                )
+            };
+            if n < 0 {
+                // SAFETY: reads this thread's errno, which the failed call just set.
+                let errno = unsafe { *libc::__errno_location() };
+                if errno == libc::EINTR {
+                    continue;
+                }
+                return Err(errno);
+            }
+            if n == 0 {
+                return Err(libc::EIO);
+            }
+            done += n as usize;
+        }
+        self.len = 0;
+        Ok(())
+    }
 }
 
 /// Whether a page is all zeroes (word-wise: this runs over every page of a full snapshot).
@@ -290,14 +414,19 @@ fn is_zero(bytes: &[u8]) -> bool {
     head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
 }
 
-/// Writes only the pages dirtied since the last snapshot; returns their file page numbers.
-pub fn dump_dirty_list(
+/// Writes guest memory into `file` at each region's file offset, in the calling thread.
+/// Returns the file page numbers of a diff (empty for a full snapshot) and the pages written.
+pub fn dump(
     mem: &GuestMemory,
     regions: &[RegionLayout],
-    vm: &VmFd,
-    file: &mut File,
-) -> Result<Vec<u64>, MemoryError> {
-    dump(mem, regions, file, DumpPages::Dirty(vm))
+    file: &File,
+    which: DumpPages<'_>,
+) -> Result<(Vec<u64>, u64), MemoryError> {
+    let writer = MemoryWriter::prepare(mem, regions, file, which)?;
+    let written = writer
+        .write()
+        .map_err(|errno| MemoryError::Write(std::io::Error::from_raw_os_error(errno)))?;
+    Ok((writer.diff_pages().to_vec(), written))
 }
 
 /// Forgets what was dirtied so far (reading KVM's log clears it).
@@ -338,9 +467,9 @@ mod tests {
         mem.write_obj(0x1234_u64, GuestAddress(0xf0_0000)).unwrap();
         let layout = layout_for(16 << 20);
         let path = std::env::temp_dir().join(format!("dsec-mem-{}", std::process::id()));
-        let mut file = File::create(&path).unwrap();
-        let pages = dump(&mem, &layout, &mut file, DumpPages::All).unwrap();
-        assert_eq!(pages.len(), 2, "only non-zero pages are written");
+        let file = File::create(&path).unwrap();
+        let (_, written) = dump(&mem, &layout, &file, DumpPages::All).unwrap();
+        assert_eq!(written, 2, "only non-zero pages are written");
         drop(file);
         let restored = from_file(File::open(&path).unwrap(), &layout);
         // MAP_PRIVATE needs write access only to the private copy, not the file.

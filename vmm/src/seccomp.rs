@@ -160,6 +160,8 @@ const VMM: &[libc::c_long] = &[
     libc::SYS_mlock,
     libc::SYS_fchmod,
     libc::SYS_sync_file_range,
+    // Reaping the forked child that writes a snapshot's memory (`cow_writer`).
+    libc::SYS_wait4,
 ];
 
 /// The syscalls a thread of `kind` may make.

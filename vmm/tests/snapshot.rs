@@ -55,6 +55,63 @@ fn restored_guest_continues_where_it_stopped() {
 }
 
 #[test]
+fn live_snapshot_holds_the_memory_of_its_pause_while_the_guest_writes_on() {
+    // 64 MiB rewritten by every sweep: far more than the guest's short pause could write.
+    const PAGES: u32 = 16 * 1024;
+    let s = Scratch::new("live");
+    let mut vm = boot_guest_with_memory(&s, &sweeping_guest_code(PAGES), 128, &[]);
+    let probe = s.path("probe");
+    wait_until("the guest to finish two sweeps", || {
+        let _ = std::fs::remove_dir_all(&probe);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": probe}));
+        sweep_consistency(&probe.join("memory"), PAGES).unwrap() >= 2
+    });
+    let mut short_pause = false;
+    let mut last = 0;
+    for i in 0..3 {
+        let snap = s.path(&format!("live{i}"));
+        let r = vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+        let (paused, complete) = (
+            r["paused_ms"].as_f64().unwrap(),
+            r["complete_ms"].as_f64().unwrap(),
+        );
+        eprintln!("live snapshot {i}: paused {paused:.2} ms, complete after {complete:.2} ms, {r}");
+        assert!(r["pages_written"].as_u64().unwrap() >= u64::from(PAGES));
+        // Written while the guest swept on: every page still reads as at the pause.
+        let counter = sweep_consistency(&snap.join("memory"), PAGES).unwrap();
+        assert!(counter > last, "the guest did not run between snapshots");
+        last = counter;
+        short_pause |= paused * 2.0 < complete;
+    }
+    assert!(
+        short_pause,
+        "the guest stayed paused while its memory was written"
+    );
+    vm.stop();
+
+    // The snapshot restores to exactly that memory, and the guest sweeps on from there.
+    let snap = s.path("live2");
+    let mut restored = Vmm::spawn(
+        &["--restore", snap.to_str().unwrap(), "--paused"],
+        &s.path("api2.sock"),
+    );
+    let same = s.path("same");
+    restored.ok(serde_json::json!({"op": "snapshot", "path": same}));
+    assert!(
+        std::fs::read(snap.join("memory")).unwrap() == std::fs::read(same.join("memory")).unwrap(),
+        "the restored memory differs from the snapshot's"
+    );
+    restored.ok(serde_json::json!({"op": "resume"}));
+    let later = s.path("later");
+    wait_until("the restored guest to sweep on consistently", || {
+        let _ = std::fs::remove_dir_all(&later);
+        restored.ok(serde_json::json!({"op": "snapshot", "path": later}));
+        sweep_consistency(&later.join("memory"), PAGES).unwrap() > last + 1
+    });
+    restored.stop();
+}
+
+#[test]
 fn diff_snapshot_chain_restores_identical_memory() {
     let s = Scratch::new("diff");
     let mut vm = boot_counter(&s);

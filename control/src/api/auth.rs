@@ -12,7 +12,7 @@ use tonic::transport::Channel;
 use tonic::Status;
 
 use super::Shared;
-use crate::iam::{Action, AuditRecord, Caller, Outcome, ProjectPath};
+use crate::iam::{Action, AuditRecord, Caller, Iam, Outcome, ProjectPath};
 use crate::now_ms;
 
 /// Metadata a client may name its project in when the request has no field for it.
@@ -77,6 +77,11 @@ impl ProjectCache {
             map.clear();
         }
         map.insert(id.to_string(), project);
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     pub fn forget(&self, id: &str) {
@@ -194,7 +199,9 @@ impl Shared {
                 },
             },
         };
-        if let Err(e) = self.iam.audit(&record).await {
+        // Committed with the other calls' records of the moment (one write per batch).
+        let (key, value) = Iam::audit_entry(&record);
+        if let Err(e) = self.audit_writer.put(key, value).await {
             tracing::warn!(%e, "cannot write the audit record");
         }
     }

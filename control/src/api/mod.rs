@@ -16,6 +16,8 @@ mod auth;
 mod nodes;
 mod runtime;
 mod sandboxes;
+#[cfg(test)]
+mod tests;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -31,11 +33,13 @@ use dsec_api::v1::process_server::ProcessServer;
 use dsec_api::v1::sandboxes_server::SandboxesServer;
 use dsec_api::v1::sessions_server::SessionsServer;
 
+use dsec_api::tls::TlsDir;
+
 use crate::iam::{Iam, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
-use crate::quota::Quotas;
+use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
-use crate::store::{EmbeddedStore, EtcdStore, Store, StoreError};
+use crate::store::{EmbeddedStore, EtcdStore, PutBatcher, Store, StoreError};
 use crate::watcher::Watcher;
 
 pub use nodes::NodeChannels;
@@ -71,6 +75,9 @@ pub struct ApiConfig {
     pub node_ttl: Duration,
     /// Nodes a create tries before giving up.
     pub max_nodes_per_create: usize,
+    /// The cluster's TLS directory (`ca.pem`, `apiserver.pem`, `apiserver.key`): TLS for
+    /// clients, mTLS with nodes. None: plaintext (one machine, loopback).
+    pub tls: Option<TlsDir>,
 }
 
 impl Default for ApiConfig {
@@ -79,6 +86,7 @@ impl Default for ApiConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 7000)),
             node_ttl: Duration::from_secs(10),
             max_nodes_per_create: 3,
+            tls: None,
         }
     }
 }
@@ -88,6 +96,10 @@ pub struct Shared {
     pub store: Arc<dyn Store>,
     pub iam: Iam,
     pub quotas: Quotas,
+    /// Creates' reservations, committed per project in batches.
+    pub reserver: Reserver,
+    /// Audit records, written in batches of concurrent calls.
+    pub audit_writer: PutBatcher,
     pub registry: NodeRegistry,
     pub placer: Arc<Placer>,
     pub nodes: NodeChannels,
@@ -110,8 +122,10 @@ impl Shared {
         Arc::new(Shared {
             iam: Iam::new(store.clone()),
             quotas: Quotas::new(store.clone()),
+            reserver: Reserver::new(Quotas::new(store.clone())),
+            audit_writer: PutBatcher::new(store.clone()),
             registry: NodeRegistry::new(store.clone()),
-            nodes: NodeChannels::new(placer.clone()),
+            nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
             placer,
             store,
             config,
@@ -137,6 +151,15 @@ pub async fn init(store: Arc<dyn Store>, org: &str, admin: &str) -> Result<Issue
 
 /// Serves the apiserver until SIGINT/SIGTERM.
 pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), String> {
+    // Read the TLS files first: a missing or wrong file stops the start with its name.
+    let server_tls = match &config.tls {
+        Some(tls) => Some(tls.server("apiserver", true).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    if let Some(tls) = &config.tls {
+        tls.client("apiserver", dsec_api::tls::APISERVER_NAME)
+            .map_err(|e| e.to_string())?;
+    }
     let shared = Shared::new(store.clone(), config.clone());
     let watcher = Watcher::new(
         store,
@@ -148,8 +171,13 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let bound = listener.local_addr().unwrap_or(config.listen);
-    tracing::info!(%bound, "apiserver ready");
-    println!("dsec-control ready on {bound}");
+    let tls_note = if server_tls.is_some() {
+        "tls"
+    } else {
+        "plaintext"
+    };
+    tracing::info!(%bound, tls = tls_note, "apiserver ready");
+    println!("dsec-control ready on {bound} ({tls_note})");
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("install SIGTERM handler");
@@ -158,7 +186,13 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             _ = term.recv() => {}
         }
     };
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = server_tls {
+        server = server
+            .tls_config(tls)
+            .map_err(|e| format!("TLS: {}", dsec_api::tls::error_chain(&e)))?;
+    }
+    server
         .add_service(SandboxesServer::new(sandboxes::SandboxesApi(
             shared.clone(),
         )))

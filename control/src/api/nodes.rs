@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_server::Registry;
+use dsec_api::tls::{error_chain, node_server_name, TlsDir};
 use dsec_api::v1::sandboxes_client::SandboxesClient;
 use dsec_api::v1::ListSandboxesRequest;
 use tonic::transport::{Channel, Endpoint};
@@ -23,33 +24,47 @@ use crate::watcher::NodeInventory;
 /// How long the apiserver waits for a node to accept a connection.
 const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Channels to nodes, by address (lazily connected, shared by every call to the node).
+/// Channels to nodes, by name and address (lazily connected, shared by every call to the
+/// node); with the cluster's TLS directory every channel is mTLS: the node must prove it is
+/// `<name>.node.dsec` under the cluster CA, and the apiserver shows its own certificate.
 #[derive(Clone, Debug)]
 pub struct NodeChannels {
     placer: Arc<Placer>,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    tls: Option<TlsDir>,
+    channels: Arc<Mutex<HashMap<(String, String), Channel>>>,
 }
 
 impl NodeChannels {
-    pub fn new(placer: Arc<Placer>) -> Self {
+    pub fn new(placer: Arc<Placer>, tls: Option<TlsDir>) -> Self {
         NodeChannels {
             placer,
+            tls,
             channels: Arc::default(),
         }
     }
 
-    /// The channel to a node by address.
-    pub fn to_address(&self, address: &str) -> Result<Channel, Status> {
+    /// The channel to node `node` at `address`.
+    pub fn to_address(&self, node: &str, address: &str) -> Result<Channel, Status> {
+        let key = (node.to_string(), address.to_string());
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(channel) = channels.get(address) {
+        if let Some(channel) = channels.get(&key) {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| Status::internal(format!("node address {address:?} is invalid: {e}")))?
             .connect_timeout(NODE_CONNECT_TIMEOUT)
             .tcp_nodelay(true);
+        if let Some(tls) = &self.tls {
+            let config = tls
+                .client("apiserver", &node_server_name(node))
+                .map_err(|e| Status::internal(e.to_string()))?;
+            endpoint = endpoint.tls_config(config).map_err(|e| {
+                Status::internal(format!("TLS to node {node}: {}", error_chain(&e)))
+            })?;
+        }
         let channel = endpoint.connect_lazy();
-        channels.insert(address.to_string(), channel.clone());
+        channels.insert(key, channel.clone());
         Ok(channel)
     }
 
@@ -61,7 +76,7 @@ impl NodeChannels {
             )),
             other => other.into(),
         })?;
-        self.to_address(&address)
+        self.to_address(node, &address)
     }
 }
 
@@ -80,7 +95,7 @@ fn backend_of(name: &str) -> Option<Backend> {
     }
 }
 
-fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
+pub(super) fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
     let info = info.ok_or_else(|| Status::invalid_argument("the request carries no node"))?;
     if info.address.is_empty() || info.address.len() > 256 {
         return Err(Status::invalid_argument(format!(
@@ -100,8 +115,48 @@ fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status> {
     })
 }
 
+/// Whether a DER certificate carries `name` as a DNS subject alternative name: the SAN
+/// entry is `[2] IA5String`, tag 0x82, a one-byte length and the name (certificates here
+/// come from the cluster CA, which writes only the names it was given).
+pub(super) fn names_dns(der: &[u8], name: &str) -> bool {
+    let Ok(len) = u8::try_from(name.len()) else {
+        return false;
+    };
+    if len > 127 {
+        return false;
+    }
+    let mut entry = vec![0x82, len];
+    entry.extend_from_slice(name.as_bytes());
+    der.windows(entry.len()).any(|w| w == entry.as_slice())
+}
+
 /// `dsec.node.v1.Registry`.
 pub struct RegistryApi(pub Arc<Shared>);
+
+impl RegistryApi {
+    /// With TLS on, only a caller with a certificate from the cluster CA is a node (the
+    /// handshake already refused certificates from other CAs; token holders have none), and
+    /// it may speak only for the node its certificate names.
+    fn check_node<T>(&self, request: &Request<T>, node: Option<&str>) -> Result<(), Status> {
+        if self.0.config.tls.is_none() {
+            return Ok(());
+        }
+        let certs = request.peer_certs().unwrap_or_default();
+        let Some(leaf) = certs.first() else {
+            return Err(Status::unauthenticated(
+                "the node registry needs a node certificate signed by the cluster CA (`dsec control issue-node`, then `dsec up --tls-dir DIR`)",
+            ));
+        };
+        match node {
+            Some(node) if !names_dns(leaf.as_ref(), &node_server_name(node)) => {
+                Err(Status::permission_denied(format!(
+                    "this certificate is not node {node}'s: issue one with `dsec control issue-node --name {node}`"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
 
 #[tonic::async_trait]
 impl Registry for RegistryApi {
@@ -109,6 +164,8 @@ impl Registry for RegistryApi {
         &self,
         request: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let name = request.get_ref().node.as_ref().map(|n| n.name.clone());
+        self.check_node(&request, Some(name.as_deref().unwrap_or_default()))?;
         let record = record_of(request.into_inner().node)?;
         let ttl = self.0.config.node_ttl;
         let lease = self.0.registry.register(&record, ttl).await?;
@@ -125,6 +182,8 @@ impl Registry for RegistryApi {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let name = request.get_ref().node.as_ref().map(|n| n.name.clone());
+        self.check_node(&request, Some(name.as_deref().unwrap_or_default()))?;
         let request = request.into_inner();
         let record = record_of(request.node)?;
         match self.0.registry.heartbeat(request.lease_id, &record).await {
@@ -149,6 +208,7 @@ impl Registry for RegistryApi {
         &self,
         request: Request<pb::DeregisterRequest>,
     ) -> Result<Response<pb::DeregisterResponse>, Status> {
+        self.check_node(&request, None)?;
         match self
             .0
             .registry
@@ -171,7 +231,7 @@ impl NodeInventory for ListInventory {
     async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
         let channel = self
             .0
-            .to_address(&node.address)
+            .to_address(&node.name, &node.address)
             .map_err(|s| s.message().to_string())?;
         let mut client = SandboxesClient::new(channel);
         let mut running = Vec::new();

@@ -122,7 +122,7 @@ impl SandboxesApi {
             Ok(id) => id.to_string(),
             Err(e) => return Attempt::Failed(Status::internal(e.to_string())),
         };
-        if let Err(e) = shared.quotas.reserve(project, node, &id, quota).await {
+        if let Err(e) = shared.reserver.reserve(project, node, &id, quota).await {
             return Attempt::Failed(e.into());
         }
         request.sandbox_id = id.clone();
@@ -157,7 +157,7 @@ impl SandboxesApi {
         labels.insert(dsec_api::PROJECT_LABEL.to_string(), project.to_string());
         let mut calls = tokio::task::JoinSet::new();
         for (node, address) in self.0.placer.nodes() {
-            let channel = self.0.nodes.to_address(&address)?;
+            let channel = self.0.nodes.to_address(&node, &address)?;
             let labels = labels.clone();
             calls.spawn(async move {
                 let mut client = SandboxesClient::new(channel);

@@ -459,9 +459,15 @@ impl Iam {
 
     /// Files an audit record under the project's organization.
     pub async fn audit(&self, record: &AuditRecord) -> IamResult<()> {
-        let key = keys::audit(record.project.org(), record.at_ms, &token::random_hex(4));
-        self.store.put(&key, to_json(record), None).await?;
+        let (key, value) = Self::audit_entry(record);
+        self.store.put(&key, value, None).await?;
         Ok(())
+    }
+
+    /// Where an audit record is filed and what is written there.
+    pub fn audit_entry(record: &AuditRecord) -> (String, Vec<u8>) {
+        let key = keys::audit(record.project.org(), record.at_ms, &token::random_hex(4));
+        (key, to_json(record))
     }
 
     /// The newest `limit` audit records of an organization, oldest first.

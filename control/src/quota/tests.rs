@@ -9,6 +9,7 @@ on_both_stores!(
     a_child_quota_never_exceeds_what_its_parent_has_left,
     reservations_stop_at_the_limit_and_name_the_project_and_resource,
     concurrent_reservers_never_overrun_a_limit,
+    batched_reservations_never_overrun_a_limit_and_refuse_a_taken_id,
     concurrent_delegations_never_overrun_the_parent,
     reconciling_a_node_makes_usage_exact,
 );
@@ -31,6 +32,18 @@ async fn projects(store: &Arc<dyn Store>) -> Quotas {
     iam.create_project(&rl, "run-1").await.unwrap();
     iam.create_project(&path("acme"), "web").await.unwrap();
     Quotas::new(store.clone())
+}
+
+/// The projects, with acme and acme/rl limited to `limit` sandboxes' worth.
+async fn rl_limited_to(store: &Arc<dyn Store>, limit: u64) -> (Quotas, ProjectPath) {
+    let quotas = projects(store).await;
+    let rl = path("acme/rl");
+    quotas
+        .set_limit(&path("acme"), sandboxes(limit))
+        .await
+        .unwrap();
+    quotas.set_limit(&rl, sandboxes(limit)).await.unwrap();
+    (quotas, rl)
 }
 
 async fn a_child_quota_never_exceeds_what_its_parent_has_left(store: Arc<dyn Store>) {
@@ -201,13 +214,7 @@ async fn reservations_stop_at_the_limit_and_name_the_project_and_resource(store:
 async fn concurrent_reservers_never_overrun_a_limit(store: Arc<dyn Store>) {
     const LIMIT: u64 = 40;
     const RESERVERS: usize = 100;
-    let quotas = projects(&store).await;
-    let rl = path("acme/rl");
-    quotas
-        .set_limit(&path("acme"), sandboxes(LIMIT))
-        .await
-        .unwrap();
-    quotas.set_limit(&rl, sandboxes(LIMIT)).await.unwrap();
+    let (quotas, rl) = rl_limited_to(&store, LIMIT).await;
     let tasks: Vec<_> = (0..RESERVERS)
         .map(|i| {
             let (quotas, rl) = (quotas.clone(), rl.clone());
@@ -359,4 +366,53 @@ async fn reconciling_a_node_makes_usage_exact(store: Arc<dyn Store>) {
         ONE,
         "other nodes untouched"
     );
+}
+
+/// The group commit keeps `reserve`'s guarantees: exact usage, the limit never overrun, a
+/// reservation id taken once, with 300 concurrent reservers (several batches, one project)
+/// and a racing plain reserver on the same record.
+async fn batched_reservations_never_overrun_a_limit_and_refuse_a_taken_id(store: Arc<dyn Store>) {
+    const LIMIT: u64 = 250;
+    const RESERVERS: usize = 300;
+    let (quotas, rl) = rl_limited_to(&store, LIMIT).await;
+    let reserver = Reserver::new(quotas.clone());
+    let mut tasks: Vec<_> = (0..RESERVERS)
+        .map(|i| {
+            let (reserver, rl) = (reserver.clone(), rl.clone());
+            tokio::spawn(async move {
+                reserver
+                    .reserve(
+                        &rl,
+                        &format!("n{}", i % 4),
+                        &format!("sb-{i}"),
+                        sandboxes(1),
+                    )
+                    .await
+            })
+        })
+        .collect();
+    // A plain reserver on the same record meanwhile: the batches must go again around it.
+    let plain = {
+        let (quotas, rl) = (quotas.clone(), rl.clone());
+        tokio::spawn(async move { quotas.reserve(&rl, "n9", "sb-plain", sandboxes(1)).await })
+    };
+    tasks.push(plain);
+    let mut granted = 0u64;
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(_) => granted += 1,
+            Err(e) => assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}"),
+        }
+    }
+    assert_eq!(granted, LIMIT);
+    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(LIMIT));
+
+    // An id already reserved is refused, alone or in a batch.
+    quotas.release("n0", "sb-0").await.unwrap();
+    quotas.release("n1", "sb-1").await.unwrap();
+    let first = reserver.reserve(&rl, "n0", "sb-new", sandboxes(1)).await;
+    assert!(first.is_ok(), "{first:?}");
+    let again = reserver.reserve(&rl, "n0", "sb-new", sandboxes(1)).await;
+    assert_eq!(again.unwrap_err().code(), tonic::Code::AlreadyExists);
+    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(LIMIT - 1));
 }

@@ -258,6 +258,29 @@ async fn bad_lease_ttl_is_refused(store: Arc<dyn Store>) {
     }
 }
 
+/// A member that is down (nothing listens at its endpoint) costs retries, not failures: the
+/// balanced channel still sends calls there, and those that cannot connect are made again.
+#[tokio::test]
+async fn etcd_calls_go_on_when_a_listed_member_is_down() {
+    let Some(test) = crate::testing::etcd_with(&[crate::testing::unused_endpoint()]).await else {
+        return;
+    };
+    let store = test.store;
+    for i in 0..40 {
+        let key = format!("down/{i}");
+        store.put(&key, vec![1], None).await.unwrap();
+        assert!(store.get(&key).await.unwrap().is_some());
+        let lease = store.grant_lease(Duration::from_secs(5)).await.unwrap();
+        store.keep_alive(lease).await.unwrap();
+        let txn = Txn {
+            compares: vec![],
+            ops: vec![Op::Delete { key }],
+        };
+        assert!(store.txn(txn).await.unwrap().succeeded);
+    }
+    assert!(store.range("down/").await.unwrap().kvs.is_empty());
+}
+
 mod embedded_persistence {
     use std::io::Write;
     use std::time::Duration;

@@ -69,6 +69,45 @@ impl EtcdStore {
     }
 }
 
+/// Tries of a call that could not connect to an etcd member (the channel picks members at
+/// random, so with one of three down 16 tries all miss once in ~40 million calls).
+const CONNECT_ATTEMPTS: u32 = 16;
+
+/// Whether the call never reached a member (its connection could not be made): the
+/// balanced channel still picks members that are down, so such a call is simply made again,
+/// which is safe for writes too.
+fn not_connected(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(status) => {
+            status.code() == tonic::Code::Unavailable
+                && dsec_api::tls::error_chain(status).contains("tcp connect error")
+        }
+        etcd_client::Error::TransportError(e) => {
+            dsec_api::tls::error_chain(e).contains("tcp connect error")
+        }
+        _ => false,
+    }
+}
+
+/// Runs `call` until it reaches a member (a short pause between tries), up to
+/// `CONNECT_ATTEMPTS` times.
+async fn retrying<T, F, Fut>(mut call: F) -> Result<T, etcd_client::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut attempt = 1;
+    loop {
+        match call().await {
+            Err(e) if attempt < CONNECT_ATTEMPTS && not_connected(&e) => {
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
 fn unavailable(e: etcd_client::Error) -> StoreError {
     StoreError::Unavailable(e.to_string())
 }
@@ -95,12 +134,13 @@ fn header_revision(header: Option<&etcd_client::ResponseHeader>) -> Revision {
 #[async_trait::async_trait]
 impl Store for EtcdStore {
     async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
-        let response = self
-            .client
-            .kv_client()
-            .get(self.full(key), None)
-            .await
-            .map_err(unavailable)?;
+        let (kv, key) = (self.client.kv_client(), self.full(key));
+        let response = retrying(|| {
+            let (mut kv, key) = (kv.clone(), key.clone());
+            async move { kv.get(key, None).await }
+        })
+        .await
+        .map_err(unavailable)?;
         response
             .kvs()
             .first()
@@ -109,12 +149,13 @@ impl Store for EtcdStore {
     }
 
     async fn range(&self, prefix: &str) -> StoreResult<Range> {
-        let response = self
-            .client
-            .kv_client()
-            .get(self.full(prefix), Some(GetOptions::new().with_prefix()))
-            .await
-            .map_err(unavailable)?;
+        let (kv, prefix) = (self.client.kv_client(), self.full(prefix));
+        let response = retrying(|| {
+            let (mut kv, prefix) = (kv.clone(), prefix.clone());
+            async move { kv.get(prefix, Some(GetOptions::new().with_prefix())).await }
+        })
+        .await
+        .map_err(unavailable)?;
         Ok(Range {
             kvs: response
                 .kvs()
@@ -132,22 +173,25 @@ impl Store for EtcdStore {
         lease: Option<LeaseId>,
     ) -> StoreResult<Revision> {
         let options = lease.map(|id| PutOptions::new().with_lease(id));
-        let response = self
-            .client
-            .kv_client()
-            .put(self.full(key), value, options)
-            .await
-            .map_err(lease_error(lease))?;
+        let (kv, key) = (self.client.kv_client(), self.full(key));
+        let response = retrying(|| {
+            let (mut kv, key, value, options) =
+                (kv.clone(), key.clone(), value.clone(), options.clone());
+            async move { kv.put(key, value, options).await }
+        })
+        .await
+        .map_err(lease_error(lease))?;
         Ok(header_revision(response.header()))
     }
 
     async fn delete(&self, key: &str) -> StoreResult<bool> {
-        let response = self
-            .client
-            .kv_client()
-            .delete(self.full(key), None)
-            .await
-            .map_err(unavailable)?;
+        let (kv, key) = (self.client.kv_client(), self.full(key));
+        let response = retrying(|| {
+            let (mut kv, key) = (kv.clone(), key.clone());
+            async move { kv.delete(key, None).await }
+        })
+        .await
+        .map_err(unavailable)?;
         Ok(response.deleted() > 0)
     }
 
@@ -177,12 +221,14 @@ impl Store for EtcdStore {
                 Op::Delete { key } => TxnOp::delete(self.full(key), None),
             })
             .collect();
-        let response = self
-            .client
-            .kv_client()
-            .txn(EtcdTxn::new().when(compares).and_then(ops))
-            .await
-            .map_err(lease_error(lease))?;
+        let kv = self.client.kv_client();
+        let etcd_txn = EtcdTxn::new().when(compares).and_then(ops);
+        let response = retrying(|| {
+            let (mut kv, etcd_txn) = (kv.clone(), etcd_txn.clone());
+            async move { kv.txn(etcd_txn).await }
+        })
+        .await
+        .map_err(lease_error(lease))?;
         Ok(TxnOutcome {
             succeeded: response.succeeded(),
             revision: header_revision(response.header()),
@@ -192,32 +238,37 @@ impl Store for EtcdStore {
     async fn grant_lease(&self, ttl: Duration) -> StoreResult<LeaseId> {
         check_ttl(ttl)?;
         let seconds = ttl.as_secs_f64().ceil() as i64;
-        let response = self
-            .client
-            .lease_client()
-            .grant(seconds, None)
-            .await
-            .map_err(unavailable)?;
+        let leases = self.client.lease_client();
+        let response = retrying(|| {
+            let mut leases = leases.clone();
+            async move { leases.grant(seconds, None).await }
+        })
+        .await
+        .map_err(unavailable)?;
         Ok(response.id())
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> StoreResult<()> {
         // One refresh: the client opens the keep-alive stream, sends one request and checks
         // the answer's TTL; dropping the stream closes it.
-        self.client
-            .lease_client()
-            .keep_alive(lease)
-            .await
-            .map_err(lease_error(Some(lease)))?;
+        let leases = self.client.lease_client();
+        retrying(|| {
+            let mut leases = leases.clone();
+            async move { leases.keep_alive(lease).await }
+        })
+        .await
+        .map_err(lease_error(Some(lease)))?;
         Ok(())
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> StoreResult<()> {
-        self.client
-            .lease_client()
-            .revoke(lease)
-            .await
-            .map_err(lease_error(Some(lease)))?;
+        let leases = self.client.lease_client();
+        retrying(|| {
+            let mut leases = leases.clone();
+            async move { leases.revoke(lease).await }
+        })
+        .await
+        .map_err(lease_error(Some(lease)))?;
         Ok(())
     }
 
@@ -226,12 +277,13 @@ impl Store for EtcdStore {
         if let Some(after) = after {
             options = options.with_start_revision(after + 1);
         }
-        let mut stream = self
-            .client
-            .watch_client()
-            .watch(self.full(prefix), Some(options))
-            .await
-            .map_err(unavailable)?;
+        let (watches, prefix) = (self.client.watch_client(), self.full(prefix));
+        let mut stream = retrying(|| {
+            let (mut watches, prefix, options) = (watches.clone(), prefix.clone(), options.clone());
+            async move { watches.watch(prefix, Some(options)).await }
+        })
+        .await
+        .map_err(unavailable)?;
         // Return only once etcd has registered the watch, so that no later write is missed.
         match stream.message().await.map_err(unavailable)? {
             Some(response) if response.created() && !response.canceled() => {}

@@ -5,6 +5,7 @@
 //! `mod_revision`, leases whose expiry deletes the keys attached to them, and prefix watches
 //! that deliver every change after a given revision in order.
 
+mod batch;
 mod embedded;
 mod etcd;
 
@@ -13,6 +14,7 @@ mod conformance;
 
 use std::time::Duration;
 
+pub use batch::PutBatcher;
 pub use embedded::EmbeddedStore;
 pub use etcd::EtcdStore;
 use tokio::sync::mpsc;

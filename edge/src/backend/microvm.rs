@@ -306,6 +306,7 @@ async fn start(
         host.snapshot_dir = Some(snapshots);
     }
     let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?
+        .with_hostname(&id)
         .ready(spec.ready_timeout)
         .await?;
     let client = vm.agent().clone();
@@ -477,6 +478,7 @@ pub async fn resume_microvm(
     let _ = std::fs::remove_file(dir.vsock());
     let _ = std::fs::remove_file(dir.api_sock());
     let vm = MicroVm::spawn(&options, &dir, launch)?
+        .with_hostname(&handle.id)
         .ready(timeout)
         .await?;
     let agent = vm.agent().clone();

@@ -39,6 +39,8 @@ pub struct Plan {
     pub public_ports: std::collections::BTreeSet<u16>,
     /// microVM: a real boot instead of a restore of the image's template snapshot.
     pub cold: bool,
+    /// microVM: restore this snapshot directory (checked, written by Snapshot) instead.
+    pub from_snapshot: Option<PathBuf>,
 }
 
 impl Plan {
@@ -58,7 +60,10 @@ impl Plan {
             "idle_timeout_s": self.idle_timeout_s,
             "public_ports": self.public_ports,
         });
-        // Only when set, so that digests of records from before network policies still match.
+        // Only when set, so that digests of records from before these fields still match.
+        if let Some(snapshot) = &self.from_snapshot {
+            spec["from_snapshot"] = serde_json::json!(snapshot);
+        }
         if self.allow_internet || !self.allow.is_empty() || !self.deny.is_empty() {
             spec["network"] = serde_json::json!([self.allow_internet, self.allow, self.deny]);
         }
@@ -357,11 +362,13 @@ impl Node {
             ImagePlan::MicroVm { .. } => None,
         };
         let spec = plan.spec(id, &pending.cgroups, rootfs, self.config.ready_timeout);
-        // Template snapshots have no network device: a microVM with a policy boots.
-        let sandbox = if request.kind == BackendKind::MicroVm
+        let sandbox = if let Some(snapshot) = &request.from_snapshot {
+            self.restore_snapshot(&spec, snapshot).await?
+        } else if request.kind == BackendKind::MicroVm
             && !request.cold
             && request.network.is_empty()
         {
+            // Template snapshots have no network device: a microVM with a policy boots.
             self.create_from_template(&spec).await?
         } else {
             Sandbox::create(request.kind, &self.edge, &spec).await?

@@ -12,11 +12,17 @@ use super::create::{limits_for, CreatePlan, Plan};
 use super::error::NodeError;
 use super::node::Node;
 use super::record::{new_access_token, now_ms, Entry, Record};
+use super::restore::SnapshotOrigin;
 use super::vmm_control;
 use crate::backend::microvm::{copy_sparse, MemoryRestore, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind};
 
 impl Node {
+    /// `image` boots from a root disk (its sandboxes have a writable upper disk).
+    fn on_disk_image(&self, image: &str) -> bool {
+        self.config.artifacts.image(image).root_disk().is_some()
+    }
+
     /// Snapshot of a microVM sandbox into `path` (default under the state dir).
     pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<PathBuf, NodeError> {
         let entry = self.get(id)?;
@@ -37,8 +43,28 @@ impl Node {
             std::fs::create_dir_all(parent)
                 .map_err(|e| NodeError::Internal(format!("create {}: {e}", parent.display())))?;
         }
-        vmm_control::snapshot(&record, path.clone(), diff).await?;
-        entry.event(&format!("snapshot written to {}", path.display()));
+        let written = vmm_control::snapshot(&record, path.clone(), diff).await?;
+        // How long the guest stood still for it (a fork's parent pause window, VMM-side).
+        tracing::info!(
+            sandbox = %id,
+            paused_ms = written.paused_ms,
+            complete_ms = written.complete_ms,
+            pages = written.pages_written,
+            diff,
+            "snapshot written"
+        );
+        // What a later restore of it (Create.from_snapshot) takes from this sandbox.
+        let origin = SnapshotOrigin {
+            diff,
+            ..SnapshotOrigin::of(&record, self.on_disk_image(&record.image))
+        };
+        origin.write(&path)?;
+        entry.event(&format!(
+            "snapshot written to {} ({} pages, guest paused {:.1} ms)",
+            path.display(),
+            written.pages_written,
+            written.paused_ms
+        ));
         Ok(path)
     }
 
@@ -64,12 +90,7 @@ impl Node {
                 "fork is implemented for microvm sandboxes only (from a VMM snapshot); for containers create a new sandbox",
             ));
         }
-        let on_disk = self
-            .config
-            .artifacts
-            .image(&parent.image)
-            .root_disk()
-            .is_some();
+        let on_disk = self.on_disk_image(&parent.image);
         // On a disk image every child needs its own copy of the writable upper disk, taken
         // while the parent is paused so that it matches the snapshot's memory exactly.
         let was_paused = parent.paused;
@@ -135,6 +156,7 @@ impl Node {
                 request_id: String::new(),
                 public_ports: parent.public_ports.clone(),
                 cold: false,
+                from_snapshot: None,
             };
             // The parent's image and memory cgroup limit, as it was created with.
             let plan = CreatePlan {

@@ -1,6 +1,7 @@
 //! The public `dsec.v1` services, backed by the node and the sandboxes' agents.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use super::error::NodeError;
 use super::limits::{self, check_env, check_labels, check_len};
 use super::node::{Node, MAX_PUBLIC_PORTS};
 use super::record::{Entry, Tombstone, LOG_SOURCES};
+use super::restore::SnapshotOrigin;
 use super::status::status_of;
 use super::{Budget, Claim, CreateOutcome, Demand, Plan};
 use crate::backend::BackendKind;
@@ -219,7 +221,8 @@ fn check_request_id(id: &str) -> Result<(), Status> {
 }
 
 /// Validates a Create request and fills in defaults.
-pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
+pub fn plan(node: &Node, mut req: CreateSandboxRequest) -> Result<Plan, Status> {
+    let from_snapshot = take_snapshot_shape(&mut req)?;
     let kind = match Backend::try_from(req.backend) {
         Ok(Backend::Unspecified) => node.default_backend,
         Ok(Backend::Container) => BackendKind::Container,
@@ -334,7 +337,48 @@ pub fn plan(node: &Node, req: CreateSandboxRequest) -> Result<Plan, Status> {
         request_id: req.request_id,
         public_ports,
         cold: req.cold,
+        from_snapshot,
     })
+}
+
+/// A restore (`from_snapshot`): checks the snapshot and fills the request's image and shape
+/// from it (a value the request sets must match).
+fn take_snapshot_shape(req: &mut CreateSandboxRequest) -> Result<Option<PathBuf>, Status> {
+    if req.from_snapshot.is_empty() {
+        return Ok(None);
+    }
+    check_len(
+        "from_snapshot",
+        req.from_snapshot.as_bytes(),
+        limits::MAX_PATH,
+    )?;
+    if req.cold {
+        return Err(Status::invalid_argument(
+            "cold and from_snapshot exclude each other: a restore never boots; drop one",
+        ));
+    }
+    let (dir, origin) = SnapshotOrigin::read(&req.from_snapshot)?;
+    req.backend = match Backend::try_from(req.backend) {
+        Ok(Backend::Unspecified | Backend::Microvm) => Backend::Microvm as i32,
+        _ => {
+            return Err(Status::invalid_argument(
+                "from_snapshot restores a microVM snapshot: leave backend unset or microvm",
+            ))
+        }
+    };
+    if !req.image.is_empty() && req.image != origin.image {
+        return Err(NodeError::InvalidArgument(format!(
+            "image {:?} differs from the snapshot's {:?} (sandbox {}): leave image unset",
+            req.image, origin.image, origin.sandbox_id
+        ))
+        .into());
+    }
+    req.image = origin.image.clone();
+    req.vcpus = origin.pick("vcpus", req.vcpus, origin.vcpus)?;
+    req.memory_mib = origin.pick("memory_mib", req.memory_mib, origin.memory_mib)?;
+    req.disk_mib = origin.pick("disk_mib", req.disk_mib, origin.disk_mib)?;
+    req.pids_limit = origin.pick("pids_limit", req.pids_limit, origin.pids_limit)?;
+    Ok(Some(dir))
 }
 
 // ------------------------------------------------------------------ Sandboxes

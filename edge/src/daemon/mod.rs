@@ -11,6 +11,7 @@ mod adoption;
 pub mod cgroup;
 mod create;
 pub mod error;
+mod fncall;
 mod fork;
 pub mod grpc;
 pub mod limits;
@@ -22,6 +23,7 @@ mod reaper;
 pub mod record;
 pub mod registration;
 mod request_ids;
+mod restore;
 mod runtime;
 mod status;
 mod suspend;
@@ -63,6 +65,10 @@ pub struct DaemonConfig {
     pub listen_unix: Option<PathBuf>,
     /// Optional TCP address of the API (e.g. 127.0.0.1:7070).
     pub listen_tcp: Option<SocketAddr>,
+    /// The cluster's TLS directory (ca.pem, node.pem, node.key): the TCP API then takes only
+    /// callers with a certificate of the cluster CA (the apiservers), and registration is
+    /// mTLS.
+    pub tls: Option<dsec_api::tls::TlsDir>,
     /// Prometheus /metrics address; None disables it.
     pub metrics: Option<SocketAddr>,
     /// HTTP entry point to servers in sandboxes (Host `PORT-ID.<anything>`); None disables it.
@@ -112,6 +118,7 @@ impl Default for DaemonConfig {
             state_dir: run_dir.join("edge"),
             listen_unix: None,
             listen_tcp: None,
+            tls: None,
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             http: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_HTTP_PORT))),
             http_max_connections: 4096,
@@ -213,8 +220,10 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         }
     }
-    let router = |require_token: bool| {
-        tonic::transport::Server::builder()
+    let fn_engine = fncall::start(&node.edge);
+    let router = |mut builder: tonic::transport::Server, require_token: bool| {
+        builder
+            .add_service(dsec_fncall::grpc::server(fn_engine.clone()))
             .add_service(SandboxesServer::new(grpc::SandboxesService(node.clone())))
             .add_service(
                 ProcessServer::new(runtime::ProcessService(node.clone()))
@@ -248,9 +257,19 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| EdgeError::io(format!("bind {addr}"), e))?;
-        tracing::info!(%addr, "API on tcp");
         // Anyone who can reach the TCP address may call it: private ports need the token.
-        let server = router(true);
+        // With the cluster's TLS only holders of a cluster certificate (apiservers) can.
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &config.tls {
+            let tls = tls
+                .server("node", false)
+                .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?;
+            builder = builder.tls_config(tls).map_err(|e| {
+                EdgeError::InvalidSpec(format!("TLS: {}", dsec_api::tls::error_chain(&e)))
+            })?;
+        }
+        tracing::info!(%addr, tls = config.tls.is_some(), "API on tcp");
+        let server = router(builder, true);
         tokio::spawn(async move {
             if let Err(err) = server
                 .serve_with_incoming(TcpListenerStream::new(tcp))
@@ -267,7 +286,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     tracing::info!(socket = %socket.display(), sandboxes = node.count(), "dsec-edge ready");
     println!("dsec-edge ready on unix:{}", socket.display());
     // The Unix socket is root-only (0600): its callers can run anything in any sandbox.
-    router(false)
+    router(tonic::transport::Server::builder(), false)
         .serve_with_incoming_shutdown(UnixListenerStream::new(unix), shutdown)
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
@@ -364,6 +383,11 @@ pub struct DaemonArgs {
     /// Address the apiservers reach this node's API at (default: the --listen address).
     #[arg(long, value_name = "HOST:PORT")]
     pub advertise: Option<String>,
+    /// The cluster's TLS directory for this node (ca.pem, node.pem, node.key from `dsec
+    /// control issue-node`): the --listen API takes only apiservers (mTLS) and registration
+    /// checks the apiserver against the cluster CA.
+    #[arg(long, value_name = "DIR")]
+    pub tls_dir: Option<PathBuf>,
     /// Node label for placement (`--label gpu=a100`), repeatable.
     #[arg(long = "label", value_name = "K=V")]
     pub labels: Vec<String>,
@@ -401,6 +425,7 @@ impl DaemonArgs {
         }
         config.listen_unix = self.socket;
         config.listen_tcp = self.listen;
+        config.tls = self.tls_dir.clone().map(dsec_api::tls::TlsDir::new);
         config.jail_vmms &= !self.no_jail;
         if self.ready_timeout == 0 {
             return Err(EdgeError::InvalidSpec(
@@ -527,6 +552,7 @@ impl DaemonArgs {
                 control,
                 advertise,
                 labels,
+                tls: config.tls.clone(),
             });
         }
         Ok(config)

@@ -413,10 +413,21 @@ async fn pipe(
 
 async fn serve_connection(node: Arc<Node>, mut socket: TcpStream) {
     let _ = socket.set_nodelay(true);
+    let head = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut socket))
+        .await
+        .map_err(|_| RouteError::HeadTimeout)
+        .and_then(|head| head);
+    let head = match head {
+        Ok(head) => head,
+        Err(RouteError::Closed) => return,
+        Err(err) => return respond_error(&mut socket, &err).await,
+    };
+    // SandboxFusion's API (`POST /run_code`) on a host that names no sandbox: FnCall.
+    let names_sandbox = host_header(&head).is_some_and(|host| route(&host).is_ok());
+    if !names_sandbox && dsec_fncall::sandboxfusion::is_api_request(&head) {
+        return super::fncall::serve_http(&node.edge, socket, head).await;
+    }
     let routed = async {
-        let head = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut socket))
-            .await
-            .map_err(|_| RouteError::HeadTimeout)??;
         let host = host_header(&head).ok_or(RouteError::NoHost)?;
         let (port, id, host_token) = route(&host)?;
         let token = header(&head, TOKEN_HEADER)

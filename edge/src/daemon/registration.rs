@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
+use dsec_api::tls::{error_chain, TlsDir, APISERVER_NAME};
 use tonic::transport::{Channel, Endpoint};
 
 use super::node::Node;
@@ -39,6 +40,9 @@ pub struct Registration {
     /// Where the apiserver reaches this node's `dsec.v1` API.
     pub advertise: String,
     pub labels: BTreeMap<String, String>,
+    /// The cluster's TLS directory: apiservers are called over mTLS and must prove they are
+    /// `apiserver.dsec` under the cluster CA.
+    pub tls: Option<TlsDir>,
 }
 
 /// The lease the node holds and the apiserver it got it from, for deregistering.
@@ -47,15 +51,35 @@ pub struct Lease {
     current: Mutex<Option<(i64, Channel)>>,
 }
 
-fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
-    let uri = if address.contains("://") {
-        address.to_string()
-    } else {
-        format!("http://{address}")
+fn endpoint(address: &str, tls: Option<&TlsDir>) -> Result<Endpoint, String> {
+    let bare = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let uri = match tls {
+        Some(_) => format!("https://{bare}"),
+        None if address.contains("://") => address.to_string(),
+        None => format!("http://{address}"),
     };
-    Ok(Endpoint::from_shared(uri)?
+    let mut endpoint = Endpoint::from_shared(uri)
+        .map_err(|e| format!("bad apiserver address {address:?}: {e}"))?
         .connect_timeout(CALL_TIMEOUT)
-        .timeout(CALL_TIMEOUT))
+        .timeout(CALL_TIMEOUT);
+    if let Some(tls) = tls {
+        let config = tls
+            .client("node", APISERVER_NAME)
+            .map_err(|e| e.to_string())?;
+        endpoint = endpoint
+            .tls_config(config)
+            .map_err(|e| format!("TLS: {}", error_chain(&e)))?;
+    }
+    Ok(endpoint)
+}
+
+/// A failed call's message with its transport cause (a refused certificate shows up here
+/// when the handshake fails on the apiserver's side).
+fn describe(status: &tonic::Status) -> String {
+    match std::error::Error::source(status) {
+        Some(cause) => format!("{}: {}", status.message(), error_chain(cause)),
+        None => status.message().to_string(),
+    }
 }
 
 fn resources(sandboxes: u64, vcpus: i64, memory_mib: i64, disk_mib: i64) -> pb::Resources {
@@ -160,18 +184,31 @@ async fn serve_one(
     address: &str,
     lease: &Lease,
 ) -> Result<(), String> {
-    let channel = endpoint(address)
-        .map_err(|e| format!("bad apiserver address {address:?}: {e}"))?
+    let channel = endpoint(address, registration.tls.as_ref())?
         .connect()
         .await
-        .map_err(|e| format!("cannot connect: {e}"))?;
+        .map_err(|e| {
+            let why = error_chain(&e);
+            if registration.tls.is_some() && why.contains("certificate") {
+                format!("TLS handshake refused ({why}): the apiserver and this node must hold certificates of the same cluster CA (`dsec control issue-node`)")
+            } else {
+                format!("cannot connect: {why}")
+            }
+        })?;
     let mut client = RegistryClient::new(channel.clone());
     let registered = client
         .register(pb::RegisterRequest {
             node: Some(node_info(node, registration)),
         })
         .await
-        .map_err(|s| format!("register: {}", s.message()))?
+        .map_err(|s| {
+            let why = describe(&s);
+            if registration.tls.is_some() && why.contains("connection closed") {
+                format!("register: {why} (the apiserver closed the TLS connection: it refuses certificates not issued by its cluster CA; issue this node's with `dsec control issue-node`)")
+            } else {
+                format!("register: {why}")
+            }
+        })?
         .into_inner();
     *lease.current.lock().unwrap_or_else(|e| e.into_inner()) =
         Some((registered.lease_id, channel.clone()));
@@ -194,7 +231,7 @@ async fn serve_one(
                 tracing::warn!(apiserver = %address, "lease gone: registering again");
                 return Ok(());
             }
-            Err(status) => return Err(format!("heartbeat: {}", status.message())),
+            Err(status) => return Err(format!("heartbeat: {}", describe(&status))),
         }
     }
 }

@@ -17,6 +17,7 @@ use super::node::Node;
 use super::record::random_hex;
 use crate::backend::microvm::{build_template, MemoryRestore, MicroVmImage, UpperDisk};
 use crate::backend::{restore_microvm, BackendKind, Sandbox, SandboxSpec};
+use crate::error::EdgeError;
 use crate::microvm::SpawnOptions;
 
 /// The node's template snapshots.
@@ -27,6 +28,9 @@ pub struct Templates {
     memory: MemoryRestore,
     /// One build at a time per key; creates of that key wait for it.
     building: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Keys with at least one good restore since this daemon started: a later restore of
+    /// one that only times out is a slow (loaded) node, not a bad template.
+    proven: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Templates {
@@ -43,7 +47,19 @@ impl Templates {
                 MemoryRestore::Private
             },
             building: Mutex::new(HashMap::new()),
+            proven: Mutex::default(),
         }
+    }
+
+    fn proven(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.proven.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a failed restore of template `key` means the template is bad (and must be
+    /// built again): a VMM that cannot load it does; a guest that only answered too late
+    /// does only if no restore of that template has worked yet.
+    fn blames_the_template(&self, key: &str, err: &EdgeError) -> bool {
+        !matches!(err, EdgeError::AgentNotReady { .. }) || !self.proven().contains(key)
     }
 
     fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -87,6 +103,40 @@ pub fn template_key(image: &MicroVmImage, vmm: &Path) -> String {
     super::create::fnv1a_hex(&inputs.to_string())
 }
 
+/// What a template is of, without the versions of its files: the image's and VMM's paths and
+/// the shape. Templates of one family with another key are stale (an input changed since).
+pub fn template_family(image: &MicroVmImage, vmm: &Path) -> String {
+    let inputs = serde_json::json!({
+        "kernel": image.kernel,
+        "initrd": image.initrd,
+        "root_disk": image.root_disk,
+        "upper_mib": image.upper_mib,
+        "vmm": vmm,
+        "vcpus": image.vcpus,
+        "mem_mib": image.mem_mib,
+        "cmdline": image.cmdline,
+    });
+    super::create::fnv1a_hex(&inputs.to_string())
+}
+
+/// The file naming a template's family.
+const FAMILY_FILE: &str = "family";
+
+/// The templates under `root` of `family` other than `keep`: built from older inputs.
+fn stale_templates(root: &Path, family: &str, keep: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|dir| dir.file_name().is_some_and(|n| n != keep))
+        .filter(|dir| {
+            std::fs::read_to_string(dir.join(FAMILY_FILE)).is_ok_and(|f| f.trim() == family)
+        })
+        .collect()
+}
+
 /// A template is usable once its `ready` marker and snapshot state are there.
 fn is_ready(dir: &Path) -> bool {
     dir.join("ready").is_file() && dir.join("snapshot").join("state").is_file()
@@ -116,6 +166,11 @@ impl Node {
                 tracing::warn!(template = %key, %err, "cannot build the template snapshot; booting cold");
                 return Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?);
             }
+            let family = template_family(&image, &vmm);
+            if let Err(e) = std::fs::write(dir.join(FAMILY_FILE), &family) {
+                tracing::warn!(template = %key, "cannot record the template's family: {e}");
+            }
+            self.remove_stale_templates(&family, &key);
         }
         drop(guard);
         let started = std::time::Instant::now();
@@ -134,6 +189,7 @@ impl Node {
         .await;
         match restored {
             Ok(sandbox) => {
+                templates.proven().insert(key.clone());
                 tracing::info!(
                     sandbox = %id,
                     template = %key,
@@ -142,6 +198,16 @@ impl Node {
                     "restored from the template snapshot"
                 );
                 Ok(sandbox)
+            }
+            Err(err) if !templates.blames_the_template(&key, &err) => {
+                tracing::warn!(
+                    sandbox = %id,
+                    template = %key,
+                    %err,
+                    "a restore of the template snapshot timed out (it restored fine before, so \
+                     it is kept: the node is slow); booting cold"
+                );
+                Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?)
             }
             Err(err) => {
                 tracing::warn!(
@@ -152,8 +218,30 @@ impl Node {
                      builds it again); booting cold"
                 );
                 let _guard = lock.lock().await;
+                templates.proven().remove(&key);
                 let _ = std::fs::remove_dir_all(&dir);
                 Ok(Sandbox::create(BackendKind::MicroVm, &self.edge, spec).await?)
+            }
+        }
+    }
+
+    /// Removes the templates of `family` built from older inputs (a changed image, kernel or
+    /// VMM), except one being built right now. A restore already mapping one keeps its
+    /// pages; one about to start falls back to a cold boot.
+    fn remove_stale_templates(&self, family: &str, keep: &str) {
+        for stale in stale_templates(&self.templates.dir, family, keep) {
+            let Some(key) = stale.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            let lock = self.templates.lock_for(key);
+            let Ok(_building) = lock.try_lock() else {
+                continue;
+            };
+            match std::fs::remove_dir_all(&stale) {
+                Ok(()) => {
+                    tracing::info!(template = %key, "stale template removed (its image, kernel or VMM changed)")
+                }
+                Err(e) => tracing::warn!(template = %key, "cannot remove the stale template: {e}"),
             }
         }
     }
@@ -241,6 +329,78 @@ mod tests {
         std::fs::write(&vmm, b"vmm v2").unwrap();
         assert_ne!(after_image, template_key(&image, &vmm));
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn only_older_templates_of_the_same_family_are_stale() {
+        let root = std::env::temp_dir().join(format!("dsec-tpl-stale-{}", std::process::id()));
+        for (key, family) in [
+            ("new", Some("f1")),
+            ("old", Some("f1")),
+            ("other", Some("f2")),
+            ("legacy", None),
+        ] {
+            std::fs::create_dir_all(root.join(key)).unwrap();
+            if let Some(f) = family {
+                std::fs::write(root.join(key).join(FAMILY_FILE), f).unwrap();
+            }
+        }
+        assert_eq!(stale_templates(&root, "f1", "new"), vec![root.join("old")]);
+        assert!(stale_templates(&root, "f3", "new").is_empty());
+        assert!(stale_templates(&root.join("missing"), "f1", "new").is_empty());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_family_ignores_file_versions_but_not_the_shape() {
+        let base = std::env::temp_dir().join(format!("dsec-tpl-family-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        let initrd = base.join("initramfs.cpio");
+        std::fs::write(&initrd, b"v1").unwrap();
+        let image = MicroVmImage {
+            kernel: base.join("vmlinux"),
+            initrd: initrd.clone(),
+            root_disk: None,
+            upper_mib: None,
+            vcpus: 1,
+            mem_mib: 256,
+            cmdline: "console=ttyS0".into(),
+        };
+        let vmm = base.join("dsec-vmm");
+        let (family, key) = (template_family(&image, &vmm), template_key(&image, &vmm));
+        std::fs::write(&initrd, b"v2 longer").unwrap();
+        assert_eq!(family, template_family(&image, &vmm));
+        assert_ne!(key, template_key(&image, &vmm));
+        let bigger = MicroVmImage {
+            mem_mib: 512,
+            ..image
+        };
+        assert_ne!(family, template_family(&bigger, &vmm));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn only_a_proven_template_survives_a_restore_timeout() {
+        let templates = Templates::new(Path::new("/nonexistent-state"));
+        let timeout = EdgeError::AgentNotReady {
+            id: "sb-1".into(),
+            timeout: std::time::Duration::from_secs(30),
+            detail: String::new(),
+        };
+        let died = EdgeError::SandboxDied {
+            id: "sb-1".into(),
+            detail: String::new(),
+        };
+        assert!(
+            templates.blames_the_template("k", &timeout),
+            "never restored: bad"
+        );
+        templates.proven().insert("k".into());
+        assert!(!templates.blames_the_template("k", &timeout), "slow node");
+        assert!(
+            templates.blames_the_template("k", &died),
+            "the VMM could not load it"
+        );
     }
 
     #[test]

@@ -37,7 +37,8 @@ def _grpc_target(target: str) -> str:
     comma-separated) -> one ``ipv4:``/``ipv6:`` target that gRPC balances over, going on on
     the others when one fails."""
     parts = [t.strip() for t in target.split(",") if t.strip()]
-    parts = [p[len("http://"):] if p.startswith("http://") else p for p in parts]
+    parts = [p.split("://", 1)[1] if p.startswith(("http://", "https://")) else p
+             for p in parts]
     if len(parts) == 1:
         return parts[0]
     scheme = "ipv6" if parts[0].startswith("[") else "ipv4"
@@ -283,6 +284,65 @@ ExecEvent = Tuple[str, bytes]
 
 
 # ---------------------------------------------------------------- request builders
+
+
+@dataclass
+class StageResult:
+    """One stage (compile or run) of a :meth:`Client.run_code` call."""
+    status: str  # "Finished", "TimeLimitExceeded" or "Error" (could not start)
+    exit_code: Optional[int]
+    signal: Optional[int]
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    seconds: float
+
+    @classmethod
+    def _from(cls, r: pb.FnStageResult) -> "StageResult":
+        status = {pb.FN_STAGE_STATUS_FINISHED: "Finished",
+                  pb.FN_STAGE_STATUS_TIME_LIMIT_EXCEEDED: "TimeLimitExceeded"}.get(r.status, "Error")
+        return cls(status, r.exit_code if r.HasField("exit_code") else None,
+                   r.signal if r.HasField("signal") else None, r.stdout, r.stderr,
+                   r.stdout_truncated, r.stderr_truncated, r.seconds)
+
+
+@dataclass
+class CodeResult:
+    """What :meth:`Client.run_code` returns: ``run`` is None when compilation failed."""
+    success: bool
+    compile: Optional[StageResult]
+    run: Optional[StageResult]
+    files: Dict[str, bytes]
+    file_errors: List[str]
+    out_of_memory: bool
+    total_seconds: float
+
+    @property
+    def stdout(self) -> str:
+        return self.run.stdout.decode(errors="replace") if self.run else ""
+
+    @property
+    def stderr(self) -> str:
+        stage = self.run or self.compile
+        return stage.stderr.decode(errors="replace") if stage else ""
+
+    @classmethod
+    def _from(cls, r: pb.FnRunResponse) -> "CodeResult":
+        return cls(r.success, StageResult._from(r.compile) if r.HasField("compile") else None,
+                   StageResult._from(r.run) if r.HasField("run") else None, dict(r.files),
+                   list(r.file_errors), r.out_of_memory, r.total_seconds)
+
+
+def _run_code_request(code: str, language: str, stdin, files, fetch_files, compile_timeout,
+                      run_timeout, memory_mib, network, image) -> pb.FnRunRequest:
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    return pb.FnRunRequest(
+        language=language, code=code, stdin=stdin or b"",
+        files={k: (v.encode() if isinstance(v, str) else v) for k, v in (files or {}).items()},
+        fetch_files=list(fetch_files), compile_timeout=compile_timeout, run_timeout=run_timeout,
+        memory_mib=memory_mib, network=network, image=image)
 
 
 @dataclass
@@ -699,6 +759,33 @@ def _channel_options():
             ("grpc.lb_policy_name", "round_robin")]
 
 
+def _open_channel(target: str, ca_file: Optional[str], aio: bool):
+    """An insecure channel, or for ``https://`` targets (an apiserver with the cluster's TLS)
+    a TLS channel that checks the server against the cluster CA in ``ca_file`` (default
+    ``$DSEC_CA_FILE``) and the host of the first address."""
+    grpc_mod = grpc.aio if aio else grpc
+    parts = [t.strip() for t in target.split(",") if t.strip()]
+    if not any(p.startswith("https://") for p in parts):
+        return grpc_mod.insecure_channel(_grpc_target(target), options=_channel_options())
+    ca_file = ca_file or os.environ.get("DSEC_CA_FILE", "")
+    if not ca_file:
+        raise DsecError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{target}: an https:// target needs the cluster CA: pass ca_file= "
+                        "or set DSEC_CA_FILE to the ca.pem of `dsec control init`")
+    try:
+        with open(ca_file, "rb") as f:
+            roots = f.read()
+    except OSError as e:
+        raise DsecError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"cannot read the cluster CA {ca_file}: {e}") from e
+    first = parts[0].split("://", 1)[-1]
+    host = first[1:first.index("]")] if first.startswith("[") else first.rsplit(":", 1)[0]
+    options = [o for o in _channel_options() if o[0] != "grpc.default_authority"]
+    options += [("grpc.ssl_target_name_override", host), ("grpc.default_authority", host)]
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc_mod.secure_channel(_grpc_target(target), credentials, options=options)
+
+
 # ---------------------------------------------------------------- sync API
 
 
@@ -706,15 +793,15 @@ class Client:
     """Synchronous client. ``Client()`` talks to the local node on its default socket."""
 
     def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
-                 project: Optional[str] = None):
+                 project: Optional[str] = None, ca_file: Optional[str] = None):
         """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
-        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
-        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
-        apiserver needs."""
+        replicas) separated by commas, ``https://HOST:PORT`` for an apiserver with TLS;
+        default ``$DSEC_ENDPOINT`` or the local node. ``token`` and ``project`` (default
+        ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an apiserver needs; ``ca_file`` (default
+        ``$DSEC_CA_FILE``) the cluster CA an https:// apiserver is checked against."""
         self.target = target or default_target()
         self.project, metadata = _credentials(token, project)
-        self._channel = grpc.insecure_channel(_grpc_target(self.target),
-                                              options=_channel_options())
+        self._channel = _open_channel(self.target, ca_file, aio=False)
         channel = _CredentialChannel(self._channel, metadata)
         self._sandboxes = rpc.SandboxesStub(channel)
         self._process = rpc.ProcessStub(channel)
@@ -722,6 +809,7 @@ class Client:
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
         self._network = rpc.NetworkStub(channel)
+        self._fn = rpc.FnStub(channel)
 
     def _call(self, fn, request):
         try:
@@ -742,6 +830,21 @@ class Client:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        return self._create(req)
+
+    def restore(self, snapshot: str, *, env: Optional[Mapping[str, str]] = None, ttl: int = 0,
+                idle_timeout: int = 0, labels: Optional[Mapping[str, str]] = None,
+                request_id: Optional[str] = None,
+                public_ports: Iterable[int] = ()) -> "Sandbox":
+        """A new sandbox restored from ``snapshot``, the path :meth:`Sandbox.snapshot`
+        returned on this node: the snapshot's image, shape, files and processes, with its own
+        id, entropy and the host's clock. The snapshot is kept."""
+        req = _create_request("", "", 0, 0, 0, env, ttl, idle_timeout, labels, 0, False,
+                              request_id, public_ports)
+        req.from_snapshot = snapshot
+        return self._create(req)
+
+    def _create(self, req: pb.CreateSandboxRequest) -> "Sandbox":
         req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
@@ -790,6 +893,17 @@ class Client:
             if not r.next_page_token or r.next_page_token == token:
                 return out
             token = r.next_page_token
+
+    def run_code(self, code: str, language: str = "python", *, stdin=b"",
+                 files: Optional[Mapping[str, bytes]] = None, fetch_files: Iterable[str] = (),
+                 compile_timeout: float = 10, run_timeout: float = 10, memory_mib: int = 0,
+                 network: bool = False, image: str = "") -> CodeResult:
+        """Runs ``code`` once in a warm FnCall worker of the node (``Fn.Run``): a fresh,
+        isolated process; ``language`` is python, bash, cpp or node. ``files`` are written
+        to its working directory first, ``fetch_files`` read back after."""
+        req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
+                                run_timeout, memory_mib, network, image)
+        return CodeResult._from(self._call(self._fn.Run, req))
 
     def node_status(self) -> pb.NodeStatusResponse:
         return self._call(self._sandboxes.NodeStatus, pb.NodeStatusRequest())
@@ -1122,15 +1236,15 @@ class AsyncClient:
     """asyncio client (grpc.aio); same calls as :class:`Client`, awaited."""
 
     def __init__(self, target: Optional[str] = None, *, token: Optional[str] = None,
-                 project: Optional[str] = None):
+                 project: Optional[str] = None, ca_file: Optional[str] = None):
         """``target``: ``unix:PATH``, ``HOST:PORT`` or several ``HOST:PORT`` (apiserver
-        replicas) separated by commas; default ``$DSEC_ENDPOINT`` or the local node.
-        ``token`` and ``project`` (default ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an
-        apiserver needs."""
+        replicas) separated by commas, ``https://HOST:PORT`` for an apiserver with TLS;
+        default ``$DSEC_ENDPOINT`` or the local node. ``token`` and ``project`` (default
+        ``$DSEC_TOKEN``, ``$DSEC_PROJECT``) are what an apiserver needs; ``ca_file`` (default
+        ``$DSEC_CA_FILE``) the cluster CA an https:// apiserver is checked against."""
         self.target = target or default_target()
         self.project, metadata = _credentials(token, project)
-        self._channel = grpc.aio.insecure_channel(_grpc_target(self.target),
-                                              options=_channel_options())
+        self._channel = _open_channel(self.target, ca_file, aio=True)
         channel = _CredentialChannel(self._channel, metadata)
         self._sandboxes = rpc.SandboxesStub(channel)
         self._process = rpc.ProcessStub(channel)
@@ -1138,6 +1252,7 @@ class AsyncClient:
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
         self._network = rpc.NetworkStub(channel)
+        self._fn = rpc.FnStub(channel)
 
     async def _call(self, fn, request):
         try:
@@ -1155,6 +1270,20 @@ class AsyncClient:
         req = _create_request(backend, image, vcpus, memory_mib, disk_mib, env, ttl,
                               idle_timeout, labels, pids_limit, allow_internet, request_id,
                               public_ports)
+        return await self._create(req)
+
+    async def restore(self, snapshot: str, *, env: Optional[Mapping[str, str]] = None,
+                      ttl: int = 0, idle_timeout: int = 0,
+                      labels: Optional[Mapping[str, str]] = None,
+                      request_id: Optional[str] = None,
+                      public_ports: Iterable[int] = ()) -> "AsyncSandbox":
+        """asyncio twin of :meth:`Client.restore`."""
+        req = _create_request("", "", 0, 0, 0, env, ttl, idle_timeout, labels, 0, False,
+                              request_id, public_ports)
+        req.from_snapshot = snapshot
+        return await self._create(req)
+
+    async def _create(self, req: pb.CreateSandboxRequest) -> "AsyncSandbox":
         req.project = self.project
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
@@ -1165,6 +1294,16 @@ class AsyncClient:
                     raise
                 await asyncio.sleep(0.2 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    async def run_code(self, code: str, language: str = "python", *, stdin=b"",
+                       files: Optional[Mapping[str, bytes]] = None,
+                       fetch_files: Iterable[str] = (), compile_timeout: float = 10,
+                       run_timeout: float = 10, memory_mib: int = 0, network: bool = False,
+                       image: str = "") -> CodeResult:
+        """:meth:`Client.run_code`, awaited."""
+        req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
+                                run_timeout, memory_mib, network, image)
+        return CodeResult._from(await self._call(self._fn.Run, req))
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
         s = await self._call(self._sandboxes.Get, pb.GetSandboxRequest(sandbox_id=sandbox_id))

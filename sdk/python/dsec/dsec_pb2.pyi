@@ -49,6 +49,13 @@ class SandboxState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_STATE_STOPPING: _ClassVar[SandboxState]
     SANDBOX_STATE_DEAD: _ClassVar[SandboxState]
     SANDBOX_STATE_LOST: _ClassVar[SandboxState]
+
+class FnStageStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FN_STAGE_STATUS_UNSPECIFIED: _ClassVar[FnStageStatus]
+    FN_STAGE_STATUS_FINISHED: _ClassVar[FnStageStatus]
+    FN_STAGE_STATUS_TIME_LIMIT_EXCEEDED: _ClassVar[FnStageStatus]
+    FN_STAGE_STATUS_ERROR: _ClassVar[FnStageStatus]
 BACKEND_UNSPECIFIED: Backend
 BACKEND_CONTAINER: Backend
 BACKEND_MICROVM: Backend
@@ -59,6 +66,10 @@ SANDBOX_STATE_PAUSED: SandboxState
 SANDBOX_STATE_STOPPING: SandboxState
 SANDBOX_STATE_DEAD: SandboxState
 SANDBOX_STATE_LOST: SandboxState
+FN_STAGE_STATUS_UNSPECIFIED: FnStageStatus
+FN_STAGE_STATUS_FINISHED: FnStageStatus
+FN_STAGE_STATUS_TIME_LIMIT_EXCEEDED: FnStageStatus
+FN_STAGE_STATUS_ERROR: FnStageStatus
 
 class NetworkPolicy(_message.Message):
     __slots__ = ("allow_internet", "allow", "deny")
@@ -71,7 +82,7 @@ class NetworkPolicy(_message.Message):
     def __init__(self, allow_internet: _Optional[bool] = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateSandboxRequest(_message.Message):
-    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id", "cold")
+    __slots__ = ("backend", "image", "vcpus", "memory_mib", "disk_mib", "env", "ttl_seconds", "idle_timeout_seconds", "labels", "network", "pids_limit", "request_id", "public_ports", "project", "node_labels", "sandbox_id", "cold", "from_snapshot")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +121,7 @@ class CreateSandboxRequest(_message.Message):
     NODE_LABELS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     COLD_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     backend: Backend
     image: str
     vcpus: int
@@ -127,7 +139,8 @@ class CreateSandboxRequest(_message.Message):
     node_labels: _containers.ScalarMap[str, str]
     sandbox_id: str
     cold: bool
-    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., project: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., sandbox_id: _Optional[str] = ..., cold: _Optional[bool] = ...) -> None: ...
+    from_snapshot: str
+    def __init__(self, backend: _Optional[_Union[Backend, str]] = ..., image: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ..., pids_limit: _Optional[int] = ..., request_id: _Optional[str] = ..., public_ports: _Optional[_Iterable[int]] = ..., project: _Optional[str] = ..., node_labels: _Optional[_Mapping[str, str]] = ..., sandbox_id: _Optional[str] = ..., cold: _Optional[bool] = ..., from_snapshot: _Optional[str] = ...) -> None: ...
 
 class ResourceUsage(_message.Message):
     __slots__ = ("memory_bytes", "cpu_usage_ns", "pids")
@@ -602,3 +615,99 @@ class SetNetworkPolicyRequest(_message.Message):
     sandbox_id: str
     network: NetworkPolicy
     def __init__(self, sandbox_id: _Optional[str] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
+
+class FnRunRequest(_message.Message):
+    __slots__ = ("language", "code", "stdin", "files", "fetch_files", "compile_timeout", "run_timeout", "memory_mib", "network", "image")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FILES_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    RUN_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    language: str
+    code: str
+    stdin: bytes
+    files: _containers.ScalarMap[str, bytes]
+    fetch_files: _containers.RepeatedScalarFieldContainer[str]
+    compile_timeout: float
+    run_timeout: float
+    memory_mib: int
+    network: bool
+    image: str
+    def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[bytes] = ..., files: _Optional[_Mapping[str, bytes]] = ..., fetch_files: _Optional[_Iterable[str]] = ..., compile_timeout: _Optional[float] = ..., run_timeout: _Optional[float] = ..., memory_mib: _Optional[int] = ..., network: _Optional[bool] = ..., image: _Optional[str] = ...) -> None: ...
+
+class FnStageResult(_message.Message):
+    __slots__ = ("status", "exit_code", "signal", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "seconds")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    status: FnStageStatus
+    exit_code: int
+    signal: int
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    seconds: float
+    def __init__(self, status: _Optional[_Union[FnStageStatus, str]] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FnRunResponse(_message.Message):
+    __slots__ = ("compile", "run", "files", "file_errors", "out_of_memory", "total_seconds", "success")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    FILE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OUT_OF_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    compile: FnStageResult
+    run: FnStageResult
+    files: _containers.ScalarMap[str, bytes]
+    file_errors: _containers.RepeatedScalarFieldContainer[str]
+    out_of_memory: bool
+    total_seconds: float
+    success: bool
+    def __init__(self, compile: _Optional[_Union[FnStageResult, _Mapping]] = ..., run: _Optional[_Union[FnStageResult, _Mapping]] = ..., files: _Optional[_Mapping[str, bytes]] = ..., file_errors: _Optional[_Iterable[str]] = ..., out_of_memory: _Optional[bool] = ..., total_seconds: _Optional[float] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class FnRunBatchRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[FnRunRequest]
+    def __init__(self, calls: _Optional[_Iterable[_Union[FnRunRequest, _Mapping]]] = ...) -> None: ...
+
+class FnRunBatchItem(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: FnRunResponse
+    error: str
+    def __init__(self, response: _Optional[_Union[FnRunResponse, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FnRunBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[FnRunBatchItem]
+    def __init__(self, results: _Optional[_Iterable[_Union[FnRunBatchItem, _Mapping]]] = ...) -> None: ...

@@ -1494,3 +1494,136 @@ class Network:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class FnStub:
+    """================================================================= Fn
+
+    One-shot code execution from warm workers (FnCall): each call runs in a fresh, isolated
+    process (own pid and mount namespaces, fresh /tmp and working directory, no network unless
+    asked, memory/process/time/output limits), nothing of it visible to the next call.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Run = channel.unary_unary(
+                '/dsec.v1.Fn/Run',
+                request_serializer=dsec__pb2.FnRunRequest.SerializeToString,
+                response_deserializer=dsec__pb2.FnRunResponse.FromString,
+                _registered_method=True)
+        self.RunBatch = channel.unary_unary(
+                '/dsec.v1.Fn/RunBatch',
+                request_serializer=dsec__pb2.FnRunBatchRequest.SerializeToString,
+                response_deserializer=dsec__pb2.FnRunBatchResponse.FromString,
+                _registered_method=True)
+
+
+class FnServicer:
+    """================================================================= Fn
+
+    One-shot code execution from warm workers (FnCall): each call runs in a fresh, isolated
+    process (own pid and mount namespaces, fresh /tmp and working directory, no network unless
+    asked, memory/process/time/output limits), nothing of it visible to the next call.
+    """
+
+    def Run(self, request, context):
+        """Runs one call. A bad call (unknown language, bounds) is INVALID_ARGUMENT; code that
+        fails, times out or is killed is a normal answer with the stage statuses saying so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunBatch(self, request, context):
+        """Runs calls concurrently; answers in the order given, each with its own error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FnServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Run': grpc.unary_unary_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=dsec__pb2.FnRunRequest.FromString,
+                    response_serializer=dsec__pb2.FnRunResponse.SerializeToString,
+            ),
+            'RunBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunBatch,
+                    request_deserializer=dsec__pb2.FnRunBatchRequest.FromString,
+                    response_serializer=dsec__pb2.FnRunBatchResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.v1.Fn', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.v1.Fn', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Fn:
+    """================================================================= Fn
+
+    One-shot code execution from warm workers (FnCall): each call runs in a fresh, isolated
+    process (own pid and mount namespaces, fresh /tmp and working directory, no network unless
+    asked, memory/process/time/output limits), nothing of it visible to the next call.
+    """
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Fn/Run',
+            dsec__pb2.FnRunRequest.SerializeToString,
+            dsec__pb2.FnRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Fn/RunBatch',
+            dsec__pb2.FnRunBatchRequest.SerializeToString,
+            dsec__pb2.FnRunBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -336,6 +336,13 @@ class ApiTest(NodeTest):
             c.create(vcpus=-1)
         with self.assertRaises(dsec.InvalidArgument):
             c.create(ttl=-1)
+        # A restore takes only a snapshot directory this node wrote.
+        with self.assertRaises(dsec.InvalidArgument) as e:
+            c.restore("snapshots/relative")
+        self.assertIn("absolute path", e.exception.details)
+        with self.assertRaises(dsec.InvalidArgument) as e:
+            asyncio.run(self._restore_async("/nonexistent-snapshot"))
+        self.assertIn("sandbox.json", e.exception.details)
         with c.create(memory_mib=64, disk_mib=1024) as sb:
             with self.assertRaises(dsec.InvalidArgument) as e:
                 sb.read_file(b"/tmp/\xff\xfe")
@@ -371,6 +378,10 @@ class ApiTest(NodeTest):
             # The sandbox still works after its disk filled up.
             sb.remove("/big")
             self.assertEqual(sb.exec("echo ok").text, "ok\n")
+
+    async def _restore_async(self, snapshot: str) -> None:
+        async with dsec.AsyncClient(self.client.target) as c:
+            await c.restore(snapshot)
 
     def test_ttl_reaping_frees_everything(self):
         sb = self.client.create(memory_mib=64, ttl=1)

@@ -41,19 +41,22 @@ pub fn default_target() -> String {
 pub type Transport = InterceptedService<Channel, Credentials>;
 
 /// The API token and project sent with every call (`authorization: Bearer TOKEN`,
-/// `x-dsec-project`); a lone node needs neither, an apiserver both.
+/// `x-dsec-project`); a lone node needs neither, an apiserver both. `https://` targets are
+/// checked against the cluster CA in `ca_file`.
 #[derive(Clone, Debug, Default)]
 pub struct Credentials {
     token: Option<AsciiMetadataValue>,
     project: Option<AsciiMetadataValue>,
     project_name: String,
+    ca_file: Option<PathBuf>,
 }
 
 impl Credentials {
-    /// From `DSEC_TOKEN` and `DSEC_PROJECT` (each optional).
+    /// From `DSEC_TOKEN`, `DSEC_PROJECT` and `DSEC_CA_FILE` (each optional).
     pub fn from_env() -> Self {
         let var = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
         Self::new(var("DSEC_TOKEN").as_deref(), var("DSEC_PROJECT").as_deref())
+            .with_ca_file(var("DSEC_CA_FILE").map(PathBuf::from))
     }
 
     /// Unprintable values are left out (the apiserver then says what is missing).
@@ -62,7 +65,34 @@ impl Credentials {
             token: token.and_then(|t| format!("Bearer {t}").parse().ok()),
             project: project.and_then(|p| p.parse().ok()),
             project_name: project.unwrap_or_default().to_string(),
+            ca_file: None,
         }
+    }
+
+    /// The cluster CA (`ca.pem` from `dsec control init`) `https://` targets are checked
+    /// against.
+    pub fn with_ca_file(mut self, ca_file: Option<PathBuf>) -> Self {
+        self.ca_file = ca_file;
+        self
+    }
+
+    /// The endpoint of one `http://` or `https://` target (TLS checked against the CA file).
+    pub fn endpoint(&self, target: &str) -> Result<Endpoint> {
+        let err = |reason: String| Error::Connect {
+            target: target.to_string(),
+            reason,
+        };
+        let endpoint = Endpoint::from_shared(target.to_string()).map_err(|e| err(e.to_string()))?;
+        if !target.starts_with("https://") {
+            return Ok(endpoint);
+        }
+        let ca_file = self.ca_file.as_deref().ok_or_else(|| {
+            err("an https:// target needs the cluster CA: set DSEC_CA_FILE (or --ca-file) to its ca.pem".into())
+        })?;
+        let tls = dsec_api::tls::client_with_ca(ca_file).map_err(|e| err(e.to_string()))?;
+        endpoint
+            .tls_config(tls)
+            .map_err(|e| err(dsec_api::tls::error_chain(&e)))
     }
 
     /// The project Create and List name when the request names none.
@@ -366,9 +396,9 @@ pub struct Client {
 }
 
 impl Client {
-    /// `unix:/path/edge.sock` or `http://host:port`, or several `http://` addresses
-    /// separated by commas (apiserver replicas: calls are spread over them and go on on the
-    /// others when one fails). Credentials from `DSEC_TOKEN` and `DSEC_PROJECT`.
+    /// `unix:/path/edge.sock` or `http(s)://host:port`, or several such addresses separated
+    /// by commas (apiserver replicas: calls are spread over them and go on on the others when
+    /// one fails). Credentials from `DSEC_TOKEN`, `DSEC_PROJECT` and `DSEC_CA_FILE`.
     pub async fn connect(target: &str) -> Result<Self> {
         Self::connect_with(target, Credentials::from_env()).await
     }
@@ -383,12 +413,7 @@ impl Client {
         if targets.len() > 1 {
             let mut endpoints = Vec::with_capacity(targets.len());
             for t in &targets {
-                endpoints.push(Endpoint::from_shared(t.to_string()).map_err(|e| {
-                    Error::Connect {
-                        target: t.to_string(),
-                        reason: e.to_string(),
-                    }
-                })?);
+                endpoints.push(credentials.endpoint(t)?);
             }
             return Ok(Self {
                 channel: InterceptedService::new(
@@ -399,7 +424,7 @@ impl Client {
                 credentials,
             });
         }
-        let channel = Self::connect_one(target).await?;
+        let channel = Self::connect_one(target, &credentials).await?;
         Ok(Self {
             channel: InterceptedService::new(channel, credentials.clone()),
             tcp: !target.starts_with("unix:"),
@@ -407,7 +432,7 @@ impl Client {
         })
     }
 
-    async fn connect_one(target: &str) -> Result<Channel> {
+    async fn connect_one(target: &str, credentials: &Credentials) -> Result<Channel> {
         let err = |reason: String| Error::Connect {
             target: target.to_string(),
             reason,
@@ -427,11 +452,11 @@ impl Client {
                 .await
                 .map_err(|e| err(e.to_string()))?
         } else {
-            Endpoint::from_shared(target.to_string())
-                .map_err(|e| err(e.to_string()))?
+            credentials
+                .endpoint(target)?
                 .connect()
                 .await
-                .map_err(|e| err(e.to_string()))?
+                .map_err(|e| err(dsec_api::tls::error_chain(&e)))?
         };
         Ok(channel)
     }
@@ -554,6 +579,32 @@ impl Client {
             .await?
             .into_inner()
             .sandboxes)
+    }
+
+    /// Snapshot of a running microVM sandbox into a new directory on its node (`path` empty:
+    /// the node picks one); returns the directory, which [`restore`](Self::restore) takes.
+    pub async fn snapshot(&self, id: &str, path: &str, diff: bool) -> Result<String> {
+        Ok(self
+            .sandboxes()
+            .snapshot(SnapshotSandboxRequest {
+                sandbox_id: id.into(),
+                path: path.into(),
+                diff,
+            })
+            .await?
+            .into_inner()
+            .path)
+    }
+
+    /// A new sandbox restored from `snapshot` (a path [`snapshot`](Self::snapshot) returned on
+    /// this node): its image and shape come from the snapshot, env, labels, TTL and ports from
+    /// `request`, whose image and shape fields must be unset or equal to the snapshot's.
+    pub async fn restore(&self, snapshot: &str, request: CreateSandboxRequest) -> Result<Sandbox> {
+        self.create(CreateSandboxRequest {
+            from_snapshot: snapshot.into(),
+            ..request
+        })
+        .await
     }
 
     pub async fn set_timeout(&self, id: &str, ttl_seconds: i64) -> Result<Sandbox> {
@@ -834,6 +885,32 @@ impl Client {
             }
         }
         Ok(changed)
+    }
+
+    /// Runs code once in a warm FnCall worker of the node (`Fn.Run`): `language` is python,
+    /// bash, cpp or node; the rest of `request` (stdin, files, timeouts, memory) as given.
+    pub async fn run_code(&self, mut request: FnRunRequest) -> Result<FnRunResponse> {
+        if request.language.is_empty() {
+            request.language = "python".into();
+        }
+        Ok(self.fn_client().run(request).await?.into_inner())
+    }
+
+    /// Runs calls concurrently on the node (`Fn.RunBatch`); answers in the order given.
+    pub async fn run_code_batch(&self, calls: Vec<FnRunRequest>) -> Result<Vec<FnRunBatchItem>> {
+        Ok(self
+            .fn_client()
+            .run_batch(FnRunBatchRequest { calls })
+            .await?
+            .into_inner()
+            .results)
+    }
+
+    fn fn_client(&self) -> dsec_api::v1::fn_client::FnClient<Transport> {
+        // Results carry stdout, stderr and fetched files: above tonic's 4 MiB default.
+        dsec_api::v1::fn_client::FnClient::new(self.channel.clone())
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(64 << 20)
     }
 
     /// Opens `port` of the sandbox to everyone (`public`) or makes it private again; returns

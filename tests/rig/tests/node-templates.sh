@@ -2,13 +2,22 @@
 # Runs inside the rig's L1: microVM template snapshots and pause that frees memory, through
 # the node daemon (`dsec up`, every VMM jailed) and the `dsec` CLI.
 # - the first create builds the image's template; creates restore it and run commands; two
-#   sandboxes from one template differ in /dev/urandom and have the host's clock;
-# - create -> first exec, template vs --cold (METRIC lines);
+#   sandboxes from one template differ in /dev/urandom, have the host's clock and are named
+#   after their ids (`hostname`; a fork child too);
+# - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
 #   pause -> resume -> first exec (METRIC);
 # - a paused sandbox survives kill -9 of the daemon and a restart, then resumes;
 # - a corrupted template falls back to a cold boot with a warning, and is built again.
+# - restore of a named snapshot (`dsec snapshot`, `dsec restore`): new sandboxes with the
+#   source's files and processes (also after the source is deleted), each with its own id,
+#   entropy, the host's clock and private writes;
+# - a session's cwd survives the three pause/resume cycles;
+# - a missing template memory file falls back to a cold boot; a changed image (new mtime)
+#   builds a new template and removes the stale one;
+# - a full disk during pause (the snapshot dir on a 4 MiB tmpfs) fails the pause cleanly
+#   and the sandbox keeps running.
 # Expects in L1: /bin/dsec, /bin/dsec-vmm and DSEC_HOME=/dsec holding kernel/vmlinux and
 # images/busybox/initramfs.cpio.
 # Prints PASS/FAIL per check, METRIC lines and "N passed, N failed"; exit status = failures.
@@ -25,7 +34,7 @@ done
 now_ms() { read up _ </proc/uptime; echo $(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 )); }
 start_daemon() {
     DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off \
-        --http 127.0.0.1:7080 --cgroup-name dsec-rig >>/tmp/node.log 2>&1 &
+        --http 127.0.0.1:7080 --cgroup-name dsec-rig --ready-timeout 120 >>/tmp/node.log 2>&1 &
     daemon=$!
     i=0
     until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
@@ -69,7 +78,45 @@ timeout $T dsec exec $a -- sh -c 'echo a >/root/who'
 timeout $T dsec exec $b -- sh -c 'echo b >/root/who'
 [ "$(timeout $T dsec exec $a -- cat /root/who)" = a ] && [ "$(timeout $T dsec exec $b -- cat /root/who)" = b ] \
     && ok template-private-writes || bad template-private-writes "files mixed up"
+# Each sandbox is named after its id (the template's guest was snapshotted as another).
+ha=$(timeout $T dsec exec $a -- hostname); hb=$(timeout $T dsec exec $b -- hostname)
+[ "$ha" = "$a" ] && [ "$hb" = "$b" ] && ok template-hostname || bad template-hostname "'$ha' for $a, '$hb' for $b"
 timeout $T dsec rm $b >/dev/null 2>&1
+
+# Restore of a named snapshot into new sandboxes (Create.from_snapshot), after the source is gone.
+src=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+timeout $T dsec exec $src -- sh -c 'echo from-source >/root/snapfile
+    setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! >/root/snap-bg.pid' >/dev/null
+snap=$(timeout $T dsec snapshot $src 2>/tmp/snap.err)
+timeout $T dsec exec $src -- sh -c 'echo changed-after-the-snapshot >/root/snapfile'
+timeout $T dsec rm $src >/dev/null 2>&1
+t0=$(now_ms)
+r1=$(timeout $T dsec restore $snap 2>>/tmp/create.err)
+f1=$(timeout $T dsec exec $r1 -- cat /root/snapfile)
+t1=$(now_ms)
+echo "METRIC restore_snapshot_first_exec_ms $((t1 - t0))"
+r2=$(timeout $T dsec restore $snap 2>>/tmp/create.err)
+grep -o 'restored from a named snapshot.*' /tmp/node.log | tail -2
+f2=$(timeout $T dsec exec $r2 -- cat /root/snapfile)
+[ -n "$snap" ] && [ -n "$r1" ] && [ -n "$r2" ] && [ "$r1" != "$r2" ] && [ "$f1" = from-source ] && [ "$f2" = from-source ] \
+    && [ "$(grep -c 'restored from a named snapshot' /tmp/node.log)" = 2 ] \
+    && ok restore-snapshot-files || bad restore-snapshot-files "snap '$snap' $(cat /tmp/snap.err), ids '$r1' '$r2', files '$f1' '$f2': $(tail -3 /tmp/create.err)"
+bgp=$(timeout $T dsec exec $r1 -- cat /root/snap-bg.pid)
+timeout $T dsec exec $r1 -- sh -c "kill -0 $bgp" && timeout $T dsec exec $r2 -- sh -c "kill -0 $bgp" \
+    && ok restore-snapshot-process || bad restore-snapshot-process "background process $bgp is not in both"
+timeout $T dsec inspect $r1 | grep -q '"memory_mib": 128' && ok restore-snapshot-shape \
+    || bad restore-snapshot-shape "$(timeout $T dsec inspect $r1 | grep memory)"
+ra=$(timeout $T dsec exec $r1 -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')
+rb=$(timeout $T dsec exec $r2 -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')
+before=$(date +%s); guest=$(timeout $T dsec exec $r2 -- date +%s); after=$(date +%s)
+timeout $T dsec exec $r1 -- sh -c 'echo one >/root/snapfile'
+[ ${#ra} = 64 ] && [ "$ra" != "$rb" ] && [ "$guest" -ge $((before - 1)) ] && [ "$guest" -le $((after + 1)) ] \
+    && [ "$(timeout $T dsec exec $r2 -- cat /root/snapfile)" = from-source ] \
+    && ok restore-snapshot-identity || bad restore-snapshot-identity "random '$ra' vs '$rb', clock $guest in $before..$after"
+out=$(timeout $T dsec restore /tmp/nowhere 2>&1)
+case $out in *sandbox.json*) ok restore-bad-snapshot-refused ;; *) bad restore-bad-snapshot-refused "$out" ;; esac
+timeout $T dsec rm $r1 $r2 >/dev/null 2>&1
+rm -rf "$(dirname "$snap")"
 
 # create -> first exec, template vs cold, alternating; then template restores through
 # userfaultfd (DSEC_TEMPLATE_MEMORY=lazy, daemon restarted; the sandbox $a is adopted).
@@ -88,6 +135,31 @@ for i in 1 2 3; do sample cold --cold; sample template; done
 grep -o 'create done.*' /tmp/node.log | tail -6
 t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
 echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
+# A burst of 4 concurrent creates (`dsec create -n 4`), cold then template: wall time, how
+# many were made, creations per second x100.
+burst() { # KIND [--cold]
+    t0=$(now_ms)
+    ids=$(timeout $T dsec create --backend microvm --mem 128 -n 4 $2 2>>/tmp/create.err)
+    t1=$(now_ms)
+    n=$(echo "$ids" | grep -c sb-)
+    echo "METRIC burst4_${1}_ms $((t1 - t0))"
+    echo "METRIC burst4_${1}_created $n"
+    echo "METRIC burst4_${1}_creations_per_s_x100 $((n * 100000 / (t1 - t0 + 1)))"
+    timeout $T dsec rm $ids >/dev/null 2>&1
+}
+burst cold --cold
+burst template
+# A fork's parent pause window, VMM-side (the snapshot reply's paused_ms), 1 GiB guest.
+big=$(timeout $T dsec create --backend microvm --mem 1024 --cold 2>>/tmp/create.err)
+timeout $T dsec exec $big -- sh -c 'echo parent >/root/p'
+kid=$(timeout $T dsec fork $big 2>>/tmp/create.err | grep -o 'sb-[a-z0-9]*' | head -1)
+win=$(grep -o 'snapshot written.*' /tmp/node.log | tail -1 | tr -d '\033' | sed 's/\[[0-9;]*m//g')
+echo "fork of a 1 GiB guest: $win"
+echo "METRIC fork_parent_paused_ms_1g $(echo "$win" | grep -o 'paused_ms=[0-9.]*' | cut -d= -f2)"
+[ -n "$kid" ] && [ "$(timeout $T dsec exec $kid -- cat /root/p)" = parent ] \
+    && [ "$(timeout $T dsec exec $kid -- hostname)" = "$kid" ] && [ "$(timeout $T dsec exec $big -- hostname)" = "$big" ] \
+    && ok fork-1g-child || bad fork-1g-child "child '$kid' of '$big' (files, hostnames)"
+timeout $T dsec rm $big $kid >/dev/null 2>&1
 kill $daemon; wait $daemon 2>/dev/null
 export DSEC_TEMPLATE_MEMORY=lazy
 start_daemon
@@ -100,6 +172,16 @@ grep -o 'restored from the template snapshot.*' /tmp/node.log | tail -7
 # Pause that frees memory: three cycles, writes between them, a background process kept.
 timeout $T dsec exec $a -- sh -c 'setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! >/root/bg.pid' >/dev/null
 bg=$(timeout $T dsec exec $a -- cat /root/bg.pid)
+# A session kept open across the cycles (fed through a FIFO); its cwd must survive each.
+mkfifo /tmp/sess.in
+dsec shell $a </tmp/sess.in >/tmp/sess.out 2>/dev/null &
+sess=$!
+exec 7>/tmp/sess.in
+echo 'mkdir -p /root/deep/er && cd /root/deep/er && echo cwd-set' >&7
+# Waits until the session printed line $1.
+sess_wait() { i=0; until grep -qx "$1" /tmp/sess.out || [ $i -ge 150 ]; do sleep 0.2; i=$((i + 1)); done; grep -qx "$1" /tmp/sess.out; }
+sess_wait cwd-set || bad session-open "$(cat /tmp/sess.out)"
+sessions=0
 cycles=0
 for i in 1 2 3; do
     timeout $T dsec exec $a -- sh -c "echo cycle-$i >/root/f$i"
@@ -116,10 +198,15 @@ for i in 1 2 3; do
     want=""; got=""
     for j in $(seq 1 $i); do want="$want cycle-$j"; got="$got $(timeout $T dsec exec $a -- cat /root/f$j)"; done
     timeout $T dsec exec $a -- sh -c "kill -0 $bg" || { bad "resume-$i-process" "background process $bg is gone"; break; }
+    echo "echo cwd-$i=\$(pwd)" >&7
+    sess_wait "cwd-$i=/root/deep/er" && sessions=$((sessions + 1)) || bad "resume-$i-session" "$(tail -2 /tmp/sess.out)"
     [ "$got" = "$want" ] && cycles=$((cycles + 1)) || { bad "resume-$i-files" "got '$got', want '$want'"; break; }
 done
 grep -o 'resumed from its snapshot on disk.*' /tmp/node.log | tail -3
 [ $cycles = 3 ] && ok pause-resume-three-cycles || bad pause-resume-three-cycles "$cycles of 3 cycles kept everything"
+[ $sessions = 3 ] && ok pause-resume-session-cwd || bad pause-resume-session-cwd "the session's cwd survived $sessions of 3 cycles"
+exec 7>&-
+wait $sess 2>/dev/null
 
 # A paused sandbox survives kill -9 of the daemon and a restart.
 timeout $T dsec exec $a -- sh -c 'echo before-kill >/root/k'
@@ -132,15 +219,56 @@ timeout $T dsec resume $a >/dev/null && [ "$(timeout $T dsec exec $a -- cat /roo
     && ok resume-after-daemon-kill || bad resume-after-daemon-kill "$(tail -5 /tmp/node.log)"
 
 # A corrupted template: the create boots cold (warning), the next one builds it again.
+built=$(grep -c 'template snapshot built' /tmp/node.log)
 for st in /tmp/node/templates/*/snapshot/state; do echo garbage >$st; done
 c=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 [ -n "$c" ] && [ "$(timeout $T dsec exec $c -- echo hi)" = hi ] && grep -q 'could not be restored' /tmp/node.log \
     && ok corrupt-template-falls-back-cold || bad corrupt-template-falls-back-cold "id '$c': $(grep -i template /tmp/node.log | tail -3)"
 d=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
-[ -n "$d" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 2 ] && [ "$(timeout $T dsec exec $d -- echo hi)" = hi ] \
+[ -n "$d" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 1)) ] && [ "$(timeout $T dsec exec $d -- echo hi)" = hi ] \
     && ok template-rebuilt || bad template-rebuilt "$(grep -i template /tmp/node.log | tail -3)"
 
-for s in $a $c $d; do timeout $T dsec rm $s >/dev/null 2>&1; done
+# (The node's disk budget in L1 takes five sandboxes of 1 GiB.)
+timeout $T dsec rm $c $d >/dev/null 2>&1
+# A template whose memory file is missing: a cold boot with a warning, then built again.
+rm -f /tmp/node/templates/*/snapshot/memory
+warned=$(grep -c 'could not be restored' /tmp/node.log)
+e=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+[ -n "$e" ] && [ "$(timeout $T dsec exec $e -- echo hi)" = hi ] && [ "$(grep -c 'could not be restored' /tmp/node.log)" -gt "$warned" ] \
+    && ok missing-template-falls-back-cold || bad missing-template-falls-back-cold "id '$e': $(grep -i template /tmp/node.log | tail -3)"
+f=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+[ -n "$f" ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 2)) ] && ok missing-template-rebuilt \
+    || bad missing-template-rebuilt "$(grep -i template /tmp/node.log | tail -3)"
+
+timeout $T dsec rm $e $f >/dev/null 2>&1
+# A changed image (the initramfs rewritten: new mtime) gets a new template; the stale one goes.
+old_tpl=$(ls /tmp/node/templates)
+touch $DSEC_HOME/images/busybox/initramfs.cpio
+g=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+new_tpl=$(ls /tmp/node/templates)
+[ -n "$g" ] && [ "$(timeout $T dsec exec $g -- echo hi)" = hi ] && [ "$(grep -c 'template snapshot built' /tmp/node.log)" = $((built + 3)) ] \
+    && [ -n "$new_tpl" ] && [ "$new_tpl" != "$old_tpl" ] && [ ! -e "/tmp/node/templates/$old_tpl" ] \
+    && grep -q 'stale template removed' /tmp/node.log \
+    && ok image-change-rebuilds-template || bad image-change-rebuilds-template "before '$old_tpl', after '$new_tpl': $(grep -i template /tmp/node.log | tail -3)"
+
+for s in $a $c $d $e $f $g; do timeout $T dsec rm $s >/dev/null 2>&1; done
+
+# A full disk during pause: the snapshot dir on a 4 MiB tmpfs; the pause fails, the sandbox runs on.
+kill $daemon; wait $daemon 2>/dev/null
+mount -t tmpfs -o size=4m tmpfs /tmp/node/snapshots
+start_daemon
+h=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+timeout $T dsec exec $h -- sh -c 'echo kept >/root/full'
+out=$(timeout $T dsec pause $h 2>&1); paused=$?
+[ -n "$h" ] && [ $paused != 0 ] && [ "$(timeout $T dsec exec $h -- cat /root/full)" = kept ] && [ "$(vmms_of $h)" -ge 1 ] \
+    && ok full-disk-pause-fails-cleanly || bad full-disk-pause-fails-cleanly "id '$h', pause exit $paused: $out"
+echo "full-disk pause error: $out"
+[ "$(df -k /tmp/node/snapshots | awk 'NR==2 {print $3}')" -lt 64 ] && ok full-disk-pause-leaves-no-snapshot \
+    || bad full-disk-pause-leaves-no-snapshot "$(ls -lR /tmp/node/snapshots | head)"
+timeout $T dsec rm $h >/dev/null 2>&1
+kill $daemon; wait $daemon 2>/dev/null
+umount /tmp/node/snapshots
+start_daemon
 i=0
 while [ "$(ps | grep -c "[d]sec-vmm")" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 left=$(dsec ls 2>/dev/null | grep -c sb-)

@@ -37,7 +37,7 @@ use crate::vcpu::{self, VcpuError, VcpuHandle, VcpuStats};
 pub use crate::exit::VmExitReason;
 pub use crate::timing::{now_ns, BootTimes};
 pub use restore::{LazyRestore, RestoreError, RestoreOverrides, WORKING_SET_FILE};
-pub use snapshot::SnapshotSummary;
+pub use snapshot::{LiveSnapshot, SnapshotSummary};
 
 /// Why a VM could not be built, run, paused or snapshotted.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +82,8 @@ pub enum VmError {
     Pause(#[from] PauseError),
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    CowWrite(#[from] crate::cow_writer::CowWriteError),
     #[error(transparent)]
     Restore(#[from] RestoreError),
     #[error("cannot serve the restored memory lazily: {0}")]

@@ -32,6 +32,52 @@ pub fn counter_with_mac_guest_code() -> Vec<u8> {
     ])
 }
 
+/// Where the sweeping guest's pages start (each page's first dword holds its sweep number).
+pub const SWEEP_BASE: u32 = 0x40_0000;
+
+/// 32-bit guest: forever { eax = [counter] + 1; for each of `pages` pages from SWEEP_BASE:
+/// [page] = eax; [counter] = eax }. At any instant the pages hold counter + 1 up to where the
+/// sweep is and counter after it: a snapshot mixing two instants breaks that.
+pub fn sweeping_guest_code(pages: u32) -> Vec<u8> {
+    let end = SWEEP_BASE + pages * 0x1000;
+    let mut code = vec![0xa1]; // mov eax, [counter]
+    code.extend_from_slice(&(COUNTER_ADDR as u32).to_le_bytes());
+    code.push(0x40); // inc eax
+    code.push(0xbb); // mov ebx, SWEEP_BASE
+    code.extend_from_slice(&SWEEP_BASE.to_le_bytes());
+    code.extend_from_slice(&[0x89, 0x03]); // sweep: mov [ebx], eax
+    code.extend_from_slice(&[0x81, 0xc3, 0x00, 0x10, 0x00, 0x00]); // add ebx, 0x1000
+    code.extend_from_slice(&[0x81, 0xfb]); // cmp ebx, end
+    code.extend_from_slice(&end.to_le_bytes());
+    code.extend_from_slice(&[0x72, 0xf0]); // jb sweep
+    code.push(0xa3); // mov [counter], eax
+    code.extend_from_slice(&(COUNTER_ADDR as u32).to_le_bytes());
+    let back = i8::try_from(-(code.len() as i64 + 2)).expect("fits a short jump");
+    code.extend_from_slice(&[0xeb, back as u8]); // jmp start
+    code
+}
+
+/// Checks a sweeping guest's memory file: returns its counter, or what is inconsistent.
+pub fn sweep_consistency(memory: &Path, pages: u32) -> Result<u64, String> {
+    let bytes = std::fs::read(memory).unwrap();
+    let dword = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let counter = dword(COUNTER_ADDR as usize);
+    let mut ahead = true;
+    for i in 0..pages as usize {
+        let v = dword(SWEEP_BASE as usize + i * 0x1000);
+        if ahead && v == counter.wrapping_add(1) {
+            continue;
+        }
+        ahead = false;
+        if v != counter {
+            return Err(format!(
+                "page {i} holds sweep {v}, the counter is {counter}: memory from two instants"
+            ));
+        }
+    }
+    Ok(counter.into())
+}
+
 /// `mov eax, [from]; mov [to], eax`.
 pub fn copy_dword(from: u32, to: u32) -> Vec<u8> {
     let mut code = vec![0xa1];
@@ -209,6 +255,11 @@ pub fn boot_counter(s: &Scratch) -> Vmm {
 }
 
 pub fn boot_guest(s: &Scratch, code: &[u8], extra: &[&str]) -> Vmm {
+    boot_guest_with_memory(s, code, 32, extra)
+}
+
+pub fn boot_guest_with_memory(s: &Scratch, code: &[u8], mem_mib: u32, extra: &[&str]) -> Vmm {
+    let mem_mib = mem_mib.to_string();
     let kernel = s.path("counter.elf");
     std::fs::write(&kernel, pvh_elf(code)).unwrap();
     let uds = s.path("vsock.sock");
@@ -216,7 +267,7 @@ pub fn boot_guest(s: &Scratch, code: &[u8], extra: &[&str]) -> Vmm {
         "--kernel",
         kernel.to_str().unwrap(),
         "--mem-mib",
-        "32",
+        &mem_mib,
         "--vsock-uds",
         uds.to_str().unwrap(),
         "--vsock-cid",

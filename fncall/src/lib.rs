@@ -1,0 +1,17 @@
+//! FnCall: one-shot code execution (python, bash, C++, node) from pools of warm workers,
+//! each call isolated from the last. See README.md.
+
+pub mod cgroup;
+pub mod container;
+pub mod engine;
+pub mod error;
+pub mod grpc;
+pub mod request;
+pub mod sandboxfusion;
+pub mod worker;
+
+pub use container::{CallLimits, ContainerFactory};
+pub use engine::{Engine, EngineConfig};
+pub use error::{FnCallError, Result};
+pub use request::{CallRequest, CallResult, Language, StageResult, StageStatus};
+pub use worker::{Outcome, PoolKey, Worker, WorkerFactory};

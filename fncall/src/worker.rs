@@ -1,0 +1,45 @@
+//! The seam between the call engine and what runs calls: a pool holds `Worker`s made by one
+//! `WorkerFactory`. Container workers (a zygote in namespaces, `container.rs`) are one kind;
+//! a microVM restored from a warm snapshot per call would be another (see README).
+
+use async_trait::async_trait;
+
+use crate::error::Result;
+use crate::request::{CallRequest, CallResult, Language};
+
+/// What a pool's workers have in common.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolKey {
+    pub image: String,
+    pub language: Language,
+    /// Workers whose calls reach a network: never made today (such calls are refused); kept
+    /// apart so a sandbox-network pool can come without changing the key.
+    pub network: bool,
+}
+
+/// What a worker hands back: the result, and whether it may serve another call.
+#[derive(Debug)]
+pub struct Outcome {
+    pub result: CallResult,
+    /// False after a timeout, an OOM kill or a crash: the pool replaces the worker.
+    pub reusable: bool,
+}
+
+/// Runs one call at a time, each isolated from the ones before.
+#[async_trait]
+pub trait Worker: Send {
+    /// Runs the call; returns as soon as its result is known.
+    async fn call(&mut self, call: &CallRequest) -> Result<Outcome>;
+
+    /// Waits until the last call's remains are gone (its namespaces torn down) and the
+    /// worker can take another; false: it cannot, replace it. Runs off the caller's path.
+    async fn settle(&mut self) -> bool {
+        true
+    }
+}
+
+/// Makes workers for a pool, in the background of calls.
+#[async_trait]
+pub trait WorkerFactory: Send + Sync {
+    async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>>;
+}

@@ -1,0 +1,409 @@
+# FnCall zygote: runs inside a worker (its own mount, network, ipc and uts namespaces, the
+# image as a read-only root). It preloads the language's runtime once, then serves one call
+# at a time: fork a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
+# tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
+# unprivileged uid and writes the result frame straight to the engine. When the call init
+# exits, its pid namespace dies and takes every process of the call with it. The zygote was
+# started inside the worker's cgroup, so calls are born there (moving a process between
+# cgroups costs an RCU grace period: milliseconds).
+#
+# Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a JSON
+# request. Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
+# call init's wait status (from the zygote) once it is gone.
+import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io, traceback, types, builtins
+
+LANG = sys.argv[1]
+MAX_REQUEST = int(sys.argv[2])
+OWN_PID_NS = int(sys.argv[3])
+# The sandbox seccomp filters (BPF, hex, comma-separated), installed by every stage.
+SECCOMP_HEX = sys.argv[4]
+# Size (KiB) and inodes of each call's /tmp and /work: mounted before the call arrives.
+WORK_KIB, WORK_INODES = int(sys.argv[5]), int(sys.argv[6])
+# A ready init's exit status when the engine closed the request pipe: the zygote ends too.
+EXIT_NO_MORE_CALLS = 3
+
+if LANG == "python":
+    # What reward code imports most: paid once here, not per call.
+    import re, math, random, collections, itertools, functools, heapq, bisect, string
+    import typing, datetime, decimal, fractions, copy, operator, statistics, dataclasses
+    try:
+        import numpy
+    except ImportError:
+        numpy = None
+
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_NOSUID, MS_NODEV = 2, 4
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+# Built once: a stage only makes the prctl calls.
+SECCOMP_PROGRAMS = []
+for _hex in filter(None, SECCOMP_HEX.split(",")):
+    _code = bytes.fromhex(_hex)
+    _buf = ctypes.create_string_buffer(_code, len(_code))
+    SECCOMP_PROGRAMS.append((_buf, SockFprog(len(_code) // 8, ctypes.addressof(_buf))))
+
+
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def mount(src, target, fstype, flags, data):
+    check(libc.mount(src.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags),
+                     data.encode()), "mount " + target)
+
+
+def read_exact(fd, view):
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            return got
+        got += n
+    return got
+
+
+def write_frame(fd, kind, payload):
+    data = struct.pack(">I", len(payload) + 1) + kind + payload
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def b64(data):
+    return base64.b64encode(data).decode()
+
+
+def drop_privileges(uid):
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    # No new user namespaces, mounts, bpf, keyctl, perf, kexec, modules, io_uring, ...
+    for _buf, prog in SECCOMP_PROGRAMS:
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+
+
+def set_limits(req):
+    lim = req["limits"]
+    cpu = max(1, int(req["cpu_seconds"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_bytes"], lim["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NPROC, (lim["processes"], lim["processes"]))
+
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
+       "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def run_python_here(path):
+    """The call's code in this already-warm interpreter, as `python3 path` would run it."""
+    os.environ.clear()
+    os.environ.update(ENV)
+    sys.argv = [path]
+    sys.path[0] = "/work"
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                 encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                  encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+                                  encoding="utf-8", line_buffering=True,
+                                  errors="backslashreplace")
+    # Fresh randomness per call: the state forked from the zygote is the same in every call.
+    random.seed()
+    if numpy is not None:
+        numpy.random.seed()
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120
+    os._exit(code)
+
+
+def stage(req, argv, stdin_fd, timeout, python_path=None):
+    """Runs one stage in a child as the call's uid; returns its result dict."""
+    cap = req["limits"]["output_bytes"]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    # Closed by a successful exec; a message on it means the stage never started.
+    fail_r, fail_w = os.pipe()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(stdin_fd, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.closerange(3, fail_w)
+            os.closerange(fail_w + 1, 65536)
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            os.chdir("/work")
+            drop_privileges(req["uid"])
+            set_limits(req)
+            if python_path is not None:
+                os.close(fail_w)
+                run_python_here(python_path)
+            os.execve(argv[0], argv, ENV)
+        except BaseException as e:
+            os.write(fail_w, ("cannot start %s: %s" % (argv[0], e)).encode())
+        os._exit(127)
+    os.close(out_w)
+    os.close(err_w)
+    os.close(fail_w)
+    pidfd = os.pidfd_open(pid)
+    deadline = started + timeout
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    truncated = {out_r: False, err_r: False}
+    open_fds = [out_r, err_r]
+    timed_out = False
+    exited = False
+    poller = select.poll()
+    for fd in open_fds:
+        poller.register(fd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    while open_fds and not exited:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(left * 1000):
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 65536)
+            if chunk:
+                room = cap - len(bufs[fd])
+                bufs[fd] += chunk[:room]
+                if len(chunk) > room:
+                    # Over the cap: stop reading, the writer gets SIGPIPE / EPIPE.
+                    truncated[fd] = True
+            if not chunk or truncated[fd]:
+                poller.unregister(fd)
+                os.close(fd)
+                open_fds.remove(fd)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    elapsed = time.monotonic() - started
+    # Whatever the stage left behind (background processes) goes with it: we are pid 1 of
+    # the call's namespace (checked: kill(-1) anywhere else would reach far more).
+    if os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for fd in open_fds:
+        # Writers are gone: drain what is buffered, up to the cap.
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            room = cap - len(bufs[fd])
+            bufs[fd] += chunk[:room]
+            if len(chunk) > room:
+                truncated[fd] = True
+                break
+        os.close(fd)
+    os.close(pidfd)
+    result = {"time": elapsed, "stdout": b64(bytes(bufs[out_r])), "stderr": b64(bytes(bufs[err_r])),
+              "stdout_truncated": truncated[out_r], "stderr_truncated": truncated[err_r],
+              "exit_code": None, "signal": None,
+              "status": "TimeLimitExceeded" if timed_out else "Finished"}
+    if os.WIFEXITED(status):
+        result["exit_code"] = os.WEXITSTATUS(status)
+    elif os.WIFSIGNALED(status):
+        result["signal"] = os.WTERMSIG(status)
+        if result["signal"] == signal.SIGXCPU and not timed_out:
+            result["status"] = "TimeLimitExceeded"
+    failure = os.read(fail_r, 4096)
+    os.close(fail_r)
+    if failure:
+        result["status"] = "Error"
+        result["stderr"] = b64(failure)
+    return result
+
+
+def inside_work(name):
+    # The engine checks names too; this runs as root, so check again.
+    path = os.path.normpath(os.path.join("/work", name))
+    if not path.startswith("/work/"):
+        raise ValueError("file name %r leaves the working directory" % name)
+    return path
+
+
+def prepare_call_namespace():
+    """Pid 1 of a call to come: fresh mount namespace, empty /tmp and /work, its /proc."""
+    if os.getpid() != 1:
+        raise RuntimeError("the call's init is not pid 1 of its own pid namespace")
+    check(libc.unshare(CLONE_NEWNS), "unshare mount namespace")
+    tmpfs = "size=%dk,nr_inodes=%d,mode=1777" % (WORK_KIB, WORK_INODES)
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
+    mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, "")  # 8: MS_NOEXEC
+    os.close(OWN_PID_NS)
+
+
+def read_request():
+    """The next request frame from the engine (fd 0), or None when it closed the pipe."""
+    header = bytearray(4)
+    if read_exact(0, memoryview(header)) < 4:
+        return None
+    size = struct.unpack(">I", header)[0]
+    if size > MAX_REQUEST:
+        return None
+    body = bytearray(size)
+    if read_exact(0, memoryview(body)) < size:
+        return None
+    return body
+
+
+def call_init(req):
+    """The call in its prepared namespace: the files, then the stages."""
+    lim = req["limits"]
+    # The zygote is shielded from the OOM killer; the call is its first choice.
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    uid = req["uid"]
+    os.chown("/work", uid, uid)
+    for name, data in req["files"].items():
+        path = inside_work(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(data))
+        os.chown(path, uid, uid)
+    empty_fd = os.open("/dev/null", os.O_RDONLY)
+    stdin_fd = empty_fd
+    if req["stdin"]:
+        # Not a pipe: the whole input is there at once, and no writer can block.
+        stdin_fd = os.memfd_create("stdin")
+        os.write(stdin_fd, base64.b64decode(req["stdin"]))
+        os.lseek(stdin_fd, 0, 0)
+    result = {"compile": None, "run": None, "files": {}, "errors": []}
+    lang = req["language"]
+    if lang == "python":
+        run = stage(req, [], stdin_fd, req["run_timeout"], python_path="/work/" + req["main"])
+    elif lang == "bash":
+        run = stage(req, ["/bin/bash", req["main"]], stdin_fd, req["run_timeout"])
+    elif lang == "node":
+        run = stage(req, ["/usr/bin/node", req["main"]], stdin_fd, req["run_timeout"])
+    elif lang == "cpp":
+        compiled = stage(req, ["/usr/bin/g++", "-O2", "-std=c++17", "-o", "/work/a.out", req["main"]],
+                         empty_fd, req["compile_timeout"])
+        result["compile"] = compiled
+        run = None
+        if compiled["status"] == "Finished" and compiled["exit_code"] == 0:
+            run = stage(req, ["/work/a.out"], stdin_fd, req["run_timeout"])
+    else:
+        raise ValueError("language %r has no runner" % lang)
+    result["run"] = run
+    # Files to hand back, read as the call's uid (a symlink cannot reach more than it could).
+    drop_privileges(uid)
+    budget = lim["fetch_bytes"]
+    for name in req["fetch"]:
+        path = inside_work(name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(budget + 1)
+        except OSError as e:
+            result["errors"].append("%s: %s" % (name, e.strerror))
+            continue
+        if len(data) > budget:
+            result["errors"].append("%s: over the %d bytes left for fetched files" % (name, lim["fetch_bytes"]))
+            continue
+        budget -= len(data)
+        result["files"][name] = b64(data)
+    return result
+
+
+def ready_init(go_r):
+    """A call's init made ahead of its call: namespaces and mounts ready, it waits for its
+    turn (the previous call gone), then reads the request itself and answers."""
+    try:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prepare_call_namespace()
+        setup_error = None
+    except BaseException as e:
+        setup_error = e
+    if os.read(go_r, 1) != b"g":
+        os._exit(EXIT_NO_MORE_CALLS)
+    os.close(go_r)
+    body = read_request()
+    if body is None:
+        os._exit(EXIT_NO_MORE_CALLS)
+    try:
+        if setup_error is not None:
+            raise setup_error
+        result = call_init(json.loads(bytes(body)))
+    except BaseException as e:
+        result = {"error": "%s: %s" % (type(e).__name__, e)}
+    del body
+    write_frame(1, b"R", json.dumps(result).encode())
+    os._exit(0)
+
+
+def prepare():
+    """Forks the next call's init into a fresh pid namespace; returns its pid and the pipe
+    that tells it its turn has come."""
+    go_r, go_w = os.pipe()
+    check(libc.unshare(CLONE_NEWPID), "unshare pid namespace")
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        ready_init(go_r)
+    os.close(go_r)
+    check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
+    return pid, go_w
+
+
+def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # The zygote never reads a request: each call's init reads its own, so nothing of a
+    # call is ever in the memory the next call is forked from.
+    current = prepare()
+    write_frame(1, b"H", b"")
+    while True:
+        pid, go_w = current
+        os.write(go_w, b"g")
+        os.close(go_w)
+        # The next init gets ready while this one waits for and serves its call.
+        current = prepare()
+        _, status = os.waitpid(pid, 0)
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_NO_MORE_CALLS:
+            return
+        write_frame(1, b"E", struct.pack(">i", status))
+
+
+main()

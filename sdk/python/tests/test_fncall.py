@@ -1,0 +1,141 @@
+"""FnCall through a real dsec-edge daemon (root, the fncall image from setup.sh): the SDK's
+run_code (sync and async), SandboxFusion's POST /run_code on the node's HTTP entry point with
+plain HTTP, and the unmodified `sandbox-fusion` client from PyPI against it.
+
+    DSEC_EDGE_BIN=target/release/dsec-edge python3 -m unittest sdk/python/tests/test_fncall.py -v
+
+The sandbox-fusion client lives in a venv under ${DSEC_CACHE:-/var/cache/dsec}/venv/
+sandbox-fusion (setup.sh makes it; made here when missing, which needs PyPI).
+"""
+
+import asyncio
+import base64
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import unittest
+from pathlib import Path
+
+import dsec
+
+from test_node import NodeTest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HTTP_PORT = free_port()
+
+
+def sandbox_fusion_python() -> str:
+    venv = Path(os.environ.get("DSEC_CACHE", "/var/cache/dsec")) / "venv" / "sandbox-fusion"
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import sandbox_fusion"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "sandbox-fusion"], check=True)
+    return str(python)
+
+
+class FnCallTest(NodeTest):
+    extra_args = ("--http", f"127.0.0.1:{HTTP_PORT}")
+
+    def post(self, body: dict) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=60)
+        conn.request("POST", "/run_code", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        self.assertEqual(resp.status, 200)
+        answer = json.loads(resp.read())
+        conn.close()
+        return answer
+
+    def test_run_code(self):
+        r = self.client.run_code("import numpy\nprint(numpy.arange(5).sum())")
+        self.assertTrue(r.success, r)
+        self.assertEqual(r.stdout, "10\n")
+        r = self.client.run_code("#include <iostream>\nint main(){int x;std::cin>>x;std::cout<<x*2;}",
+                                 "cpp", stdin="21")
+        self.assertTrue(r.compile.exit_code == 0 and r.stdout == "42", r)
+        r = self.client.run_code("console.log(require('fs').readFileSync('in.txt', 'utf8'))",
+                                 "nodejs", files={"in.txt": b"from a file"})
+        self.assertEqual(r.stdout, "from a file\n", r)
+        r = self.client.run_code("echo out > result.txt", "bash", fetch_files=["result.txt"])
+        self.assertEqual(r.files, {"result.txt": b"out\n"})
+        r = self.client.run_code("while True: pass", run_timeout=0.5)
+        self.assertEqual(r.run.status, "TimeLimitExceeded")
+        self.assertFalse(r.success)
+        with self.assertRaises(dsec.InvalidArgument) as e:
+            self.client.run_code("x", "cobol")
+        self.assertIn("cobol", str(e.exception))
+        with self.assertRaises(dsec.InvalidArgument):
+            self.client.run_code("x", files={"../escape": b""})
+
+    def test_run_code_async(self):
+        async def go():
+            client = dsec.AsyncClient(self.client.target)
+            try:
+                results = await asyncio.gather(
+                    *[client.run_code(f"print({i} * 3)") for i in range(20)])
+            finally:
+                await client.close()
+            return results
+
+        results = asyncio.run(go())
+        self.assertEqual([r.stdout for r in results], [f"{i * 3}\n" for i in range(20)])
+
+    def test_sandbox_fusion_http(self):
+        ok = self.post({"code": "print(input())", "language": "python", "stdin": "hi"})
+        self.assertEqual(ok["status"], "Success")
+        self.assertEqual(ok["run_result"]["stdout"], "hi\n")
+        self.assertEqual(ok["run_result"]["return_code"], 0)
+        self.assertIsNone(ok["compile_result"])
+        failed = self.post({"code": "int main( {", "language": "cpp"})
+        self.assertEqual(failed["status"], "Failed")
+        self.assertEqual(failed["compile_result"]["status"], "Finished")
+        self.assertNotEqual(failed["compile_result"]["return_code"], 0)
+        self.assertIsNone(failed["run_result"])
+        files = self.post({"code": "cat data.bin | wc -c; cp data.bin out.bin", "language": "bash",
+                           "files": {"data.bin": base64.b64encode(b"\x00\x01\x02").decode()},
+                           "fetch_files": ["out.bin"]})
+        self.assertEqual(files["run_result"]["stdout"].strip(), "3")
+        self.assertEqual(base64.b64decode(files["files"]["out.bin"]), b"\x00\x01\x02")
+        bad = self.post({"code": "x", "language": "cobol"})
+        self.assertEqual(bad["status"], "SandboxError")
+        self.assertIn("cobol", bad["message"])
+        conn = http.client.HTTPConnection("127.0.0.1", HTTP_PORT, timeout=10)
+        conn.request("GET", "/v1/ping")
+        self.assertEqual(json.loads(conn.getresponse().read()), "pong")
+        conn.close()
+
+    def test_sandbox_fusion_client(self):
+        script = textwrap.dedent(f"""
+            from sandbox_fusion import run_code, RunCodeRequest, set_endpoint
+            set_endpoint("http://127.0.0.1:{HTTP_PORT}")
+            r = run_code(RunCodeRequest(code="print(1+1)", language="python"))
+            assert r.status == "Success" and r.run_result.stdout == "2\\n", r
+            r = run_code(RunCodeRequest(code="#include <cstdio>\\nint main(){{puts(\\"c\\");}}",
+                                        language="cpp"))
+            assert r.status == "Success" and r.run_result.stdout == "c\\n", r
+            assert r.compile_result.status == "Finished", r
+            r = run_code(RunCodeRequest(code="while True: pass", language="python", run_timeout=1))
+            assert r.status == "Failed" and r.run_result.status == "TimeLimitExceeded", r
+            r = run_code(RunCodeRequest(code="import sys; sys.exit(3)", language="python"))
+            assert r.status == "Failed" and r.run_result.return_code == 3, r
+            print("sandbox-fusion client ok")
+        """)
+        out = subprocess.run([sandbox_fusion_python(), "-c", script], capture_output=True,
+                             text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("sandbox-fusion client ok", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

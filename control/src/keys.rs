@@ -5,6 +5,12 @@ use crate::iam::{PrincipalId, ProjectPath};
 
 pub const ROOT: &str = "/dsec/";
 
+/// The folders an apiserver's authorization cache follows.
+pub const PROJECTS: &str = "/dsec/projects/";
+pub const PRINCIPALS: &str = "/dsec/principals/";
+pub const BINDINGS: &str = "/dsec/bindings/";
+pub const TOKENS: &str = "/dsec/tokens/";
+
 pub fn project(path: &ProjectPath) -> String {
     format!("/dsec/projects/{path}")
 }

@@ -150,6 +150,11 @@ struct Read {
 }
 
 impl Read {
+    fn decode(key: String, kv: Option<KeyValue>) -> QuotaResult<Read> {
+        let record = kv.as_ref().map(from_json).transpose()?.unwrap_or_default();
+        Ok(Read { record, kv, key })
+    }
+
     fn unchanged(&self) -> Compare {
         Compare::as_read(&self.key, self.kv.as_ref())
     }
@@ -173,8 +178,7 @@ impl Quotas {
     async fn read(&self, project: &ProjectPath) -> QuotaResult<Read> {
         let key = keys::quota(project);
         let kv = self.store.get(&key).await?;
-        let record = kv.as_ref().map(from_json).transpose()?.unwrap_or_default();
-        Ok(Read { record, kv, key })
+        Read::decode(key, kv)
     }
 
     pub async fn get(&self, project: &ProjectPath) -> QuotaResult<QuotaRecord> {

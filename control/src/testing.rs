@@ -8,7 +8,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::store::{EmbeddedStore, EtcdStore, Store};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::store::{
+    EmbeddedStore, EtcdStore, KeyValue, LeaseId, Range, Revision, Store, StoreResult, Txn,
+    TxnOutcome, Watch,
+};
 
 /// A store under test and whatever must live as long as it (the etcd process).
 pub struct TestStore {
@@ -174,3 +179,61 @@ macro_rules! on_both_stores {
     };
 }
 pub(crate) use on_both_stores;
+
+/// The real store, counting the reads that go through it.
+pub struct Counting {
+    inner: Arc<dyn Store>,
+    reads: AtomicUsize,
+}
+
+impl Counting {
+    pub fn over(inner: Arc<dyn Store>) -> Arc<Self> {
+        Arc::new(Counting {
+            inner,
+            reads: AtomicUsize::new(0),
+        })
+    }
+
+    /// Gets and ranges so far.
+    pub fn reads(&self) -> usize {
+        self.reads.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Counting {
+    async fn get(&self, key: &str) -> StoreResult<Option<KeyValue>> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.get(key).await
+    }
+    async fn range(&self, prefix: &str) -> StoreResult<Range> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.range(prefix).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        lease: Option<LeaseId>,
+    ) -> StoreResult<Revision> {
+        self.inner.put(key, value, lease).await
+    }
+    async fn delete(&self, key: &str) -> StoreResult<bool> {
+        self.inner.delete(key).await
+    }
+    async fn txn(&self, txn: Txn) -> StoreResult<TxnOutcome> {
+        self.inner.txn(txn).await
+    }
+    async fn grant_lease(&self, ttl: Duration) -> StoreResult<LeaseId> {
+        self.inner.grant_lease(ttl).await
+    }
+    async fn keep_alive(&self, lease: LeaseId) -> StoreResult<()> {
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke_lease(&self, lease: LeaseId) -> StoreResult<()> {
+        self.inner.revoke_lease(lease).await
+    }
+    async fn watch(&self, prefix: &str, after: Option<Revision>) -> StoreResult<Watch> {
+        self.inner.watch(prefix, after).await
+    }
+}

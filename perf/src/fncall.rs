@@ -269,7 +269,7 @@ async fn baseline_call(o: &FnOpts, t: Transport, snippet: Snippet) -> Result<Str
 /// A caller of one transport: its own connection (HTTP) or channel (gRPC).
 enum Caller {
     Http(HttpConn),
-    Grpc(dsec_sdk::Client),
+    Grpc(Box<dsec_sdk::Client>),
     Process(Transport),
 }
 
@@ -277,11 +277,11 @@ impl Caller {
     async fn new(t: Transport, servers: &Servers) -> Result<Self, String> {
         Ok(match t {
             Transport::Http => Caller::Http(HttpConn::connect(servers.http).await?),
-            Transport::Grpc => Caller::Grpc(
+            Transport::Grpc => Caller::Grpc(Box::new(
                 dsec_sdk::Client::connect(&format!("http://{}", servers.grpc))
                     .await
                     .map_err(|e| e.to_string())?,
-            ),
+            )),
             other => Caller::Process(other),
         })
     }

@@ -199,9 +199,10 @@ impl Shared {
                 },
             },
         };
-        // Committed with the other calls' records of the moment (one write per batch).
+        // Queued for the next batch commit: the answer does not wait for it (a crash of this
+        // replica loses the records not yet committed, see README "Audit").
         let (key, value) = Iam::audit_entry(&record);
-        if let Err(e) = self.audit_writer.put(key, value).await {
+        if let Err(e) = self.audit_writer.put_later(key, value).await {
             tracing::warn!(%e, "cannot write the audit record");
         }
     }

@@ -35,7 +35,7 @@ use dsec_api::v1::sessions_server::SessionsServer;
 
 use dsec_api::tls::TlsDir;
 
-use crate::iam::{Iam, IssuedToken};
+use crate::iam::{Iam, IamCache, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
 use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
@@ -117,10 +117,11 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// Starts the replica's authorization cache: call inside the tokio runtime.
     pub fn new(store: Arc<dyn Store>, config: ApiConfig) -> Arc<Self> {
         let placer = Arc::new(Placer::new(DEFAULT_CHOICES));
         Arc::new(Shared {
-            iam: Iam::new(store.clone()),
+            iam: Iam::with_cache(store.clone(), IamCache::start(store.clone())),
             quotas: Quotas::new(store.clone()),
             reserver: Reserver::new(Quotas::new(store.clone())),
             audit_writer: PutBatcher::new(store.clone()),

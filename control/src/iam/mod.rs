@@ -3,6 +3,7 @@
 //! call, and the audit log.
 
 mod audit;
+mod cache;
 mod model;
 mod token;
 
@@ -13,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use audit::{AuditRecord, Outcome};
+pub use cache::{IamCache, REVOCATION_BOUND};
 pub use model::{
     valid_segment, Action, Principal, PrincipalId, Project, ProjectPath, Role, RoleBinding,
     MAX_PROJECT_DEPTH,
@@ -116,6 +118,8 @@ pub struct Caller {
 #[derive(Clone)]
 pub struct Iam {
     store: Arc<dyn Store>,
+    /// The replica's copy of tokens, principals, projects and bindings, if it keeps one.
+    cache: Option<Arc<IamCache>>,
 }
 
 impl std::fmt::Debug for Iam {
@@ -129,7 +133,15 @@ const CAS_ATTEMPTS: usize = 64;
 
 impl Iam {
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Iam { store }
+        Iam { store, cache: None }
+    }
+
+    /// Authorizes from `cache` where it answers (see [`IamCache`]), else from the store.
+    pub fn with_cache(store: Arc<dyn Store>, cache: Arc<IamCache>) -> Self {
+        Iam {
+            store,
+            cache: Some(cache),
+        }
     }
 
     /// A fresh control plane's first organization with its first user, who is an admin of
@@ -392,10 +404,16 @@ impl Iam {
     /// The principal a token stands for, if the token is valid now.
     pub async fn authenticate(&self, token: &str) -> IamResult<(PrincipalId, String)> {
         let (id, secret) = token::parse(token)?;
-        let Some(kv) = self.store.get(&keys::token(id)).await? else {
-            return Err(IamError::TokenUnknown);
+        let key = keys::token(id);
+        let record = match self.cache.as_ref().and_then(|c| c.token(&key)) {
+            Some(record) => record,
+            None => {
+                let Some(kv) = self.store.get(&key).await? else {
+                    return Err(IamError::TokenUnknown);
+                };
+                from_json(&kv)?
+            }
         };
-        let record: TokenRecord = from_json(&kv)?;
         if !token::constant_time_eq(&token::sha256_hex(secret), &record.secret_sha256) {
             return Err(IamError::TokenUnknown);
         }
@@ -417,17 +435,28 @@ impl Iam {
         action: Action,
     ) -> IamResult<Caller> {
         let (principal, token_id) = self.authenticate(token).await?;
-        if self.store.get(&keys::project(project)).await?.is_none() {
+        let project_key = keys::project(project);
+        let cached = self.cache.as_ref();
+        if !cached.is_some_and(|c| c.has_project(&project_key))
+            && self.store.get(&project_key).await?.is_none()
+        {
             return Err(IamError::ProjectNotFound(project.clone()));
         }
-        let role = self
-            .bindings_of(&principal)
-            .await?
-            .into_iter()
-            .filter(|b| project.is_within(&b.project))
-            .map(|b| b.role)
-            .max();
+        let role_in = |bindings: Vec<RoleBinding>| {
+            bindings
+                .into_iter()
+                .filter(|b| project.is_within(&b.project))
+                .map(|b| b.role)
+                .max()
+        };
         let needed = action.required_role();
+        let mut role = cached
+            .and_then(|c| c.bindings_under(&keys::bindings_of(&principal)))
+            .and_then(role_in);
+        // The copy only allows: a role it lacks may have been granted a moment ago.
+        if role.is_none_or(|role| role < needed) {
+            role = role_in(self.bindings_of(&principal).await?);
+        }
         match role {
             Some(role) if role >= needed => Ok(Caller {
                 principal,
@@ -447,7 +476,15 @@ impl Iam {
     /// The check node operations make: the token is a cluster admin's.
     pub async fn authorize_cluster(&self, token: &str) -> IamResult<Caller> {
         let (principal, token_id) = self.authenticate(token).await?;
-        if !self.principal(&principal).await?.cluster_admin {
+        let cached = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.principal(&keys::principal(&principal)));
+        let is_admin = match cached {
+            Some(record) if record.cluster_admin => true,
+            _ => self.principal(&principal).await?.cluster_admin,
+        };
+        if !is_admin {
             return Err(IamError::NotClusterAdmin(principal));
         }
         Ok(Caller {

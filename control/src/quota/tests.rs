@@ -12,6 +12,7 @@ on_both_stores!(
     batched_reservations_never_overrun_a_limit_and_refuse_a_taken_id,
     concurrent_delegations_never_overrun_the_parent,
     reconciling_a_node_makes_usage_exact,
+    a_burst_of_batches_reads_the_quota_record_once,
 );
 
 fn path(text: &str) -> ProjectPath {
@@ -415,4 +416,39 @@ async fn batched_reservations_never_overrun_a_limit_and_refuse_a_taken_id(store:
     let again = reserver.reserve(&rl, "n0", "sb-new", sandboxes(1)).await;
     assert_eq!(again.unwrap_err().code(), tonic::Code::AlreadyExists);
     assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(LIMIT - 1));
+}
+
+async fn a_burst_of_batches_reads_the_quota_record_once(store: Arc<dyn Store>) {
+    let (_, rl) = rl_limited_to(&store, 1_000).await;
+    let counting = crate::testing::Counting::over(store);
+    let quotas = Quotas::new(counting.clone());
+    let reserver = Reserver::new(quotas.clone());
+    for i in 0..20 {
+        reserver
+            .reserve(&rl, "n0", &format!("sb-{i}"), sandboxes(1))
+            .await
+            .unwrap();
+    }
+    assert_eq!(counting.reads(), 1, "each batch read the quota record");
+    // A change made elsewhere is found by the failed transaction, and nothing is lost.
+    quotas.release("n0", "sb-0").await.unwrap();
+    reserver
+        .reserve(&rl, "n0", "sb-20", sandboxes(1))
+        .await
+        .unwrap();
+    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(20));
+    // A remembered record that looks full is read again before anything is refused.
+    quotas.set_limit(&rl, sandboxes(21)).await.unwrap();
+    reserver
+        .reserve(&rl, "n0", "sb-21", sandboxes(1))
+        .await
+        .unwrap();
+    quotas.release("n0", "sb-1").await.unwrap();
+    reserver
+        .reserve(&rl, "n0", "sb-22", sandboxes(1))
+        .await
+        .unwrap();
+    let refused = reserver.reserve(&rl, "n0", "sb-23", sandboxes(1)).await;
+    assert_eq!(refused.unwrap_err().code(), tonic::Code::ResourceExhausted);
+    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(21));
 }

@@ -11,6 +11,9 @@ use super::{Op, Store, StoreError, StoreResult, Txn};
 
 /// Puts one transaction carries at most (etcd's default limit is 128 operations).
 pub const PUTS_MAX: usize = 100;
+/// Puts [`PutBatcher::put_later`] leaves queued at most; past it callers wait for their
+/// commit, so a slow store slows them down instead of growing the queue.
+pub const QUEUED_MAX: usize = 2_000;
 
 type Waiting = (String, Vec<u8>, oneshot::Sender<StoreResult<()>>);
 
@@ -61,6 +64,32 @@ impl PutBatcher {
         })
     }
 
+    /// Queues a put and returns before it is committed, unless [`QUEUED_MAX`] puts wait
+    /// already (then as [`put`](Self::put)). A crash of this process loses what is queued; a
+    /// failed commit is logged.
+    pub async fn put_later(&self, key: String, value: Vec<u8>) -> StoreResult<()> {
+        let queued = {
+            let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if queue.waiting.len() >= QUEUED_MAX {
+                Err((key, value))
+            } else {
+                // Nobody waits for the answer: the closed receiver drops it.
+                let (reply, _) = oneshot::channel();
+                queue.waiting.push((key, value, reply));
+                Ok(!std::mem::replace(&mut queue.committing, true))
+            }
+        };
+        match queued {
+            Err((key, value)) => self.put(key, value).await,
+            Ok(true) => {
+                let batcher = self.clone();
+                tokio::spawn(async move { batcher.drain().await });
+                Ok(())
+            }
+            Ok(false) => Ok(()),
+        }
+    }
+
     async fn drain(&self) {
         loop {
             let batch: Vec<Waiting> = {
@@ -79,6 +108,9 @@ impl PutBatcher {
                 replies.push(reply);
             }
             let result = self.store.txn(txn).await.map(|_| ());
+            if let Err(e) = &result {
+                tracing::warn!(%e, puts = replies.len(), "a batch of puts was not written");
+            }
             for reply in replies {
                 let _ = reply.send(match &result {
                     Ok(()) => Ok(()),
@@ -119,6 +151,33 @@ mod tests {
             transactions < 300,
             "{transactions} transactions for 300 puts"
         );
+    }
+
+    /// Puts queued without waiting are all written, also past `QUEUED_MAX` (those wait).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn puts_queued_without_waiting_are_all_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+        let batcher = PutBatcher::new(store.clone());
+        let count = QUEUED_MAX + 500;
+        for i in 0..count {
+            batcher
+                .put_later(format!("later/{i:05}"), vec![1])
+                .await
+                .unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let written = store.range("later/").await.unwrap().kvs.len();
+            if written == count {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{written} of {count} queued puts written"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

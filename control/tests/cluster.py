@@ -542,10 +542,14 @@ def main():
         # new creates go elsewhere; when it comes back it re-registers with what it runs.
         mine = [s for s in made if s.id.startswith("sb-n2-")]
         mine_a = [s for s in mine if s in sbs + burst + more]
+        # Counted from the List, not from `made`: a create cut off with api0 may still have
+        # made its sandbox on n2.
+        listed = [s.id for s in usage.client.list()]
+        kept = sum(1 for i in listed if not i.startswith("sb-n2-"))
         cluster.kill("n2")
         wait_for("n2's lease to expire", lambda: "n2" not in cluster.node_names(), 4 * TTL)
         wait_for("n2's sandboxes LOST", lambda: a.get(mine_a[0].id).info.state == "lost", 4 * TTL)
-        live = usage.check("SIGKILL of node n2", live - len(mine_a))
+        live = usage.check("SIGKILL of node n2", kept)
         with futures.ThreadPoolExecutor(10) as pool:
             elsewhere = list(pool.map(lambda _: a.create(**SMALL), range(10)))
         made += elsewhere
@@ -555,11 +559,11 @@ def main():
         wait_for("n2 back", lambda: "n2" in cluster.node_names(), 30)
         wait_for("n2's sandboxes back", lambda: a.get(mine_a[0].id).info.state == "running", 30)
         assert mine_a[-1].exec("echo back").stdout == b"back\n"
-        live = usage.check("node n2 back", live + len(mine_a))
+        live = usage.check("node n2 back", live + len(listed) - kept)
         print(f"  SIGKILL node n2: {len(mine_a)} sandboxes LOST then back, 10 creates elsewhere")
 
         # A node cut off (its link down past its lease), then back.
-        cut = [s for s in sbs + burst + more + elsewhere if s.id.startswith("sb-n3-")]
+        cut = [s for s in usage.client.list() if s.id.startswith("sb-n3-")]
         ip("link", "set", "dsecct-n3", "down")
         try:
             wait_for("n3's lease to expire", lambda: "n3" not in cluster.node_names(), 6 * TTL)

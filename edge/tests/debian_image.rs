@@ -64,7 +64,7 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
         &[
             "bash",
             "-c",
-            "set -e; mkdir /work && cd /work && git init -q && echo hi > f && git add f \
+            "set -e; mkdir -p /work && cd /work && git init -q && echo hi > f && git add f \
              && git -c user.name=t -c user.email=t@t commit -qm one \
              && echo edited >> /etc/debian_version && rm /usr/bin/python3",
         ],

@@ -64,7 +64,7 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
         &[
             "bash",
             "-c",
-            "set -e; mkdir -p /work && cd /work && git init -q && echo hi > f && git add f \
+            "set -e; mkdir /project && cd /project && git init -q && echo hi > f && git add f \
              && git -c user.name=t -c user.email=t@t commit -qm one \
              && echo edited >> /etc/debian_version && rm /usr/bin/python3",
         ],
@@ -73,7 +73,7 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
     assert_eq!(code, 0, "stderr: {err}");
     let upper = sandbox.dir().join("layers/disk/upper");
     assert!(
-        upper.join("work/.git/HEAD").is_file(),
+        upper.join("project/.git/HEAD").is_file(),
         "repo not in {}",
         upper.display()
     );
@@ -81,10 +81,10 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
     // never as host root.
     use std::os::unix::fs::MetadataExt;
     let range = dsec_edge::idpool::recorded(sandbox.dir()).expect("the sandbox's id range");
-    let head = std::fs::metadata(upper.join("work/.git/HEAD")).unwrap();
+    let head = std::fs::metadata(upper.join("project/.git/HEAD")).unwrap();
     assert_eq!((head.uid(), head.gid()), (range.base, range.base));
     assert!(upper.join("etc/debian_version").is_file());
-    assert!(!rootfs.join("work").exists(), "write reached the image");
+    assert!(!rootfs.join("project").exists(), "write reached the image");
     let version = std::fs::read_to_string(rootfs.join("etc/debian_version")).unwrap();
     assert!(
         !version.contains("edited"),
@@ -96,7 +96,7 @@ async fn python_bash_and_git_run_and_writes_stay_in_the_upper_layer() {
     );
     let (code, _, _) = run(&sandbox, &["test", "-e", "/usr/bin/python3"]).await;
     assert_eq!(code, 1, "the deletion must be visible inside");
-    let (_, out, _) = run(&sandbox, &["git", "-C", "/work", "log", "--format=%s"]).await;
+    let (_, out, _) = run(&sandbox, &["git", "-C", "/project", "log", "--format=%s"]).await;
     assert_eq!(out, "one\n");
 
     let dir = sandbox.dir().to_path_buf();

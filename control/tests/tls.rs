@@ -127,7 +127,9 @@ async fn nodes_need_a_certificate_of_the_cluster_ca() {
     assert!(
         refused.contains("UnknownCA")
             || refused.contains("certificate")
-            || refused.contains("connection closed"),
+            || refused.contains("connection closed")
+            // TLS 1.3: the server's alert can race the client's first request on the wire.
+            || refused.contains("broken pipe"),
         "unexpected refusal: {refused}"
     );
 

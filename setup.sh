@@ -22,7 +22,7 @@ pkgs=(build-essential pkg-config protobuf-compiler busybox-static cpio qemu-syst
       linux-source-6.1 bc flex bison libelf-dev libssl-dev dwarves rsync kmod xz-utils
       nftables conntrack iproute2
       docker-registry apache2-utils curl debootstrap erofs-utils e2fsprogs bubblewrap
-      libprotobuf-dev etcd-server)
+      libprotobuf-dev etcd-server glusterfs-server)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

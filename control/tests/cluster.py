@@ -18,8 +18,13 @@ TLS everywhere (CA from `dsec control init`, node certificates, https clients):
   burst (the clients go on on the other), SIGKILL of one etcd member, SIGKILL of a node (its
   sandboxes LOST after the lease, new creates elsewhere, back when it restarts), a node's
   link down and up, the whole control plane (etcd + apiservers) stopped and started again;
-- every sandbox deleted at the end; every process, netns, link and directory removed, also
-  on failure.
+- the multi-node image store: a GlusterFS volume (glusterd and its brick in a test host's
+  namespace of their own), mounted with `mount -t glusterfs` in each node's namespace at its
+  layer store (DSEC_LAYERFS_STORE); an image imported through n1 is created from on n2 and n3
+  (fetched through their own caches); with the gluster server stopped, a node that ran the
+  image still creates from its cache, one that did not fails with a clear error;
+- every sandbox deleted at the end; every process, mount, netns, link and directory removed,
+  also on failure.
 
 Run: cargo build -p dsec-cli -p dsec-agent && python3 control/tests/cluster.py
 (DSEC_BIN overrides target/debug/dsec; DSEC_KEEP_LOGS=1 keeps the logs). Every wait is
@@ -46,6 +51,9 @@ DSEC = os.environ.get("DSEC_BIN") or str(REPO / "target" / "debug" / "dsec")
 NODES = ["n1", "n2", "n3"]
 ETCD = ["e1", "e2", "e3"]
 BRIDGE = "dsecct0"
+GLUSTER_NS = "dsecct-gl"
+VOLUME = "dsec-layers"
+SHARED_IMAGE = "shared-bb"
 TTL = 3
 SMALL = dict(backend="container", memory_mib=64, disk_mib=64)
 
@@ -101,6 +109,9 @@ class Cluster:
         self.ca = str(self.tls / "ca.pem")
         self.netns = []
         self.links = []
+        self.gluster_ip = f"{self.net}.5"
+        self.gluster = self.dir / "gluster"
+        self.gluster_mounts = []
 
     # ------------------------------------------------------------ network
 
@@ -109,14 +120,16 @@ class Cluster:
         self.links.append(BRIDGE)
         ip("addr", "add", f"{self.gateway}/24", "dev", BRIDGE)
         ip("link", "set", BRIDGE, "up")
-        for n in NODES:
-            ns, veth = f"dsecct-{n}", f"dsecct-{n}"
+        hosts = {f"dsecct-{n}": self.node_ip[n] for n in NODES}
+        hosts[GLUSTER_NS] = self.gluster_ip
+        for ns, addr in hosts.items():
+            veth = ns
             ip("netns", "add", ns)
             self.netns.append(ns)
             ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             self.links.append(veth)
             ip("link", "set", veth, "master", BRIDGE, "up")
-            ip("-n", ns, "addr", "add", f"{self.node_ip[n]}/24", "dev", "eth0")
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             ip("-n", ns, "link", "set", "lo", "up")
 
@@ -125,6 +138,88 @@ class Cluster:
             ip("netns", "del", ns, check=False)
         for link in reversed(self.links):
             ip("link", "del", link, check=False)
+
+    # ------------------------------------------------------------ image store
+
+    def gluster_cli(self, *args):
+        r = subprocess.run(["nsenter", f"--net=/run/netns/{GLUSTER_NS}", "--", "gluster",
+                            f"--glusterd-sock={self.gluster / 'glusterd.socket'}",
+                            f"--log-file={self.gluster / 'cli.log'}", "--mode=script", *args],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise AssertionError(f"gluster {' '.join(args)}: {r.stdout}{r.stderr}")
+        return r.stdout
+
+    def start_glusterd(self):
+        """glusterd in the gluster host's namespace, its state and sockets under the test
+        dir; on a restart it starts the volume's brick again."""
+        self.gluster.mkdir(exist_ok=True)
+        vol = self.gluster / "glusterd.vol"
+        vol.write_text(f"""volume management
+    type mgmt/glusterd
+    option working-directory {self.gluster / 'state'}
+    option run-directory {self.gluster / 'run'}
+    option glusterd-sockfile {self.gluster / 'glusterd.socket'}
+    option transport-type socket
+    option transport.address-family inet
+    option event-threads 1
+    option ping-timeout 0
+end-volume
+""")
+        self.spawn("glusterd", ["glusterd", "-N", "-f", str(vol), "-l",
+                                str(self.gluster / "glusterd.log")], netns=GLUSTER_NS)
+        wait_for("glusterd", lambda: self.gluster_cli("volume", "list") is not None, 30)
+
+    def brick_pids(self):
+        pids = []
+        for f in (self.gluster / "run").glob("vols/*/*.pid"):
+            try:
+                pids.append(int(f.read_text().strip()))
+            except (OSError, ValueError):
+                pass
+        return pids
+
+    def stop_gluster_server(self):
+        """glusterd and the brick process: the volume's whole server side."""
+        if "glusterd" in self.procs:
+            self.kill("glusterd")
+        for pid in self.brick_pids():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+            # Its control socket is outside the test dir (-S /var/run/gluster/HASH.socket).
+            if b"-S" in argv[:-1]:
+                Path(os.fsdecode(argv[argv.index(b"-S") + 1])).unlink(missing_ok=True)
+
+    def start_image_store(self):
+        """A one-brick GlusterFS volume on the gluster host, mounted in each node's namespace
+        at the node's layer store."""
+        self.start_glusterd()
+        brick = self.gluster / "brick"
+        brick.mkdir()
+        self.gluster_cli("volume", "create", VOLUME, f"{self.gluster_ip}:{brick}", "force")
+        self.gluster_cli("volume", "start", VOLUME)
+        for n in NODES:
+            store = self.dir / f"{n}-store"
+            store.mkdir()
+            subprocess.run(["nsenter", f"--net=/run/netns/dsecct-{n}", "--", "mount", "-t",
+                            "glusterfs", "-o", f"log-file={self.gluster / f'{n}-client.log'}",
+                            f"{self.gluster_ip}:/{VOLUME}", str(store)],
+                           check=True, capture_output=True, timeout=60)
+            self.gluster_mounts.append(store)
+
+    def stop_image_store(self):
+        for store in self.gluster_mounts:
+            r = subprocess.run(["umount", str(store)], capture_output=True, timeout=30)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", str(store)], capture_output=True, timeout=30)
+        self.gluster_mounts = []
+        self.stop_gluster_server()
+        # What the brick process leaves outside the test dir: its log, named after the brick.
+        brick_log = str(self.gluster / "brick").strip("/").replace("/", "-") + ".log"
+        Path("/var/log/glusterfs/bricks", brick_log).unlink(missing_ok=True)
 
     # ------------------------------------------------------------ processes
 
@@ -199,6 +294,8 @@ class Cluster:
 
     def start(self):
         self.make_network()
+        if HAVE_GLUSTER:
+            self.start_image_store()
         self.start_control_plane(first=True)
         for n in NODES:
             self.issue_node(n, self.tls)
@@ -215,9 +312,14 @@ class Cluster:
         self.spawn(n, [DSEC, "up", "--state-dir", str(self.dir / n), "--metrics", "off",
                        "--http", "off", "--cgroup-name", f"dsec-cluster-{n}",
                        "--default-backend", "container", "--memory-mib", "16384",
-                       "--listen", addr, "--node-name", n,
+                       "--listen", addr, "--node-name", n, "--label", f"host={n}",
                        "--control", ",".join(self.api), "--tls-dir", str(self.dir / f"{n}-tls")],
-                   netns=f"dsecct-{n}" if n in NODES else None)
+                   env=self.layer_store_env(n), netns=f"dsecct-{n}" if n in NODES else None)
+
+    def layer_store_env(self, n):
+        """The node's layer store (its gluster mount, when there is one) and its own cache."""
+        store = self.dir / f"{n}-store"
+        return {"DSEC_LAYERFS_STORE": str(store), "DSEC_LAYERFS_CACHE": str(self.dir / f"{n}-cache")}
 
     def nodes(self):
         r = self.cli("--json", "node", "ls", check=False)
@@ -252,11 +354,78 @@ class Cluster:
                     dirs[:] = []
                 elif root.count("/") > 8:
                     dirs[:] = []
+        self.stop_image_store()
         self.remove_network()
         if os.environ.get("DSEC_KEEP_LOGS"):
             print(f"logs kept in {self.dir}")
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+HAVE_GLUSTER = shutil.which("glusterd") is not None
+
+
+def on_host(cluster, project, n, image=SHARED_IMAGE):
+    """A sandbox of `image` created through the apiserver on node `n` (its `host` label)."""
+    req = dsec.client._create_request("container", image, 0, 64, 64, None, 0, 0, None, 0,
+                                      False, None)
+    req.node_labels["host"] = n
+    return project._create(req)
+
+
+def check_image_store(cluster, a, made):
+    """Nodes share one layer store on a GlusterFS volume: an image imported through n1 runs
+    on n2 and n3; with the gluster server down a node that ran the image still creates from
+    its own cache and one that did not gets a clear error."""
+    if not HAVE_GLUSTER:
+        assert not os.environ.get("CI"), "glusterfs-server is not installed (setup.sh installs it)"
+        print("*** SKIPPED: the multi-node image store (apt-get install glusterfs-server) ***")
+        return
+    mounts = Path("/proc/mounts").read_text()
+    for n in NODES:
+        assert f" {cluster.dir / f'{n}-store'} fuse.glusterfs " in mounts, n
+    tree = cluster.dir / "shared-tree"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "etc").mkdir()
+    shutil.copy("/bin/busybox", tree / "bin" / "busybox")
+    for applet in ["sh", "cat", "echo"]:
+        os.symlink("busybox", tree / "bin" / applet)
+    (tree / "etc" / "motd").write_text("imported through n1\n")
+    subprocess.run(["nsenter", "--net=/run/netns/dsecct-n1", "--", DSEC, "--json", "image",
+                    "import", "--dir", str(tree), "--name", SHARED_IMAGE],
+                   check=True, capture_output=True, timeout=120,
+                   env={**os.environ, **cluster.layer_store_env("n1")})
+    # The chunks are on the gluster brick, not in a node's directory.
+    assert any((cluster.gluster / "brick" / "chunks").rglob("*")), "no chunk on the brick"
+
+    first = [on_host(cluster, a, n) for n in ["n2", "n3"]]
+    made += first
+    for sb, n in zip(first, ["n2", "n3"]):
+        assert sb.id.startswith(f"sb-{n}-"), sb.id
+        assert sb.exec("cat /etc/motd").stdout == b"imported through n1\n"
+        assert any((cluster.dir / f"{n}-cache").glob("chunks/*")), f"{n} cached nothing"
+    # n2 keeps nothing mounted: its next create mounts the image again from its cache.
+    first[0].delete()
+    made.remove(first[0])
+
+    cluster.stop_gluster_server()
+    store = cluster.dir / "n2-store"
+    wait_for("the gluster mounts to lose their server",
+             lambda: refused(lambda: os.stat(store), OSError), 15)
+    cached = on_host(cluster, a, "n2")
+    made.append(cached)
+    assert cached.exec("cat /etc/motd").stdout == b"imported through n1\n"
+    e = status_of(lambda: on_host(cluster, a, "n1"))
+    assert isinstance(e, dsec.FailedPrecondition), e
+    assert "cannot read the layer store" in e.details and SHARED_IMAGE in e.details, e.details
+
+    # The server back: every node reads the volume again.
+    cluster.start_glusterd()
+    wait_for("the gluster mounts back", lambda: not refused(lambda: os.stat(store), OSError), 30)
+    made.append(on_host(cluster, a, "n1"))
+    assert made[-1].exec("cat /etc/motd").stdout == b"imported through n1\n"
+    print("image store: imported through n1, run on n2 and n3 from the gluster volume; "
+          "server down: n2 created from its cache, n1 refused; server back: n1 runs it")
 
 
 def refused(call, error):
@@ -376,6 +545,18 @@ class Usage:
         return live
 
 
+def whole_list(client, expected):
+    """The List once it shows `expected` sandboxes: a List leaves out a node that does not
+    answer in time."""
+    got = []
+
+    def check():
+        got[:] = client.list()
+        return len(got) == expected
+    wait_for(f"a List of {expected} sandboxes", check, 15)
+    return got
+
+
 def check_bad_input(cluster, a):
     e = status_of(lambda: cluster.client(token="dsec_bad").list())
     assert isinstance(e, dsec.Unauthenticated), e
@@ -468,6 +649,11 @@ def main():
 
         check_transport_security(cluster)
         check_bad_input(cluster, a)
+        before = len(made)
+        check_image_store(cluster, a, made)
+        for s in made[before:]:
+            s.delete()
+        del made[before:]
 
         # A viewer lists but cannot create; a revoked token is refused.
         v = cluster.client(token=viewer)
@@ -544,7 +730,7 @@ def main():
         mine_a = [s for s in mine if s in sbs + burst + more]
         # Counted from the List, not from `made`: a create cut off with api0 may still have
         # made its sandbox on n2.
-        listed = [s.id for s in usage.client.list()]
+        listed = [s.id for s in whole_list(a, live)]
         kept = sum(1 for i in listed if not i.startswith("sb-n2-"))
         cluster.kill("n2")
         wait_for("n2's lease to expire", lambda: "n2" not in cluster.node_names(), 4 * TTL)
@@ -602,7 +788,7 @@ def main():
         for s in leftovers:
             s.delete()
         assert len(q.list()) == 0
-        assert cluster.used("acme/q") == 0
+        assert cluster.used("acme/q") == 0, cluster.cli("--json", "project", "ls", "acme").stdout
         assert cluster.used("acme/a") <= usage.slack
         print(f"acme/a: {cluster.used('acme/a')} reservations of cut-off creates left for the "
               "watcher's reconcile")

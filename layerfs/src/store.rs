@@ -133,6 +133,18 @@ impl Store {
         })
     }
 
+    /// A handle on a store that cannot be checked now (a network filesystem whose server is
+    /// down): nothing is read or created here, and every later read fails or is verified as
+    /// usual. For a node cache that serves what it already holds while the store is away.
+    pub fn open_unreachable(root: impl Into<PathBuf>, config: StoreConfig) -> Result<Store> {
+        Self::check_config(&config)?;
+        Ok(Store {
+            root: root.into(),
+            config,
+            tmp_seq: AtomicU64::new(0),
+        })
+    }
+
     fn check_config(config: &StoreConfig) -> Result<()> {
         if config.chunk_size < 4096 {
             return Err(Error::Invalid(format!(

@@ -45,6 +45,7 @@ pub fn status_of(err: &NodeError) -> Status {
             ImageError::InvalidName { .. } => Status::invalid_argument(text),
             ImageError::NotFound { .. } => Status::not_found(text),
             ImageError::Store { .. } => Status::failed_precondition(text),
+            ImageError::StoreUnreachable { .. } => Status::failed_precondition(text),
             ImageError::Mount { .. } => Status::internal(text),
         },
         NodeError::Edge(e) => match e {

@@ -26,6 +26,13 @@ pub enum ImageError {
         #[source]
         source: Box<dsec_layerfs::Error>,
     },
+    #[error("cannot read the layer store {store} for image {name:?} and this node holds no copy of it: {source}; check the shared store's mount (DSEC_LAYERFS_STORE / $DSEC_HOME/layerfs/store) or create on a node that ran the image before")]
+    StoreUnreachable {
+        store: PathBuf,
+        name: String,
+        #[source]
+        source: Box<dsec_layerfs::Error>,
+    },
     #[error("cannot mount layer-store image {name:?}: {detail}")]
     Mount { name: String, detail: String },
 }
@@ -68,6 +75,13 @@ impl LayerImage {
             })
             .collect()
     }
+}
+
+/// A node's copy of a layer-store image record.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LocalCopy {
+    name: String,
+    layers: Vec<String>,
 }
 
 /// Where images are looked up.
@@ -130,7 +144,10 @@ impl Catalog {
     }
 
     fn open_store(&self) -> Result<Option<Store>, ImageError> {
-        if !self.store.exists() {
+        // Only a store that is not there means "none yet"; one that cannot be looked at (a
+        // network filesystem whose server is down) is an error.
+        if matches!(std::fs::symlink_metadata(&self.store), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+        {
             return Ok(None);
         }
         Store::open_existing(&self.store, StoreConfig::default())
@@ -153,27 +170,91 @@ impl Catalog {
         Ok(images.into_iter().map(|i| i.name).collect())
     }
 
-    /// The layer-store image `name`, if there is one.
+    /// The layer-store image `name`, if there is one. Each one found is also kept in the
+    /// node cache (`images/<digest of the name>.json`), so that while a shared store cannot
+    /// be read the node still runs the images it ran before from what its cache holds.
     pub fn layer_image(&self, name: &str) -> Result<Option<LayerImage>, ImageError> {
         if Store::check_image_name(name).is_err() {
             return Ok(None);
         }
-        let Some(store) = self.open_store()? else {
-            return Ok(None);
+        let found = self.open_store().and_then(|store| {
+            let Some(store) = store else {
+                return Ok(None);
+            };
+            match store.get_image(name) {
+                Ok(rec) => Ok(Some(rec.layers.iter().map(|d| d.to_string()).collect())),
+                Err(dsec_layerfs::Error::NoSuchImage(_)) => Ok(None),
+                Err(source) => Err(ImageError::Store {
+                    store: self.store.clone(),
+                    source: Box::new(source),
+                }),
+            }
+        });
+        let image = |layers| LayerImage {
+            name: name.to_string(),
+            layers,
+            store: self.store.clone(),
+            cache: self.cache.clone(),
         };
-        match store.get_image(name) {
-            Ok(rec) => Ok(Some(LayerImage {
-                name: name.to_string(),
-                layers: rec.layers.iter().map(|d| d.to_string()).collect(),
-                store: self.store.clone(),
-                cache: self.cache.clone(),
-            })),
-            Err(dsec_layerfs::Error::NoSuchImage(_)) => Ok(None),
-            Err(source) => Err(ImageError::Store {
-                store: self.store.clone(),
-                source: Box::new(source),
-            }),
+        match found {
+            Ok(Some(layers)) => {
+                let image = image(layers);
+                self.keep_local_copy(&image);
+                Ok(Some(image))
+            }
+            Ok(None) => Ok(None),
+            Err(ImageError::Store { store, source }) => match self.local_copy(name) {
+                Some(layers) => {
+                    tracing::warn!(image = name, store = %store.display(), error = %source,
+                        "layer store unreadable: running the image from this node's cache");
+                    Ok(Some(image(layers)))
+                }
+                None => Err(ImageError::StoreUnreachable {
+                    store,
+                    name: name.to_string(),
+                    source,
+                }),
+            },
+            Err(e) => Err(e),
         }
+    }
+
+    fn local_copy_path(&self, name: &str) -> PathBuf {
+        self.cache
+            .join("images")
+            .join(format!("{}.json", Digest::of(name.as_bytes()).hex()))
+    }
+
+    /// Best effort: without the copy the node only loses the offline fallback.
+    fn keep_local_copy(&self, image: &LayerImage) {
+        let path = self.local_copy_path(&image.name);
+        if std::fs::read(&path).is_ok_and(|b| {
+            serde_json::from_slice::<LocalCopy>(&b).is_ok_and(|c| c.layers == image.layers)
+        }) {
+            return;
+        }
+        let copy = LocalCopy {
+            name: image.name.clone(),
+            layers: image.layers.clone(),
+        };
+        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        let written = std::fs::create_dir_all(path.parent().unwrap_or(&self.cache))
+            .and_then(|()| std::fs::write(&tmp, serde_json::to_vec(&copy).unwrap_or_default()))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(image = %image.name, "could not keep a local copy of the image record: {e}");
+        }
+    }
+
+    /// The layers of the copy kept for `name`, if it is whole and names valid layers.
+    fn local_copy(&self, name: &str) -> Option<Vec<String>> {
+        let bytes = std::fs::read(self.local_copy_path(name)).ok()?;
+        let copy: LocalCopy = serde_json::from_slice(&bytes).ok()?;
+        let valid = copy.name == name
+            && !copy.layers.is_empty()
+            && copy.layers.iter().all(|l| Digest::parse(l).is_ok());
+        valid.then_some(copy.layers)
     }
 
     /// Checks a name before any lookup.
@@ -237,5 +318,46 @@ mod tests {
         for bad in ["", ".hidden", "a b", "x\0", "a/../b;"] {
             assert!(Catalog::check_name(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn images_run_before_resolve_while_the_store_is_unreadable() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("etc")).unwrap();
+        std::fs::write(tree.join("etc/motd"), "hi\n").unwrap();
+        let store = Store::open(dir.path().join("store"), StoreConfig::default()).unwrap();
+        let source = manage::ImportSource::from_dir(tree).unwrap();
+        for name in ["seen", "unseen"] {
+            manage::import(
+                &store,
+                &source,
+                Some(name),
+                &dsec_layerfs::progress::NoProgress,
+            )
+            .unwrap();
+        }
+        let catalog = Catalog {
+            home: dir.path().join("home"),
+            store: dir.path().join("store"),
+            cache: dir.path().join("cache"),
+        };
+        let seen = catalog.layer_image("seen").unwrap().unwrap();
+        assert!(catalog.layer_image("nothing").unwrap().is_none());
+
+        // The store cannot be opened any more (as a network mount whose server is down).
+        std::fs::rename(dir.path().join("store/images"), dir.path().join("away")).unwrap();
+        assert_eq!(catalog.layer_image("seen").unwrap(), Some(seen));
+        let err = catalog.layer_image("unseen").unwrap_err();
+        assert!(matches!(err, ImageError::StoreUnreachable { .. }), "{err}");
+        assert!(err.to_string().contains("\"unseen\""), "{err}");
+
+        // A damaged local copy is no copy.
+        let copy = catalog.local_copy_path("seen");
+        std::fs::write(&copy, b"{\"name\":\"seen\",\"layers\":[\"x\"]}").unwrap();
+        assert!(matches!(
+            catalog.layer_image("seen"),
+            Err(ImageError::StoreUnreachable { .. })
+        ));
     }
 }

@@ -21,8 +21,17 @@ impl LayerImage {
             store: self.store.clone(),
             source: Box::new(source),
         };
-        let store =
-            Arc::new(Store::open_existing(&self.store, StoreConfig::default()).map_err(store_err)?);
+        let store = match Store::open_existing(&self.store, StoreConfig::default()) {
+            Ok(store) => store,
+            // A shared store that cannot be reached: what the node cache holds is served, a
+            // miss fails (EIO) until the store is back.
+            Err(e @ dsec_layerfs::Error::NoStore { .. }) if unreachable(&self.store) => {
+                tracing::warn!(image = %self.name, "layer store unreadable ({e}): serving from the node cache");
+                Store::open_unreachable(&self.store, StoreConfig::default()).map_err(store_err)?
+            }
+            Err(e) => return Err(store_err(e)),
+        };
+        let store = Arc::new(store);
         let cache = Arc::new(
             NodeCache::open(&self.cache, store.clone(), CACHE_CAP_BYTES).map_err(|e| {
                 ImageError::Mount {
@@ -49,6 +58,12 @@ impl LayerImage {
         }
         Ok(mount)
     }
+}
+
+/// There is something at `path` that cannot be looked at (ENOTCONN, EIO, a timeout): not a
+/// missing or mistyped store.
+fn unreachable(path: &Path) -> bool {
+    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() != std::io::ErrorKind::NotFound)
 }
 
 /// A layer-store image mounted by this process for a one-shot sandbox (`dsec run`);

@@ -194,9 +194,11 @@ impl Watcher {
             let record: NodeRecord = from_json(kv)?;
             match self.inventory.running(&record).await {
                 Ok(running) => {
-                    self.quotas
+                    let reconciled = self
+                        .quotas
                         .reconcile_node(&record.name, &running, RECONCILE_GRACE)
                         .await?;
+                    self.recheck_charged(&record, &reconciled.charged).await?;
                 }
                 Err(why) => {
                     tracing::warn!(node = %record.name, %why, "cannot reconcile the node now")
@@ -226,6 +228,7 @@ impl Watcher {
             .quotas
             .reconcile_node(&name, &running, RECONCILE_GRACE)
             .await?;
+        self.recheck_charged(&record, &reconciled.charged).await?;
         for sandbox in &running {
             self.store.delete(&keys::lost(&sandbox.sandbox)).await?;
         }
@@ -236,6 +239,28 @@ impl Watcher {
             charged = reconciled.charged.len(),
             "node up"
         );
+        Ok(())
+    }
+
+    /// A sandbox deleted between the node's listing and its charge would keep the charge
+    /// (its delete released nothing yet): the sandboxes just charged that the node no longer
+    /// lists are released again. Costs a listing only when something was charged.
+    async fn recheck_charged(
+        &self,
+        record: &NodeRecord,
+        charged: &[RunningSandbox],
+    ) -> Result<(), WatcherError> {
+        if charged.is_empty() {
+            return Ok(());
+        }
+        let Ok(running) = self.inventory.running(record).await else {
+            return Ok(()); // the next reconcile looks again
+        };
+        for sandbox in charged {
+            if !running.iter().any(|r| r.sandbox == sandbox.sandbox) {
+                self.quotas.release(&record.name, &sandbox.sandbox).await?;
+            }
+        }
         Ok(())
     }
 

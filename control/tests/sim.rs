@@ -23,10 +23,20 @@ fn free_addr() -> SocketAddr {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
-    let dir = tempfile::tempdir().unwrap();
-    let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir.path()).unwrap());
+type WithToken =
+    Box<dyn FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Send>;
+type Client = SandboxesClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, WithToken>,
+>;
+
+/// A real apiserver on an embedded store, project `acme/sim` with `quota`, and three sim
+/// nodes of `per_node` sandboxes; returns the store and a client with the admin's token.
+async fn cluster(
+    dir: &std::path::Path,
+    quota: Resources,
+    per_node: u64,
+) -> (Arc<dyn Store>, Client) {
+    let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir).unwrap());
     let token = api::init(store.clone(), "acme", "root")
         .await
         .unwrap()
@@ -37,7 +47,7 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
         .await
         .unwrap();
     Quotas::new(store.clone())
-        .set_limit(&project, Resources::new(1000, 1000, 1_000_000, 1_000_000))
+        .set_limit(&project, quota)
         .await
         .unwrap();
     let listen = free_addr();
@@ -46,8 +56,8 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
         node_ttl: Duration::from_secs(3),
         ..ApiConfig::default()
     };
-    tokio::spawn(api::serve(store, config));
-    // Three sim nodes of 5 sandboxes each on consecutive ports.
+    tokio::spawn(api::serve(store.clone(), config));
+    // Three sim nodes on consecutive ports.
     let first = loop {
         let base = free_addr();
         let free =
@@ -57,7 +67,7 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
         }
     };
     let capacity = SimCapacity {
-        sandboxes: 5,
+        sandboxes: per_node,
         vcpus: 100,
         memory_mib: 100_000,
         disk_mib: 100_000,
@@ -74,27 +84,60 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
         .unwrap()
         .connect_lazy();
-    let mut client = SandboxesClient::with_interceptor(channel, move |mut r: tonic::Request<()>| {
+    let with_token: WithToken = Box::new(move |mut r: tonic::Request<()>| {
         r.metadata_mut().insert("authorization", bearer.clone());
         Ok(r)
     });
-    let request = || CreateSandboxRequest {
+    (
+        store,
+        SandboxesClient::with_interceptor(channel, with_token),
+    )
+}
+
+fn small() -> CreateSandboxRequest {
+    CreateSandboxRequest {
         project: "acme/sim".into(),
         memory_mib: 64,
         disk_mib: 64,
         ..Default::default()
-    };
-    // Wait for the three registrations: a create succeeds once one is in.
-    let mut made = Vec::new();
-    for _ in 0..100 {
-        match client.create(request()).await {
-            Ok(s) => {
-                made.push(s.into_inner());
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
     }
+}
+
+/// The first create once a node has registered.
+async fn first_create(client: &mut Client) -> Sandbox {
+    for _ in 0..100 {
+        if let Ok(s) = client.create(small()).await {
+            return s.into_inner();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no sim node registered in 10 s");
+}
+
+async fn listed(client: &mut Client) -> Vec<Sandbox> {
+    client
+        .list(ListSandboxesRequest {
+            project: "acme/sim".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .sandboxes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, mut client) = cluster(
+        dir.path(),
+        Resources::new(1000, 1000, 1_000_000, 1_000_000),
+        5,
+    )
+    .await;
+    let request = small;
+    // Wait for the three registrations: a create succeeds once one is in.
+    let mut made = vec![first_create(&mut client).await];
     tokio::time::sleep(Duration::from_millis(500)).await;
     while made.len() < 15 {
         made.push(client.create(request()).await.unwrap().into_inner());
@@ -108,15 +151,7 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
     let full = client.create(request()).await.unwrap_err();
     assert_eq!(full.code(), tonic::Code::ResourceExhausted, "{full:?}");
 
-    let listed = client
-        .list(ListSandboxesRequest {
-            project: "acme/sim".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(listed.sandboxes.len(), 15);
+    assert_eq!(listed(&mut client).await.len(), 15);
     let one = &made[0].id;
     let got = client
         .get(GetSandboxRequest {
@@ -142,4 +177,41 @@ async fn sim_nodes_register_admit_to_their_capacity_and_answer_the_apiserver() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     again.unwrap();
+}
+
+/// A create is sent to its node while its reservation commits when this replica's last
+/// quota record has room; when the record changed meanwhile (another replica spent the
+/// quota) and the reservation is refused, the sandbox the node made is deleted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_reservation_fails_after_its_node_made_it_is_undone() {
+    let dir = tempfile::tempdir().unwrap();
+    let each = Resources::sandbox(1, 64, 64);
+    let (store, mut client) = cluster(dir.path(), Resources::new(3, 3, 192, 192), 10).await;
+    let first = first_create(&mut client).await;
+    // Another replica takes the rest of the quota; this one's record still shows room.
+    let other = Quotas::new(store.clone());
+    let project = "acme/sim".parse().unwrap();
+    for n in 0..2 {
+        other
+            .reserve(&project, "s0", &format!("sb-s0-other{n:07}"), each)
+            .await
+            .unwrap();
+    }
+    let refused = client.create(small()).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert!(refused.message().contains("acme/sim"), "{refused:?}");
+    let left: Vec<String> = listed(&mut client)
+        .await
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(
+        left,
+        vec![first.id],
+        "the refused create's sandbox is still on its node"
+    );
 }

@@ -117,6 +117,30 @@ impl Reserver {
         })
     }
 
+    /// Whether this replica expects `resources` to fit in `project`'s quota: the record its
+    /// last batch wrote has room for them and for everything queued for the project's next
+    /// batch. An estimate (no store read), used to start a create on its node while its
+    /// reservation commits; the reservation alone decides. False when no record is kept.
+    pub fn likely_fits(&self, project: &ProjectPath, resources: Resources) -> bool {
+        let queued = {
+            let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+            queues
+                .get(project)
+                .map(|q| {
+                    q.iter()
+                        .fold(Resources::ZERO, |sum, p| sum.plus(p.resources))
+                })
+                .unwrap_or(Resources::ZERO)
+        };
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.get(project).is_some_and(|read| {
+            resources
+                .plus(queued)
+                .first_excess(&read.record.left())
+                .is_none()
+        })
+    }
+
     async fn drain(&self, project: ProjectPath) {
         loop {
             let batch = {

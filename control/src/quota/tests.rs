@@ -311,16 +311,23 @@ async fn reconciling_a_node_makes_usage_exact(store: Arc<dyn Store>) {
         sandbox: id.to_string(),
         project: project.clone(),
         resources,
+        created_ms: 0,
     };
     let big = Resources::sandbox(2, 512, 1024);
+    // y was made a moment ago: its create may still be committing its reservation.
+    let young = RunningSandbox {
+        created_ms: crate::now_ms(),
+        ..running("y", &rl, ONE)
+    };
     let report = [
         running("a", &rl, ONE),
         running("b", &rl, big),
         running("d", &rl, ONE),
+        young,
     ];
 
     // Within the grace period c may still be on its way: kept; b is fixed, d charged, and
-    // charged past the limit because it exists.
+    // charged past the limit because it exists; y is not charged yet.
     let first = quotas
         .reconcile_node("n1", &report, Duration::from_secs(3600))
         .await
@@ -451,4 +458,15 @@ async fn a_burst_of_batches_reads_the_quota_record_once(store: Arc<dyn Store>) {
     let refused = reserver.reserve(&rl, "n0", "sb-23", sandboxes(1)).await;
     assert_eq!(refused.unwrap_err().code(), tonic::Code::ResourceExhausted);
     assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(21));
+
+    // The estimate a create uses to go to its node while its reservation commits: only
+    // from a record this replica wrote, never past what it showed left.
+    assert!(!reserver.likely_fits(&path("acme/none"), sandboxes(1)));
+    quotas.set_limit(&rl, sandboxes(30)).await.unwrap();
+    reserver
+        .reserve(&rl, "n0", "sb-24", sandboxes(1))
+        .await
+        .unwrap();
+    assert!(reserver.likely_fits(&rl, sandboxes(8)));
+    assert!(!reserver.likely_fits(&rl, sandboxes(9)));
 }

@@ -8,7 +8,10 @@ use crate::placement::{Backend, NodeRegistry};
 use crate::sandbox_id::SandboxId;
 use crate::testing::on_both_stores;
 
-on_both_stores!(a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs);
+on_both_stores!(
+    a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs,
+    a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge,
+);
 
 /// What each node says it runs.
 #[derive(Default)]
@@ -109,6 +112,7 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
             sandbox: on_n2.to_string(),
             project: rl.clone(),
             resources: ONE,
+            created_ms: 0,
         }],
     );
     let placer = Arc::new(Placer::with_seed(2, 5));
@@ -199,6 +203,7 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
             sandbox: on_n1[0].to_string(),
             project: rl.clone(),
             resources: ONE,
+            created_ms: 0,
         }],
     );
     registry
@@ -231,5 +236,65 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
         .await
         .unwrap()
         .is_none());
+    task.abort();
+}
+
+/// A node whose one sandbox is deleted right after the node listed it: the first listing
+/// shows it, every later one does not.
+#[derive(Default)]
+struct DeletedAfterListing {
+    sandbox: Mutex<Option<RunningSandbox>>,
+    listings: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl NodeInventory for DeletedAfterListing {
+    async fn running(&self, _node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        self.listings
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(self.sandbox.lock().unwrap().take().into_iter().collect())
+    }
+}
+
+/// The charge a reconcile gives a sandbox its listing showed is taken back when the
+/// sandbox is gone by the time it was charged (its delete released nothing then).
+async fn a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge(store: Arc<dyn Store>) {
+    let iam = Iam::new(store.clone());
+    iam.create_org("acme").await.unwrap();
+    let rl = iam
+        .create_project(&"acme".parse().unwrap(), "rl")
+        .await
+        .unwrap()
+        .path;
+    let quotas = Quotas::new(store.clone());
+    quotas
+        .set_limit(&"acme".parse().unwrap(), Resources::UNLIMITED)
+        .await
+        .unwrap();
+    quotas
+        .set_limit(&rl, Resources::new(10, 10, 10_000, 100_000))
+        .await
+        .unwrap();
+    let inventory = Arc::new(DeletedAfterListing::default());
+    *inventory.sandbox.lock().unwrap() = Some(RunningSandbox {
+        sandbox: SandboxId::new("n1").unwrap().to_string(),
+        project: rl.clone(),
+        resources: ONE,
+        created_ms: 0,
+    });
+    let _lease = NodeRegistry::new(store.clone())
+        .register(&record("n1"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let task = tokio::spawn(Watcher::new(store.clone(), inventory.clone(), None).run());
+    eventually("the node listed", || async {
+        inventory.listings.load(std::sync::atomic::Ordering::SeqCst) > 0
+    })
+    .await;
+    eventually("no charge for the deleted sandbox", || async {
+        quotas.get(&rl).await.unwrap().used == Resources::ZERO
+            && quotas.reservations_on("n1").await.unwrap().is_empty()
+    })
+    .await;
     task.abort();
 }

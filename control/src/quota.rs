@@ -60,15 +60,7 @@ pub struct RunningSandbox {
     pub sandbox: String,
     pub project: ProjectPath,
     pub resources: Resources,
-    /// When the node made it (ms since the epoch; 0: not known, taken as old).
-    #[serde(default)]
-    pub created_ms: u64,
 }
-
-/// A running sandbox younger than this is not charged by a reconcile when it has no
-/// reservation: its create may still be committing one (an apiserver sends a create to its
-/// node while the reservation commits). The next reconcile charges it if it still has none.
-pub const CHARGE_GRACE: Duration = Duration::from_secs(10);
 
 /// What reconciling one node changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -358,9 +350,8 @@ impl Quotas {
 
     /// Makes a node's reservations match what it reports it runs: reservations older than
     /// `grace` with no sandbox behind them are returned (younger ones may be creates still
-    /// on their way to the node), and running sandboxes without one are charged (once older
-    /// than [`CHARGE_GRACE`]). With an empty report and no grace, this returns everything a
-    /// lost node held.
+    /// on their way to the node), and running sandboxes without one are charged. With an
+    /// empty report and no grace, this returns everything a lost node held.
     pub async fn reconcile_node(
         &self,
         node: &str,
@@ -385,8 +376,7 @@ impl Quotas {
                 report.released.push(released);
             }
         }
-        let young = now_ms().saturating_sub(CHARGE_GRACE.as_millis() as u64);
-        for sandbox in running.iter().filter(|s| s.created_ms <= young) {
+        for sandbox in running {
             for attempt in 0..CAS_ATTEMPTS {
                 let key = keys::reservation(node, &sandbox.sandbox);
                 if self.store.get(&key).await?.is_some() {

@@ -262,7 +262,6 @@ impl NodeInventory for ListInventory {
                         sandbox.memory_mib.max(0) as u64,
                         sandbox.disk_mib.max(0) as u64,
                     ),
-                    created_ms: sandbox.created_at_unix_ms.max(0) as u64,
                 });
             }
             if page.next_page_token.is_empty() || page.next_page_token == page_token {

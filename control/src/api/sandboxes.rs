@@ -142,13 +142,18 @@ impl SandboxesApi {
                 shared.reserver.reserve(project, node, &id, quota),
                 create_on_node(channel.clone())
             );
-            if let Err(e) = reserved {
-                if created.is_ok() {
-                    self.undo_create(node, &id).await;
+            match reserved {
+                Ok(_) => created,
+                // A reconcile that listed the node between its create and the commit charged
+                // the sandbox already (the key made the commit fail): that is its reservation.
+                Err(_) if created.is_ok() && self.charged_already(node, &id).await => created,
+                Err(e) => {
+                    if created.is_ok() {
+                        self.undo_create(node, &id).await;
+                    }
+                    return Attempt::Failed(e.into());
                 }
-                return Attempt::Failed(e.into());
             }
-            created
         } else {
             if let Err(e) = shared.reserver.reserve(project, node, &id, quota).await {
                 return Attempt::Failed(e.into());
@@ -172,6 +177,13 @@ impl SandboxesApi {
                 }
             }
         }
+    }
+
+    async fn charged_already(&self, node: &str, id: &str) -> bool {
+        matches!(
+            self.0.store.get(&crate::keys::reservation(node, id)).await,
+            Ok(Some(_))
+        )
     }
 
     /// Deletes a sandbox whose reservation was refused after its node made it. Should the

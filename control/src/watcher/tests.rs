@@ -60,9 +60,8 @@ where
     }
 }
 
-async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs(
-    store: Arc<dyn Store>,
-) {
+/// Project acme/rl with room for 10 sandboxes.
+async fn project_rl(store: &Arc<dyn Store>) -> (ProjectPath, Quotas) {
     let iam = Iam::new(store.clone());
     iam.create_org("acme").await.unwrap();
     let rl = iam
@@ -79,6 +78,13 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
         .set_limit(&rl, Resources::new(10, 10, 10_000, 100_000))
         .await
         .unwrap();
+    (rl, quotas)
+}
+
+async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs(
+    store: Arc<dyn Store>,
+) {
+    let (rl, quotas) = project_rl(&store).await;
 
     let registry = NodeRegistry::new(store.clone());
     let _n1_lease = registry
@@ -112,7 +118,6 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
             sandbox: on_n2.to_string(),
             project: rl.clone(),
             resources: ONE,
-            created_ms: 0,
         }],
     );
     let placer = Arc::new(Placer::with_seed(2, 5));
@@ -203,7 +208,6 @@ async fn a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_
             sandbox: on_n1[0].to_string(),
             project: rl.clone(),
             resources: ONE,
-            created_ms: 0,
         }],
     );
     registry
@@ -259,28 +263,12 @@ impl NodeInventory for DeletedAfterListing {
 /// The charge a reconcile gives a sandbox its listing showed is taken back when the
 /// sandbox is gone by the time it was charged (its delete released nothing then).
 async fn a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge(store: Arc<dyn Store>) {
-    let iam = Iam::new(store.clone());
-    iam.create_org("acme").await.unwrap();
-    let rl = iam
-        .create_project(&"acme".parse().unwrap(), "rl")
-        .await
-        .unwrap()
-        .path;
-    let quotas = Quotas::new(store.clone());
-    quotas
-        .set_limit(&"acme".parse().unwrap(), Resources::UNLIMITED)
-        .await
-        .unwrap();
-    quotas
-        .set_limit(&rl, Resources::new(10, 10, 10_000, 100_000))
-        .await
-        .unwrap();
+    let (rl, quotas) = project_rl(&store).await;
     let inventory = Arc::new(DeletedAfterListing::default());
     *inventory.sandbox.lock().unwrap() = Some(RunningSandbox {
         sandbox: SandboxId::new("n1").unwrap().to_string(),
         project: rl.clone(),
         resources: ONE,
-        created_ms: 0,
     });
     let _lease = NodeRegistry::new(store.clone())
         .register(&record("n1"), Duration::from_secs(30))

@@ -415,7 +415,16 @@ async fn policies_are_enforced_against_a_test_internet() {
     let api_port = free_port();
     let args = net.daemon_args(api_port);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (daemon, client) = Daemon::start("net-policy", &args).await;
+    // No `nft` on the daemon's PATH: its rules, live changes and counters go through
+    // libnftables in its own process (only `ip` and `conntrack` are run).
+    let tools = net.dir.join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    for tool in ["ip", "conntrack"] {
+        let found = sh(&format!("command -v {tool}"));
+        std::os::unix::fs::symlink(found.trim(), tools.join(tool)).unwrap();
+    }
+    let path = tools.to_str().unwrap();
+    let (daemon, client) = Daemon::start_with_env("net-policy", &args, &[("PATH", path)]).await;
     // The node API listens on the bridge's own address: the most tempting target.
     std::net::TcpStream::connect((net.gateway(), api_port)).expect("the API listens");
 

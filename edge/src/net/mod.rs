@@ -86,8 +86,8 @@ pub struct Network {
     slots: PathBuf,
     /// Each sandbox's policy and the names the proxy resolved for it, by address.
     sandboxes: Mutex<HashMap<Ipv4Addr, Named>>,
-    /// The proxy's socket until [`Network::serve_dns`] takes it.
-    dns_socket: Mutex<Option<std::net::UdpSocket>>,
+    /// The proxy's sockets until [`Network::serve_dns`] takes them.
+    dns_socket: Mutex<Option<dns::Sockets>>,
 }
 
 /// What the DNS proxy knows of a sandbox.

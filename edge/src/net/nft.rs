@@ -11,7 +11,7 @@
 //!   marked and kept when its address times out), else reject (counted). Every packet a
 //!   sandbox sends is checked, so a policy change applies to open connections too.
 //! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point)
-//!   but the DNS proxy (UDP 53 on the bridge address).
+//!   but the DNS proxy (UDP and TCP 53 on the bridge address).
 //! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
 //!
 //! A second table, `bridge <bridge>`, holds microVMs to their own addresses: a guest owns
@@ -221,7 +221,7 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
             "iifname",
             vec![
                 is(ip("daddr"), json!(gateway.to_string())),
-                is(meta("l4proto"), json!("udp")),
+                is(meta("l4proto"), json!({"set": ["udp", "tcp"]})),
                 is(dport(), json!(53)),
                 json!({"accept": null}),
             ],

@@ -20,7 +20,7 @@ die() { echo "setup: error: $*" >&2; exit 1; }
 step "apt packages"
 pkgs=(build-essential pkg-config protobuf-compiler busybox-static cpio qemu-system-x86
       linux-source-6.1 bc flex bison libelf-dev libssl-dev dwarves rsync kmod xz-utils
-      nftables conntrack iproute2
+      nftables libnftables1 conntrack iproute2
       docker-registry apache2-utils curl debootstrap erofs-utils e2fsprogs bubblewrap
       libprotobuf-dev etcd-server glusterfs-server)
 missing=()

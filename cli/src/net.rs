@@ -21,6 +21,32 @@ pub struct PolicyArgs {
     internet: bool,
 }
 
+/// A new sandbox's policy (`dsec create` / `dsec restore`): nothing given reaches nothing.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct CreatePolicyArgs {
+    /// Allowed: a `[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]` rule, a `[tcp:|udp:]NAME[:PORT[-PORT]]`
+    /// domain rule or the name of a node policy (`dsec up --policies FILE`); repeatable.
+    #[arg(long = "allow", value_name = "RULE|NAME")]
+    allow: Vec<String>,
+    /// Denied (wins over allowed), same forms; repeatable.
+    #[arg(long = "deny", value_name = "RULE|NAME")]
+    deny: Vec<String>,
+    /// Allow every destination (deny rules still win).
+    #[arg(long = "internet")]
+    internet: bool,
+}
+
+impl CreatePolicyArgs {
+    /// The request's policy; None when nothing was given.
+    pub fn policy(&self) -> Option<NetworkPolicy> {
+        (self.internet || !self.allow.is_empty() || !self.deny.is_empty()).then(|| NetworkPolicy {
+            allow_internet: self.internet,
+            allow: self.allow.clone(),
+            deny: self.deny.clone(),
+        })
+    }
+}
+
 impl From<PolicyArgs> for NetworkPolicy {
     fn from(p: PolicyArgs) -> Self {
         NetworkPolicy {

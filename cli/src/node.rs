@@ -120,6 +120,8 @@ pub struct NewSandboxArgs {
     /// token (repeatable; see `dsec port-public`).
     #[arg(long = "public-port", value_name = "PORT")]
     pub public_ports: Vec<u32>,
+    #[command(flatten)]
+    pub network: crate::net::CreatePolicyArgs,
 }
 
 pub struct CreateOpts {
@@ -159,6 +161,7 @@ pub async fn create(c: &Client, o: CreateOpts, json_out: bool) -> Result<(), Nod
         public_ports: o.sandbox.public_ports,
         cold: o.cold,
         from_snapshot: o.from_snapshot,
+        network: o.sandbox.network.policy(),
         ..Default::default()
     };
     let mut tasks = Vec::new();

@@ -369,12 +369,18 @@ struct NodeUp {
 
 impl NodeUp {
     fn start(name: &str) -> Self {
+        Self::start_with(name, &[])
+    }
+
+    /// [`NodeUp::start`] with more `dsec up` arguments.
+    fn start_with(name: &str, extra: &[&str]) -> Self {
         let run = RunDir::new(name);
         let tag = format!("dsec-cli-test-{}-{name}", std::process::id());
         let daemon = run
             .dsec()
             .args(["up", "--metrics", "off", "--http", "127.0.0.1:0"])
             .args(["--default-backend", "container", "--cgroup-name", &tag])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -641,4 +647,73 @@ fn run_missing_image_names_the_setup_command() {
         stderr_of(&out)
     );
     assert_eq!(run.leftovers(), 0);
+}
+
+#[test]
+fn create_takes_network_policy_flags() {
+    // A node without a sandbox network refuses any policy it cannot enforce: the flags
+    // reach the request.
+    let plain = NodeUp::start("netflags");
+    for flags in [
+        &["--allow", "tcp:198.51.100.0/24:443"][..],
+        &["--internet"],
+        &["--deny", "198.51.100.7"],
+    ] {
+        let out = plain
+            .dsec()
+            .args(["create", "--backend", "container"])
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flags:?} was accepted");
+        assert!(
+            stderr_of(&out).contains("network egress needs"),
+            "{flags:?}: {}",
+            stderr_of(&out)
+        );
+    }
+    plain.ok(&["create", "--backend", "container"]);
+    drop(plain);
+
+    // With one, the sandbox's sets hold the rules.
+    let bridge = format!("dscli{}", std::process::id() % 100_000);
+    let node = NodeUp::start_with("netflags2", &["--net-bridge", &bridge]);
+    let id = node
+        .ok(&[
+            "create",
+            "--backend",
+            "container",
+            "--allow",
+            "tcp:198.51.100.0/24:443",
+            "--deny",
+            "tcp:198.51.100.7",
+        ])
+        .trim()
+        .to_string();
+    let inet = node.ok(&["exec", &id, "--", "ip", "-4", "addr", "show", "dev", "eth0"]);
+    let addr: std::net::Ipv4Addr = inet
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|a| a.split('/').next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address: {inet}"));
+    let set = |kind: &str| {
+        let out = Command::new("nft")
+            .args(["list", "set", "inet", &bridge])
+            .arg(format!("{kind}_{:08x}", u32::from(addr)))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(
+        set("allow").contains("198.51.100.0/24 . tcp . 443"),
+        "{}",
+        set("allow")
+    );
+    assert!(
+        set("deny").contains("198.51.100.7 . tcp"),
+        "{}",
+        set("deny")
+    );
 }

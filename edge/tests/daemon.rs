@@ -76,10 +76,25 @@ pub struct Daemon {
     pub metrics: SocketAddr,
     /// Arguments after the fixed ones, kept for restarts.
     extra: Vec<String>,
+    /// Environment variables set for the daemon, kept for restarts.
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
     pub async fn start(name: &str, extra: &[&str]) -> (Self, Client) {
+        Self::start_with_env(name, extra, &[]).await
+    }
+
+    /// [`Daemon::start`] with `env` added to the daemon's environment.
+    pub async fn start_with_env(
+        name: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> (Self, Client) {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let tag = format!("dsec-edge-test-{}-{name}", std::process::id());
         let state = std::env::temp_dir().join(&tag);
         std::fs::create_dir_all(&state).unwrap();
@@ -92,7 +107,7 @@ impl Daemon {
         };
         let (http, metrics) = (free(), free());
         let socket = format!("unix:{}", state.join("edge.sock").display());
-        let child = Self::spawn(&state, &tag, http, metrics, extra);
+        let child = Self::spawn(&state, &tag, http, metrics, extra, &env);
         let mut daemon = Self {
             child,
             tag,
@@ -101,6 +116,7 @@ impl Daemon {
             http,
             metrics,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            env,
         };
         let client = daemon.wait_ready().await;
         (daemon, client)
@@ -112,6 +128,7 @@ impl Daemon {
         http: SocketAddr,
         metrics: SocketAddr,
         extra: &[impl AsRef<std::ffi::OsStr>],
+        env: &[(String, String)],
     ) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -126,6 +143,7 @@ impl Daemon {
             .args(["--cgroup-name", tag, "--http", &http.to_string()])
             .args(extra)
             .env("DSEC_HOME", dsec_home())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -157,7 +175,14 @@ impl Daemon {
 
     /// Starts a new daemon on the same state dir, cgroup name and ports.
     pub async fn restart(&mut self) -> Client {
-        self.child = Self::spawn(&self.state, &self.tag, self.http, self.metrics, &self.extra);
+        self.child = Self::spawn(
+            &self.state,
+            &self.tag,
+            self.http,
+            self.metrics,
+            &self.extra,
+            &self.env,
+        );
         self.wait_ready().await
     }
 

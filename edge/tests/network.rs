@@ -415,7 +415,16 @@ async fn policies_are_enforced_against_a_test_internet() {
     let api_port = free_port();
     let args = net.daemon_args(api_port);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (daemon, client) = Daemon::start("net-policy", &args).await;
+    // No `nft` on the daemon's PATH: its rules, live changes and counters go through
+    // libnftables in its own process (only `ip` and `conntrack` are run).
+    let tools = net.dir.join("tools");
+    std::fs::create_dir_all(&tools).unwrap();
+    for tool in ["ip", "conntrack"] {
+        let found = sh(&format!("command -v {tool}"));
+        std::os::unix::fs::symlink(found.trim(), tools.join(tool)).unwrap();
+    }
+    let path = tools.to_str().unwrap();
+    let (daemon, client) = Daemon::start_with_env("net-policy", &args, &[("PATH", path)]).await;
     // The node API listens on the bridge's own address: the most tempting target.
     std::net::TcpStream::connect((net.gateway(), api_port)).expect("the API listens");
 
@@ -522,9 +531,13 @@ async fn policies_are_enforced_against_a_test_internet() {
     let (_, found) = run(&client, &open, &script).await;
     let mut found: Vec<&str> = found.lines().filter(|l| l.starts_with("OPEN")).collect();
     found.sort();
+    // The DNS proxy (TCP 53 on the bridge address) is the one service of the node.
     assert_eq!(
         found,
-        vec![format!("OPEN {}:8080", net.mirror)],
+        vec![
+            format!("OPEN {}:53", net.gateway()),
+            format!("OPEN {}:8080", net.mirror)
+        ],
         "scan of {targets:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(15));
@@ -777,6 +790,52 @@ async fn lookup(client: &Client, id: &str, name: &str) -> Option<Vec<Ipv4Addr>> 
     (code == 0 && !addrs.is_empty()).then_some(addrs)
 }
 
+/// Asks the proxy at `server` for `name`'s A record over TCP from inside the sandbox (busybox
+/// `nc`, the query written with `printf`): the response code and the answers' addresses.
+async fn lookup_tcp(
+    client: &Client,
+    id: &str,
+    server: Ipv4Addr,
+    name: &str,
+) -> (u8, Vec<Ipv4Addr>) {
+    let mut query = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in name.split('.') {
+        query.push(label.len() as u8);
+        query.extend_from_slice(label.as_bytes());
+    }
+    query.extend_from_slice(&[0, 0, 1, 0, 1]);
+    let mut framed = (query.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&query);
+    let escaped: String = framed.iter().map(|b| format!("\\{b:03o}")).collect();
+    let (code, out) = run(
+        client,
+        id,
+        &format!("printf '{escaped}' | nc -w 8 {server} 53 | od -An -tu1 -v"),
+    )
+    .await;
+    let reply: Vec<u8> = out
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(code == 0 && reply.len() >= 14, "no TCP answer: {out:?}");
+    assert_eq!(
+        usize::from(u16::from_be_bytes([reply[0], reply[1]])),
+        reply.len() - 2
+    );
+    let reply = &reply[2..];
+    assert_eq!(&reply[..2], &[0x12, 0x34], "the reply answers our query");
+    // Answers are the last records; an A record ends with type, class, TTL, length 4 and
+    // the address, so its 4 bytes follow "0 4" after type 1.
+    let answers = u16::from_be_bytes([reply[6], reply[7]]) as usize;
+    let addrs = reply
+        .windows(14)
+        .filter(|w| w[..4] == [0, 1, 0, 1] && w[8..10] == [0, 4])
+        .map(|w| Ipv4Addr::new(w[10], w[11], w[12], w[13]))
+        .take(answers)
+        .collect();
+    (reply[3] & 0x0f, addrs)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dns_proxy_answers_only_allowed_names() {
     let net = Internet::new();
@@ -814,8 +873,18 @@ async fn dns_proxy_answers_only_allowed_names() {
         "{set}"
     );
 
+    // Over TCP (what resolvers fall back to): the same answers, the same refusals.
+    assert_eq!(
+        lookup_tcp(&client, &open, net.gateway(), "mirror.test").await,
+        (0, vec![net.mirror])
+    );
+
     // Names no rule allows are refused without asking upstream; so are other record types.
     let asked_before = net.dns.asked().len();
+    assert_eq!(
+        lookup_tcp(&client, &open, net.gateway(), "forbidden.test").await,
+        (5, vec![])
+    );
     assert_eq!(lookup(&client, &open, "forbidden.test").await, None);
     assert!(!reaches(&client, &open, net.forbidden, 8080).await);
     let (code, out) = run(&client, &open, "nslookup -type=TXT mirror.test").await;
@@ -914,48 +983,6 @@ async fn dns_proxy_answers_only_allowed_names() {
         assert_eq!(err.code(), Some(tonic::Code::InvalidArgument), "{err}");
         assert!(err.to_string().contains(needle), "{rule}: {err}");
     }
-    // By label: every sandbox with the label, no other.
-    let mut labelled = Vec::new();
-    for task in ["t1", "t1", "t2"] {
-        let id = client
-            .create(CreateSandboxRequest {
-                memory_mib: 64,
-                disk_mib: 16,
-                labels: [("task".to_string(), task.to_string())].into(),
-                network: Some(NetworkPolicy::default()),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .id;
-        labelled.push(id);
-    }
-    let t1 = std::collections::HashMap::from([("task".to_string(), "t1".to_string())]);
-    let changed = client
-        .set_network_policy_by_labels(t1.clone(), policy(&["mirror"]))
-        .await
-        .unwrap();
-    let mut changed: Vec<String> = changed.into_iter().map(|s| s.id).collect();
-    changed.sort();
-    let mut expected = labelled[..2].to_vec();
-    expected.sort();
-    assert_eq!(changed, expected);
-    for (id, open) in labelled.iter().zip([true, true, false]) {
-        assert_eq!(reaches(&client, id, net.mirror, 8080).await, open, "{id}");
-    }
-    client
-        .set_network_policy_by_labels(t1, NetworkPolicy::default())
-        .await
-        .unwrap();
-    for id in &labelled {
-        assert!(!reaches(&client, id, net.mirror, 8080).await, "{id}");
-    }
-    let err = client
-        .set_network_policy_by_labels(Default::default(), NetworkPolicy::default())
-        .await
-        .expect_err("a policy for every sandbox was accepted");
-    assert!(err.to_string().contains("at least one label"), "{err}");
-
     let specs: Vec<String> = (1..=9).map(|p| format!("tcp:mirror.test:{p}")).collect();
     let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
     let err = client
@@ -963,5 +990,93 @@ async fn dns_proxy_answers_only_allowed_names() {
         .await
         .expect_err("nine port combinations were accepted");
     assert!(err.to_string().contains("at most 8"), "{err}");
+    daemon.stop(client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn label_wide_policy_change_is_one_call_to_the_node() {
+    use dsec_api::v1::network_labels_client::NetworkLabelsClient;
+    use dsec_api::v1::SetNetworkPolicyByLabelsRequest;
+    let net = Internet::new();
+    let api_port = free_port();
+    let args = net.daemon_args(api_port);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (daemon, client) = Daemon::start("net-labels", &args).await;
+    let labelled = |pairs: &[(&str, &str)]| CreateSandboxRequest {
+        memory_mib: 64,
+        disk_mib: 16,
+        labels: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let mut ids = Vec::new();
+    for labels in [
+        &[("task", "t1")][..],
+        &[("task", "t1"), ("stage", "build")],
+        &[("task", "t2")],
+    ] {
+        ids.push(client.create(labelled(labels)).await.unwrap().id);
+    }
+    let mut expected = vec![ids[0].clone(), ids[1].clone()];
+    expected.sort();
+    let t1: std::collections::HashMap<String, String> =
+        [("task".to_string(), "t1".to_string())].into();
+
+    // The node's own RPC (on its TCP API), not the SDK's List + per-sandbox fallback.
+    let mut labels_api =
+        NetworkLabelsClient::connect(format!("http://{}:{api_port}", net.gateway()))
+            .await
+            .unwrap();
+    let request = |network: NetworkPolicy, labels: &std::collections::HashMap<String, String>| {
+        SetNetworkPolicyByLabelsRequest {
+            labels: labels.clone(),
+            network: Some(network),
+        }
+    };
+    let answer = labels_api
+        .set_network_policy_by_labels(request(policy(&["mirror"]), &t1))
+        .await
+        .unwrap()
+        .into_inner();
+    let changed: Vec<String> = answer.sandboxes.iter().map(|s| s.id.clone()).collect();
+    assert_eq!(changed, expected);
+    assert!(answer.failed.is_empty(), "{:?}", answer.failed);
+    assert!(answer.sandboxes.iter().all(|s| s.access_token.is_empty()));
+    for (id, open) in ids.iter().zip([true, true, false]) {
+        assert_eq!(reaches(&client, id, net.mirror, 8080).await, open, "{id}");
+    }
+
+    // A bad policy changes nothing; a request without labels is refused.
+    let bad = labels_api
+        .set_network_policy_by_labels(request(policy(&["tcp:10.0.0.0/33"]), &t1))
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad}");
+    assert!(reaches(&client, &ids[0], net.mirror, 8080).await);
+    let empty = labels_api
+        .set_network_policy_by_labels(request(policy(&["mirror"]), &Default::default()))
+        .await
+        .unwrap_err();
+    assert_eq!(empty.code(), tonic::Code::InvalidArgument, "{empty}");
+
+    // The SDK's label-wide method closes them again through the same call.
+    let closed = client
+        .set_network_policy_by_labels(t1, NetworkPolicy::default())
+        .await
+        .unwrap();
+    let mut closed: Vec<String> = closed.into_iter().map(|s| s.id).collect();
+    closed.sort();
+    assert_eq!(closed, expected);
+    assert!(!reaches(&client, &ids[0], net.mirror, 8080).await);
+    let err = client
+        .set_network_policy_by_labels(Default::default(), NetworkPolicy::default())
+        .await
+        .expect_err("a policy for every sandbox was accepted");
+    assert!(err.to_string().contains("at least one label"), "{err}");
+    for id in &ids {
+        client.delete(id).await.unwrap();
+    }
     daemon.stop(client).await;
 }

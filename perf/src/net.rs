@@ -274,6 +274,11 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
     if let Some(ratio) = crate::node::cpu_overcommit_for(most, cores) {
         net_args.extend(["--overcommit-cpu".to_string(), ratio.to_string()]);
     }
+    // Held sandboxes are idle (a few MiB each), but each reserves its memory limit plus
+    // overhead (~80 MiB): 1,000 of them need more than the default ratio's budget.
+    if let Some(ratio) = memory_overcommit_for(most) {
+        net_args.extend(["--overcommit-memory".to_string(), ratio.to_string()]);
+    }
     let mut with_net = Edge::start_named(
         &o.edge,
         &net_dir,
@@ -525,4 +530,20 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         policy,
         commands,
     })
+}
+
+/// A memory overcommit ratio that admits `sandboxes` held ones of ~96 MiB reserved each, if
+/// the daemon's default (1.5) does not.
+fn memory_overcommit_for(sandboxes: usize) -> Option<f64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let total_kib: f64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    let ratio = (sandboxes as f64 * 96.0 * 1024.0 / total_kib).ceil();
+    (ratio > 1.5).then_some(ratio)
 }

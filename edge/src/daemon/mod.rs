@@ -37,6 +37,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::network_labels_server::NetworkLabelsServer;
 use dsec_api::v1::network_server::NetworkServer;
 use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
@@ -235,6 +236,9 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             )
             .add_service(SessionsServer::new(runtime::SessionsService(node.clone())))
             .add_service(NetworkServer::new(network::NetworkService(node.clone())))
+            .add_service(NetworkLabelsServer::new(network::NetworkService(
+                node.clone(),
+            )))
             .add_service(
                 PortsServer::new(ports::PortsService {
                     node: node.clone(),

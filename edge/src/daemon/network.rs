@@ -4,7 +4,10 @@
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
-use dsec_api::v1::{self as api, NetworkPolicy, SetNetworkPolicyRequest};
+use dsec_api::v1::{
+    self as api, NetworkPolicy, SetNetworkPolicyByLabelsRequest, SetNetworkPolicyByLabelsResponse,
+    SetNetworkPolicyFailure, SetNetworkPolicyRequest,
+};
 use tonic::{Request, Response, Status};
 
 use super::error::NodeError;
@@ -177,5 +180,54 @@ impl api::network_server::Network for NetworkService {
             .set_network_policy(&r.sandbox_id, r.network.unwrap_or_default())
             .await?;
         Ok(Response::new(super::grpc::sandbox_proto(&self.0, &entry)))
+    }
+}
+
+#[tonic::async_trait]
+impl api::network_labels_server::NetworkLabels for NetworkService {
+    async fn set_network_policy_by_labels(
+        &self,
+        request: Request<SetNetworkPolicyByLabelsRequest>,
+    ) -> Result<Response<SetNetworkPolicyByLabelsResponse>, Status> {
+        let r = request.into_inner();
+        if r.labels.is_empty() {
+            return Err(Status::invalid_argument(
+                "labels is empty: give at least one label (SetNetworkPolicy changes one sandbox)",
+            ));
+        }
+        super::limits::check_labels("labels", r.labels.iter())?;
+        let network = r.network.unwrap_or_default();
+        // Checked once, before any sandbox changes (the backend only matters for nodes
+        // without a network for microVMs, reported per sandbox below).
+        resolve(&self.0, BackendKind::Container, &network)?;
+        let mut matching: Vec<(String, Arc<Entry>)> = self
+            .0
+            .list()
+            .into_iter()
+            .filter(|e| {
+                let labels = e.record().labels;
+                r.labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+            })
+            .map(|e| (e.id(), e))
+            .collect();
+        matching.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut response = SetNetworkPolicyByLabelsResponse::default();
+        for (id, _) in matching {
+            match self.0.set_network_policy(&id, network.clone()).await {
+                Ok(entry) => {
+                    // Tokens go to callers naming one sandbox, as in List.
+                    let mut sandbox = super::grpc::sandbox_proto(&self.0, &entry);
+                    sandbox.access_token.clear();
+                    response.sandboxes.push(sandbox);
+                }
+                // Deleted meanwhile.
+                Err(NodeError::NoSuchSandbox { .. } | NodeError::Dead { .. }) => {}
+                Err(err) => response.failed.push(SetNetworkPolicyFailure {
+                    sandbox_id: id,
+                    message: err.to_string(),
+                }),
+            }
+        }
+        Ok(Response::new(response))
     }
 }

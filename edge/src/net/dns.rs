@@ -1,4 +1,5 @@
-//! The node's DNS proxy: sandboxes' resolver (UDP 53 on the bridge address). It answers a
+//! The node's DNS proxy: sandboxes' resolver (UDP and TCP 53 on the bridge address; TCP is
+//! what resolvers fall back to, with the same answers). It answers a
 //! sandbox only names its policy's domain rules allow (A records; AAAA gets an empty
 //! answer, sandboxes have IPv4 only), forwards them to the node's upstream resolver as a
 //! fresh query, and adds the answers' addresses to that sandbox's nftables sets for their
@@ -41,15 +42,97 @@ pub(super) struct Resolved {
     pub until: Instant,
 }
 
-/// Binds the proxy's socket on the bridge address (blocking).
-pub(super) fn bind(gateway: Ipv4Addr) -> std::io::Result<std::net::UdpSocket> {
-    let socket = std::net::UdpSocket::bind((gateway, 53))?;
-    socket.set_nonblocking(true)?;
-    Ok(socket)
+/// TCP connections served at once; more wait in the listen queue.
+const MAX_TCP_CONNECTIONS: usize = 32;
+/// Queries one TCP connection may ask, and how long it may stay idle between them.
+const MAX_TCP_QUERIES: usize = 16;
+const TCP_IDLE: Duration = Duration::from_secs(5);
+
+/// The proxy's sockets on the bridge address.
+#[derive(Debug)]
+pub(super) struct Sockets {
+    udp: std::net::UdpSocket,
+    tcp: std::net::TcpListener,
 }
 
-/// Serves queries until the runtime ends.
-pub(super) async fn serve(net: Arc<Network>, socket: std::net::UdpSocket) {
+/// Binds the proxy's sockets on the bridge address (blocking).
+pub(super) fn bind(gateway: Ipv4Addr) -> std::io::Result<Sockets> {
+    let udp = std::net::UdpSocket::bind((gateway, 53))?;
+    udp.set_nonblocking(true)?;
+    let tcp = std::net::TcpListener::bind((gateway, 53))?;
+    tcp.set_nonblocking(true)?;
+    Ok(Sockets { udp, tcp })
+}
+
+/// Serves queries over UDP and TCP until the runtime ends.
+pub(super) async fn serve(net: Arc<Network>, sockets: Sockets) {
+    tokio::spawn(serve_tcp(net.clone(), sockets.tcp));
+    serve_udp(net, sockets.udp).await
+}
+
+/// DNS over TCP (RFC 7766 framing: a 2-byte length before each message): the same answers
+/// as over UDP, at most [`MAX_TCP_QUERIES`] per connection.
+async fn serve_tcp(net: Arc<Network>, listener: std::net::TcpListener) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(err) => {
+            tracing::error!(%err, "the DNS proxy cannot use its TCP socket; sandboxes resolve over UDP only");
+            return;
+        }
+    };
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_TCP_CONNECTIONS));
+    loop {
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, from) = match listener.accept().await {
+            Ok(r) => r,
+            Err(err) => {
+                tracing::warn!(%err, "DNS proxy accept");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let net = net.clone();
+        tokio::spawn(async move {
+            let _ = serve_connection(&net, stream, from).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn serve_connection(
+    net: &Network,
+    mut stream: tokio::net::TcpStream,
+    from: SocketAddr,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let timed_out = || std::io::Error::from(std::io::ErrorKind::TimedOut);
+    for _ in 0..MAX_TCP_QUERIES {
+        let mut len = [0u8; 2];
+        tokio::time::timeout(TCP_IDLE, stream.read_exact(&mut len))
+            .await
+            .map_err(|_| timed_out())??;
+        let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        tokio::time::timeout(TCP_IDLE, stream.read_exact(&mut query))
+            .await
+            .map_err(|_| timed_out())??;
+        let Some(reply) = answer(net, from, &query).await else {
+            return Ok(());
+        };
+        let Ok(len) = u16::try_from(reply.len()) else {
+            return Ok(());
+        };
+        let mut framed = Vec::with_capacity(reply.len() + 2);
+        framed.extend_from_slice(&len.to_be_bytes());
+        framed.extend_from_slice(&reply);
+        stream.write_all(&framed).await?;
+    }
+    Ok(())
+}
+
+/// Serves queries over UDP until the runtime ends.
+async fn serve_udp(net: Arc<Network>, socket: std::net::UdpSocket) {
     let socket = match tokio::net::UdpSocket::from_std(socket) {
         Ok(s) => Arc::new(s),
         Err(err) => {

@@ -5,14 +5,16 @@
 //! a sandbox's policy allows (see `dns.rs`).
 //!
 //! A container's links are made through our own rtnetlink requests (`link.rs`: no process
-//! per create), rules with `nft -j -f -` (one process, in parallel); the rarer paths (the
-//! bridge, taps, release) run `ip -batch`. What a sandbox holds is recorded in its directory
+//! per create), rules through libnftables in this process (`libnft.rs`, in parallel; `nft -j
+//! -f -` if the library is missing); the rarer paths (the bridge, taps, release) run `ip
+//! -batch`. What a sandbox holds is recorded in its directory
 //! (`net`), so [`release`] frees it from the directory alone: on delete, on a failed create,
 //! and after a daemon crash.
 
 pub mod policy;
 
 mod dns;
+mod libnft;
 mod link;
 mod nft;
 mod tap;
@@ -84,8 +86,8 @@ pub struct Network {
     slots: PathBuf,
     /// Each sandbox's policy and the names the proxy resolved for it, by address.
     sandboxes: Mutex<HashMap<Ipv4Addr, Named>>,
-    /// The proxy's socket until [`Network::serve_dns`] takes it.
-    dns_socket: Mutex<Option<std::net::UdpSocket>>,
+    /// The proxy's sockets until [`Network::serve_dns`] takes them.
+    dns_socket: Mutex<Option<dns::Sockets>>,
 }
 
 /// What the DNS proxy knows of a sandbox.
@@ -166,7 +168,14 @@ impl Network {
                 "the DNS proxy cannot listen on {gateway}:53 ({e}): stop the resolver that holds port 53 on all addresses, or make it listen on specific ones"
             ))
         })?;
-        tracing::info!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, "sandbox network up");
+        match libnft::unavailable() {
+            None => {
+                tracing::info!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, "sandbox network up (rules through libnftables)")
+            }
+            Some(err) => {
+                tracing::warn!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, %err, "sandbox network up; rules through the nft program, a process per change (install libnftables1 for faster creates)")
+            }
+        }
         Ok(Arc::new(Self {
             bridge: bridge.clone(),
             pool,

@@ -1,5 +1,6 @@
-//! The node's nftables table (`inet <bridge>`), written through `nft -j -f -` (one atomic
-//! transaction per call). Layout:
+//! The node's nftables table (`inet <bridge>`), written as nftables JSON through libnftables
+//! in this process (`libnft.rs`; `nft -j -f -` where the library is missing), one atomic
+//! transaction per call. Layout:
 //!
 //! - `forward`: from the bridge, traffic to the pool (other sandboxes) and IPv6 are dropped,
 //!   then `ip saddr vmap @sandboxes` jumps to the sandbox's own chain; unknown sources are
@@ -10,7 +11,7 @@
 //!   marked and kept when its address times out), else reject (counted). Every packet a
 //!   sandbox sends is checked, so a policy change applies to open connections too.
 //! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point)
-//!   but the DNS proxy (UDP 53 on the bridge address).
+//!   but the DNS proxy (UDP and TCP 53 on the bridge address).
 //! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
 //!
 //! A second table, `bridge <bridge>`, holds microVMs to their own addresses: a guest owns
@@ -220,7 +221,7 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
             "iifname",
             vec![
                 is(ip("daddr"), json!(gateway.to_string())),
-                is(meta("l4proto"), json!("udp")),
+                is(meta("l4proto"), json!({"set": ["udp", "tcp"]})),
                 is(dport(), json!(53)),
                 json!({"accept": null}),
             ],
@@ -410,15 +411,27 @@ pub(super) fn delete_table(table: &str) -> Vec<Value> {
 
 /// Packets each sandbox's chain rejected, by sandbox address (from the chains' counters).
 pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
-    let output = Command::new("nft")
-        .args(["-j", "list", "table", FAMILY, table])
-        .stderr(Stdio::null())
-        .output()
-        .map_err(|e| NetError::Tool {
-            tool: "nft",
-            detail: e.to_string(),
-        })?;
-    let listing: Value = serde_json::from_slice(&output.stdout).map_err(|e| NetError::Tool {
+    let list = json!({"nftables": [{"list": {"table": {"family": FAMILY, "name": table}}}]});
+    let output = match super::libnft::run(&list.to_string()) {
+        Some(result) => result
+            .map_err(|detail| NetError::Tool {
+                tool: "libnftables",
+                detail,
+            })?
+            .into_bytes(),
+        None => {
+            Command::new("nft")
+                .args(["-j", "list", "table", FAMILY, table])
+                .stderr(Stdio::null())
+                .output()
+                .map_err(|e| NetError::Tool {
+                    tool: "nft",
+                    detail: e.to_string(),
+                })?
+                .stdout
+        }
+    };
+    let listing: Value = serde_json::from_slice(&output).map_err(|e| NetError::Tool {
         tool: "nft",
         detail: format!("unreadable listing of table {table}: {e}"),
     })?;
@@ -442,9 +455,16 @@ pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetErr
     Ok(denied.into_iter().collect())
 }
 
-/// Runs one transaction through `nft -j -f -`.
+/// Runs one transaction: in this process through libnftables, or through `nft -j -f -`
+/// where the library cannot be loaded.
 pub(super) fn apply(commands: Vec<Value>) -> Result<(), NetError> {
     let input = json!({"nftables": commands}).to_string();
+    if let Some(result) = super::libnft::run(&input) {
+        return result.map(drop).map_err(|detail| NetError::Tool {
+            tool: "libnftables",
+            detail: detail.trim().chars().take(2000).collect(),
+        });
+    }
     let mut child = Command::new("nft")
         .args(["-j", "-f", "-"])
         .stdin(Stdio::piped())

@@ -809,6 +809,7 @@ class Client:
         self._sessions = rpc.SessionsStub(channel)
         self._ports = rpc.PortsStub(channel)
         self._network = rpc.NetworkStub(channel)
+        self._network_labels = rpc.NetworkLabelsStub(channel)
         self._fn = rpc.FnStub(channel)
 
     def _call(self, fn, request):
@@ -864,11 +865,27 @@ class Client:
                                      allow: Iterable[str] = (), deny: Iterable[str] = (),
                                      allow_internet: bool = False) -> List["Sandbox"]:
         """Replaces the network policy of every sandbox carrying all of ``labels`` (at least
-        one): a List, then one SetNetworkPolicy per sandbox. Sandboxes deleted meanwhile are
-        skipped; ones created meanwhile are not covered. Returns the sandboxes changed."""
+        one): one SetNetworkPolicyByLabels (the node picks the sandboxes and checks the policy
+        once); where that is unimplemented (an apiserver not routing it yet), a List and one
+        SetNetworkPolicy per sandbox. Sandboxes deleted meanwhile are skipped; ones created
+        meanwhile are not covered. Returns the sandboxes changed; a sandbox that could not
+        take the policy raises FailedPrecondition naming it."""
         if not labels:
             raise ValueError("set_network_policy_by_labels needs at least one label")
         policy = _network_policy(allow, deny, allow_internet)
+        try:
+            r = self._call(self._network_labels.SetNetworkPolicyByLabels,
+                           pb.SetNetworkPolicyByLabelsRequest(labels=dict(labels),
+                                                              network=policy))
+        except Unimplemented:
+            r = None
+        if r is not None:
+            if r.failed:
+                raise FailedPrecondition(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{len(r.failed)} of the labelled sandboxes could not take the policy (the "
+                    f"others did), first {r.failed[0].sandbox_id}: {r.failed[0].message}")
+            return [Sandbox(self, SandboxInfo._from(s)) for s in r.sandboxes]
         changed: List[Sandbox] = []
         for sb in self.list(labels):
             try:

@@ -616,6 +616,37 @@ class SetNetworkPolicyRequest(_message.Message):
     network: NetworkPolicy
     def __init__(self, sandbox_id: _Optional[str] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
 
+class SetNetworkPolicyByLabelsRequest(_message.Message):
+    __slots__ = ("labels", "network")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    network: NetworkPolicy
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
+
+class SetNetworkPolicyByLabelsResponse(_message.Message):
+    __slots__ = ("sandboxes", "failed")
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[Sandbox]
+    failed: _containers.RepeatedCompositeFieldContainer[SetNetworkPolicyFailure]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Sandbox, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[SetNetworkPolicyFailure, _Mapping]]] = ...) -> None: ...
+
+class SetNetworkPolicyFailure(_message.Message):
+    __slots__ = ("sandbox_id", "message")
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    sandbox_id: str
+    message: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class FnRunRequest(_message.Message):
     __slots__ = ("language", "code", "stdin", "files", "fetch_files", "compile_timeout", "run_timeout", "memory_mib", "network", "image")
     class FilesEntry(_message.Message):

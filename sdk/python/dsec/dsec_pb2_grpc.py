@@ -1496,6 +1496,90 @@ class Network:
             _registered_method=True)
 
 
+class NetworkLabelsStub:
+    """Label-wide policy changes, served by nodes (a service of its own so that servers of
+    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
+    a List and one SetNetworkPolicy per sandbox).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetNetworkPolicyByLabels = channel.unary_unary(
+                '/dsec.v1.NetworkLabels/SetNetworkPolicyByLabels',
+                request_serializer=dsec__pb2.SetNetworkPolicyByLabelsRequest.SerializeToString,
+                response_deserializer=dsec__pb2.SetNetworkPolicyByLabelsResponse.FromString,
+                _registered_method=True)
+
+
+class NetworkLabelsServicer:
+    """Label-wide policy changes, served by nodes (a service of its own so that servers of
+    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
+    a List and one SetNetworkPolicy per sandbox).
+    """
+
+    def SetNetworkPolicyByLabels(self, request, context):
+        """SetNetworkPolicy for every sandbox of the node whose labels include all of `labels` (at
+        least one): the policy is checked once (INVALID_ARGUMENT changes nothing), then applied
+        to each sandbox in turn; sandboxes created meanwhile are not covered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NetworkLabelsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetNetworkPolicyByLabels': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetworkPolicyByLabels,
+                    request_deserializer=dsec__pb2.SetNetworkPolicyByLabelsRequest.FromString,
+                    response_serializer=dsec__pb2.SetNetworkPolicyByLabelsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.v1.NetworkLabels', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.v1.NetworkLabels', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class NetworkLabels:
+    """Label-wide policy changes, served by nodes (a service of its own so that servers of
+    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
+    a List and one SetNetworkPolicy per sandbox).
+    """
+
+    @staticmethod
+    def SetNetworkPolicyByLabels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.NetworkLabels/SetNetworkPolicyByLabels',
+            dsec__pb2.SetNetworkPolicyByLabelsRequest.SerializeToString,
+            dsec__pb2.SetNetworkPolicyByLabelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class FnStub:
     """================================================================= Fn
 

@@ -863,9 +863,12 @@ impl Client {
     }
 
     /// Sets the network policy of every sandbox whose labels include all of `labels` (at
-    /// least one): a List, then one `SetNetworkPolicy` per sandbox (each applied as one
-    /// transaction on its node). Sandboxes deleted meanwhile are skipped; ones created
-    /// meanwhile are not covered (create them with the policy). Returns those changed.
+    /// least one): one `NetworkLabels.SetNetworkPolicyByLabels` (the node picks the sandboxes,
+    /// checks the policy once, then applies it to each). Where that call is UNIMPLEMENTED
+    /// (an apiserver that does not route it yet), a List and one `SetNetworkPolicy` per
+    /// sandbox. Sandboxes deleted meanwhile are skipped; ones created meanwhile are not
+    /// covered (create them with the policy). Returns those changed; a sandbox that could not
+    /// take the policy is an error naming it.
     pub async fn set_network_policy_by_labels(
         &self,
         labels: std::collections::HashMap<String, String>,
@@ -875,6 +878,29 @@ impl Client {
             return Err(Error::Status(tonic::Status::invalid_argument(
                 "set_network_policy_by_labels needs at least one label (use set_network_policy for one sandbox)",
             )));
+        }
+        let answer =
+            dsec_api::v1::network_labels_client::NetworkLabelsClient::new(self.channel.clone())
+                .set_network_policy_by_labels(dsec_api::v1::SetNetworkPolicyByLabelsRequest {
+                    labels: labels.clone(),
+                    network: Some(network.clone()),
+                })
+                .await;
+        match answer {
+            Ok(answer) => {
+                let answer = answer.into_inner();
+                if let Some(failed) = answer.failed.first() {
+                    return Err(Error::Status(tonic::Status::failed_precondition(format!(
+                        "{} of the labelled sandboxes could not take the policy (the others did), first {}: {}",
+                        answer.failed.len(),
+                        failed.sandbox_id,
+                        failed.message
+                    ))));
+                }
+                return Ok(answer.sandboxes);
+            }
+            Err(status) if status.code() == tonic::Code::Unimplemented => {}
+            Err(status) => return Err(status.into()),
         }
         let mut changed = Vec::new();
         for sandbox in self.list(labels).await? {

@@ -167,6 +167,7 @@ impl WorkerFactory for ContainerFactory {
             .arg(&self.seccomp_hex)
             .arg(self.limits.work_kib.to_string())
             .arg(self.limits.inodes.to_string())
+            .arg(uid.to_string())
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).

@@ -19,6 +19,8 @@ OWN_PID_NS = int(sys.argv[3])
 SECCOMP_HEX = sys.argv[4]
 # Size (KiB) and inodes of each call's /tmp and /work: mounted before the call arrives.
 WORK_KIB, WORK_INODES = int(sys.argv[5]), int(sys.argv[6])
+# The host uid this worker's calls run as (the python stage drops to it before its call).
+CALL_UID = int(sys.argv[7])
 # A ready init's exit status when the engine closed the request pipe: the zygote ends too.
 EXIT_NO_MORE_CALLS = 3
 
@@ -38,6 +40,12 @@ MS_NOSUID, MS_NODEV = 2, 4
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_PDEATHSIG = 1
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+PR_SET_NAME = 15
+
+
+def set_name(name):
+    """Names the process (what ps, top and perf show): zygote, call init, call stage."""
+    libc.prctl(PR_SET_NAME, name, 0, 0, 0)
 
 
 class SockFprog(ctypes.Structure):
@@ -153,36 +161,100 @@ def run_python_here(path):
     os._exit(code)
 
 
-def stage(req, argv, stdin_fd, timeout, python_path=None):
-    """Runs one stage in a child as the call's uid; returns its result dict."""
-    cap = req["limits"]["output_bytes"]
+def fork_stage(stdin_fd, uid, then):
+    """Forks a stage's process: its stdio on fresh pipes, /work as its directory, the call's
+    uid and seccomp filter; it then runs `then(fail_w)` (which execs or runs python code and
+    never returns). Returns what `supervise` needs."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     # Closed by a successful exec; a message on it means the stage never started.
     fail_r, fail_w = os.pipe()
-    started = time.monotonic()
     pid = os.fork()
     if pid == 0:
+        set_name(b"fncall-call")
         try:
             os.dup2(stdin_fd, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            os.closerange(3, fail_w)
-            os.closerange(fail_w + 1, 65536)
+            keep = sorted(fd for fd in (fail_w, GO_FD[0]) if fd is not None and fd > 2)
+            low = 3
+            for fd in keep:
+                os.closerange(low, fd)
+                low = fd + 1
+            os.closerange(low, 65536)
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             os.chdir("/work")
-            drop_privileges(req["uid"])
-            set_limits(req)
-            if python_path is not None:
-                os.close(fail_w)
-                run_python_here(python_path)
-            os.execve(argv[0], argv, ENV)
+            drop_privileges(uid)
+            then(fail_w)
         except BaseException as e:
-            os.write(fail_w, ("cannot start %s: %s" % (argv[0], e)).encode())
+            try:
+                os.write(fail_w, ("cannot start the stage: %s" % e).encode())
+            except OSError:
+                pass
         os._exit(127)
     os.close(out_w)
     os.close(err_w)
     os.close(fail_w)
+    return pid, out_r, err_r, fail_r
+
+
+# The go pipe of a stage made ahead, kept open across its child's closerange.
+GO_FD = [None]
+
+
+def exec_stage(req, argv):
+    def then(fail_w):
+        set_limits(req)
+        os.execve(argv[0], argv, ENV)
+    return then
+
+
+def stage(req, argv, stdin_fd, timeout):
+    """Runs one exec'd stage as the call's uid; returns its result dict."""
+    handle = fork_stage(stdin_fd, req["uid"], exec_stage(req, argv))
+    return supervise(req, handle, timeout)
+
+
+def python_ahead(stdin_fd, uid):
+    """The python stage forked before its call arrives: privileges dropped, seccomp on, it
+    waits on a pipe for its limits and the path of the code, then runs it in this warm
+    interpreter. Returns (handle, go_w)."""
+    go_r, go_w = os.pipe()
+    GO_FD[0] = go_r
+
+    def then(fail_w):
+        set_name(b"fncall-ready")
+        msg = b""
+        while True:
+            chunk = os.read(go_r, 65536)
+            if not chunk:
+                break
+            msg += chunk
+        os.close(go_r)
+        if not msg:
+            # The call never came (or could not be set up): nothing to run.
+            os.close(fail_w)
+            os._exit(0)
+        set_name(b"fncall-call")
+        order = json.loads(msg)
+        set_limits(order)
+        os.close(fail_w)
+        run_python_here(order["path"])
+
+    try:
+        handle = fork_stage(stdin_fd, uid, then)
+    finally:
+        GO_FD[0] = None
+        os.close(go_r)
+    return handle, go_w
+
+
+def supervise(req, handle, timeout):
+    """Collects a started stage's output up to the cap and its status, killing it at the
+    wall-time limit and everything it left behind after."""
+    pid, out_r, err_r, fail_r = handle
+    cap = req["limits"]["output_bytes"]
+    started = time.monotonic()
     pidfd = os.pidfd_open(pid)
     deadline = started + timeout
     bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -290,13 +362,12 @@ def read_request():
     return body
 
 
-def call_init(req):
-    """The call in its prepared namespace: the files, then the stages."""
-    lim = req["limits"]
-    # The zygote is shielded from the OOM killer; the call is its first choice.
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("1000")
+def call_init(req, ahead):
+    """The call in its prepared namespace: the files, then the stages. `ahead`: the python
+    stage already forked and waiting (handle, go pipe, stdin memfd), or None."""
     uid = req["uid"]
+    if uid != CALL_UID:
+        raise ValueError("the request's uid %d is not this worker's %d" % (uid, CALL_UID))
     os.chown("/work", uid, uid)
     for name, data in req["files"].items():
         path = inside_work(name)
@@ -308,13 +379,18 @@ def call_init(req):
     stdin_fd = empty_fd
     if req["stdin"]:
         # Not a pipe: the whole input is there at once, and no writer can block.
-        stdin_fd = os.memfd_create("stdin")
+        stdin_fd = ahead[2] if ahead is not None else os.memfd_create("stdin")
         os.write(stdin_fd, base64.b64decode(req["stdin"]))
         os.lseek(stdin_fd, 0, 0)
     result = {"compile": None, "run": None, "files": {}, "errors": []}
     lang = req["language"]
     if lang == "python":
-        run = stage(req, [], stdin_fd, req["run_timeout"], python_path="/work/" + req["main"])
+        handle, go_w, _ = ahead
+        order = {"path": "/work/" + req["main"], "limits": req["limits"],
+                 "cpu_seconds": req["cpu_seconds"]}
+        os.write(go_w, json.dumps(order).encode())
+        os.close(go_w)
+        run = supervise(req, handle, req["run_timeout"])
     elif lang == "bash":
         run = stage(req, ["/bin/bash", req["main"]], stdin_fd, req["run_timeout"])
     elif lang == "node":
@@ -331,6 +407,7 @@ def call_init(req):
     result["run"] = run
     # Files to hand back, read as the call's uid (a symlink cannot reach more than it could).
     drop_privileges(uid)
+    lim = req["limits"]
     budget = lim["fetch_bytes"]
     for name in req["fetch"]:
         path = inside_work(name)
@@ -351,9 +428,19 @@ def call_init(req):
 def ready_init(go_r):
     """A call's init made ahead of its call: namespaces and mounts ready, it waits for its
     turn (the previous call gone), then reads the request itself and answers."""
+    set_name(b"fncall-init")
+    ahead = None
     try:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         prepare_call_namespace()
+        # The zygote is shielded from the OOM killer; the call is its first choice.
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        if LANG == "python":
+            # The call's process made now: its fork is off the call's path.
+            stdin_fd = os.memfd_create("stdin")
+            handle, go_w = python_ahead(stdin_fd, CALL_UID)
+            ahead = (handle, go_w, stdin_fd)
         setup_error = None
     except BaseException as e:
         setup_error = e
@@ -366,7 +453,7 @@ def ready_init(go_r):
     try:
         if setup_error is not None:
             raise setup_error
-        result = call_init(json.loads(bytes(body)))
+        result = call_init(json.loads(bytes(body)), ahead)
     except BaseException as e:
         result = {"error": "%s: %s" % (type(e).__name__, e)}
     del body
@@ -389,6 +476,7 @@ def prepare():
 
 
 def main():
+    set_name(b"fncall-zygote")
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     # The zygote never reads a request: each call's init reads its own, so nothing of a
     # call is ever in the memory the next call is forked from.

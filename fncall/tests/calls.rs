@@ -194,7 +194,8 @@ async fn nothing_of_one_call_is_seen_by_the_next() {
     }
 }
 
-/// Processes running as a call's uid (calls run as DEFAULT_UID_BASE + worker number).
+/// Processes running as a call's uid (calls run as DEFAULT_UID_BASE + worker number), but
+/// for the python stages made ahead of their call (named fncall-ready until it comes).
 fn call_processes() -> Vec<String> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -211,14 +212,15 @@ fn call_processes() -> Vec<String> {
             .and_then(|l| l.split_whitespace().next())
             .and_then(|u| u.parse().ok())
             .unwrap_or(0);
-        if uid >= u64::from(dsec_fncall::container::DEFAULT_UID_BASE) {
+        let waiting = status.lines().next() == Some("Name:\tfncall-ready");
+        if uid >= u64::from(dsec_fncall::container::DEFAULT_UID_BASE) && !waiting {
             found.push(format!("{name}: {}", status.lines().next().unwrap_or("")));
         }
     }
     found
 }
 
-/// Mount counts of this process's zygotes (children running python3): a worker's namespace
+/// Mount counts of this process's zygotes (children named fncall-zygote): a worker's namespace
 /// holds its root and /dev; a call's mounts live and die in the call's own namespace.
 fn zygote_mounts() -> Vec<(String, usize)> {
     let me = std::process::id().to_string();
@@ -231,7 +233,7 @@ fn zygote_mounts() -> Vec<(String, usize)> {
             continue;
         };
         let ppid = rest.split_whitespace().nth(1).unwrap_or("");
-        if ppid == me && comm.ends_with("(python3") {
+        if ppid == me && comm.ends_with("(fncall-zygote") {
             if let Ok(mounts) = std::fs::read_to_string(entry.path().join("mountinfo")) {
                 found.push((
                     entry.file_name().to_string_lossy().into_owned(),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the VM FnCall image: an initramfs for worker microVMs (the VMM FnCall mode, see
 # fncall/README.md): busybox + the guest agent as /init (guest-agent/mkinitramfs.sh), python3
-# with its standard library (test suites, tk, idle and other build-time parts left out), bash,
+# with its standard library (test suites, tk, idle, build-time parts and the modules that need
+# OpenSSL, Berkeley DB, NIS, curses, readline or SQLite left out: no network, no terminal), bash,
 # and fncall/src/vm/guest_worker.py. Python and bash come from the installed fncall image
 # (images/fncall/build.sh --install first), with the shared libraries they and python's
 # extension modules need. No numpy (the initramfs lives in guest memory).
@@ -53,6 +54,10 @@ if ! [ -f "$out/initramfs.cpio" ]; then
         --exclude="$stdlib/pydoc_data" --exclude="$stdlib/config-*" --exclude="$stdlib/distutils" \
         --exclude="*.opt-1.pyc" --exclude="*.opt-2.pyc" --exclude="*/_test*.so" \
         --exclude="$stdlib/site-packages" --exclude="$stdlib/dist-packages" \
+        --exclude="$stdlib/venv" --exclude="$stdlib/sqlite3" --exclude="$stdlib/curses" \
+        --exclude="*/_ssl.*.so" --exclude="*/_hashlib.*.so" --exclude="*/_dbm.*.so" \
+        --exclude="*/_gdbm.*.so" --exclude="*/nis.*.so" --exclude="*/_curses*.so" \
+        --exclude="*/readline.*.so" --exclude="*/_sqlite3.*.so" --exclude="*/_crypt.*.so" \
         -cf - "$stdlib" | tar -C "$root" -xf -
     rm -f "$root/bin/bash"
     cp "$src/usr/bin/bash" "$root/bin/bash"

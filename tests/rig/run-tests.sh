@@ -132,7 +132,7 @@ FNVM_IMG=${DSEC_HOME:-/var/lib/dsec}/images/fncall-vm
 if ((${#missing[@]} == 0)); then
     if [[ -e $FNVM_IMG/initramfs.cpio && -e $FNVM_IMG/fncall-vm ]]; then
         "$HERE/rig.sh" run "$HERE/tests/fncall-vm.sh" \
-            "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+            "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$BIN/dsec-perf=/bin/dsec-perf" \
             "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
             "$FNVM_IMG/initramfs.cpio=/dsec/images/fncall-vm/initramfs.cpio" \
             "$FNVM_IMG/fncall-vm=/dsec/images/fncall-vm/fncall-vm" \

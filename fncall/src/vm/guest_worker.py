@@ -84,7 +84,8 @@ def main():
         pass
     conn.close()
     # The host snapshots once it reads this on the console (fncall/src/vm/mod.rs WARM_LINE).
-    os.write(2, b"dsec-fnworker warm\n")
+    with open("/dev/console", "wb", buffering=0) as console:
+        console.write(b"dsec-fnworker warm\n")
     while True:
         conn, _ = listener.accept()
         try:

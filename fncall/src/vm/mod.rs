@@ -326,14 +326,23 @@ impl WorkerFactory for VmFactory {
             uid: container::call_uid(container::DEFAULT_UID_BASE, std::process::id(), n),
             limits: self.limits.clone(),
         };
-        // The shell is ready once its control socket answers.
-        let control = ControlClient::new(worker.api.clone()).connect_timeout(PREWARM_TIMEOUT);
-        let ready = tokio::task::spawn_blocking(move || control.status())
-            .await
-            .map_err(|e| start_err(format!("status task: {e}")))?;
-        if let Err(e) = ready {
-            worker.kill().await;
-            return Err(start_err(format!("the prewarmed VMM did not come up: {e}")));
+        // The shell is ready once its control socket appears (it takes `restore` first).
+        let deadline = Instant::now() + PREWARM_TIMEOUT;
+        while !worker.api.exists() {
+            let exited = worker
+                .vmm
+                .as_mut()
+                .and_then(|vmm| vmm.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                let log = std::fs::read_to_string(worker.dir.join("vmm.log")).unwrap_or_default();
+                worker.kill().await;
+                return Err(start_err(format!(
+                    "the prewarmed VMM did not come up ({}): {}",
+                    exited.map_or("no control socket".to_string(), |s| s.to_string()),
+                    log.trim()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         Ok(Box::new(worker))
     }
@@ -378,7 +387,15 @@ impl VmWorker {
             .await
             .map_err(std::io::Error::other)?
             .map_err(|e| std::io::Error::other(format!("restore: {e}")))?;
-        let mut stream = channel::connect(&uds, channel::WORKER_PORT).await?;
+        // The restored guest answers once its vCPU runs again; give it a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut stream = loop {
+            match channel::connect(&uds, channel::WORKER_PORT).await {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        };
         let mut entropy = [0u8; 64];
         getrandom(&mut entropy)?;
         let realtime_ns = std::time::SystemTime::now()

@@ -5,26 +5,43 @@
 # - a file written to /tmp by call 1 is absent in call 2;
 # - no dsec-vmm of a call is left after it (only the pool's prewarmed, not yet restored VMMs);
 # - a call that never ends is killed at its time limit (exit 124) and its VM is gone;
-# - METRIC lines: VM call (restore -> result -> VM gone, CLI round trip) p50 over 5 calls,
-#   beside a cold microVM `dsec run`, on L1's clock.
-# Expects in L1: /bin/dsec, /bin/dsec-vmm, DSEC_HOME=/dsec with kernel/vmlinux,
+# - `dsec-perf fncall-vm`: VM call (restore -> result -> VM gone) beside a container call,
+#   `dsec run` (template restore) and a cold microVM (create --cold, exec, rm), a few samples
+#   on L1's clock (table + PERF-FNCALL-VM JSON).
+# Expects in L1: /bin/dsec, /bin/dsec-vmm, /bin/dsec-perf, DSEC_HOME=/dsec with kernel/vmlinux,
 # images/busybox/initramfs.cpio and images/fncall-vm/{initramfs.cpio,fncall-vm}.
+# Container workers (the benchmark's container contender) pivot_root into their image, which
+# a process whose root is L1's initramfs cannot: the suite re-runs itself in a tmpfs copy of
+# L1's root.
+if [ -z "${FNVM_IN_COPY:-}" ]; then
+    mkdir -p /newroot && mount -t tmpfs -o size=1200m newroot /newroot
+    for d in /*; do
+        case $d in /proc|/sys|/dev|/tmp|/run|/newroot) mkdir -p /newroot$d ;; *) cp -a $d /newroot/ ;; esac
+    done
+    mount --rbind /dev /newroot/dev && mount --rbind /sys /newroot/sys
+    mount -t proc proc /newroot/proc && mount -t tmpfs -o mode=1777 tmp /newroot/tmp
+    mount -t tmpfs run /newroot/run
+    cp "$0" /newroot/fncall-vm.sh
+    FNVM_IN_COPY=1 chroot /newroot /bin/sh /fncall-vm.sh
+    exit $?
+fi
 pass=0; fail=0
 ok()  { echo "PASS $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
 export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
 export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
 T=600
-for f in /bin/dsec /bin/dsec-vmm $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/fncall-vm/initramfs.cpio $DSEC_HOME/images/fncall-vm/fncall-vm; do
+for f in /bin/dsec /bin/dsec-vmm /bin/dsec-perf $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/fncall-vm/initramfs.cpio $DSEC_HOME/images/fncall-vm/fncall-vm; do
     [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
 done
 now_ms() { read up _ </proc/uptime; echo $(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 )); }
-# dsec-vmm processes that restored a snapshot (prewarmed ones waiting have no vsock yet).
+# dsec-vmm processes running a restored worker VM: the template's memory file is mapped
+# (the pool's prewarmed VMMs, still empty, map nothing of it).
 restored_vmms() {
     n=0
     for d in /proc/[0-9]*; do
         [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
-        ls -l $d/fd 2>/dev/null | grep -q 'vsock.sock\|snapshot' && n=$((n + 1))
+        grep -q 'fncall-vm/.*/snapshot' $d/maps 2>/dev/null && n=$((n + 1))
     done
     echo $n
 }
@@ -55,6 +72,18 @@ a=$(fn --lang python -c 'import random; print(random.getrandbits(64))' 2>&1)
 b=$(fn --lang python -c 'import random; print(random.getrandbits(64))' 2>&1)
 [ -n "$a" ] && [ "$a" != "$b" ] && ok fresh-entropy || bad fresh-entropy "'$a' vs '$b'"
 
+# The probe sees a call's VM while it runs (so its 0 after a call means something).
+fn --lang python --timeout 30 -c 'import time; time.sleep(15); print("slept")' >/tmp/slow.out 2>&1 &
+slow=$!
+seen=0; i=0
+while [ $i -lt 150 ] && [ $seen = 0 ]; do
+    [ "$(restored_vmms)" -ge 1 ] && seen=1
+    sleep 0.1; i=$((i + 1))
+done
+wait $slow
+[ $seen = 1 ] && grep -q slept /tmp/slow.out && ok vm-seen-during-call || bad vm-seen-during-call "seen $seen, out '$(cat /tmp/slow.out)'"
+[ "$(restored_vmms)" = 0 ] && ok vm-gone-after-slow-call || bad vm-gone-after-slow-call "$(restored_vmms) restored dsec-vmm left"
+
 # A call that never ends: killed at its limit, its VM gone.
 t0=$(now_ms)
 fn --lang python --timeout 2 -c 'while True: pass' >/dev/null 2>/tmp/fn.err; rc=$?
@@ -62,21 +91,17 @@ took=$(( $(now_ms) - t0 ))
 [ $rc = 124 ] && ok time-limit || bad time-limit "rc $rc after $took ms: $(cat /tmp/fn.err)"
 [ "$(restored_vmms)" = 0 ] && ok vm-gone-after-time-limit || bad vm-gone-after-time-limit "$(restored_vmms) restored dsec-vmm left"
 
-# Figures (L1 clock): 5 VM calls, then 3 cold microVM `dsec run`s.
-p50() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-: >/tmp/vm.ms
-for i in 1 2 3 4 5; do
-    t0=$(now_ms); fn --lang python -c 'print(1+1)' >/dev/null 2>&1; echo $(( $(now_ms) - t0 )) >>/tmp/vm.ms
-done
-: >/tmp/cold.ms
-for i in 1 2 3; do
-    t0=$(now_ms); timeout $T dsec run --backend microvm --cold -- true >/dev/null 2>&1; echo $(( $(now_ms) - t0 )) >>/tmp/cold.ms
-done
-vm=$(p50 </tmp/vm.ms); cold=$(p50 </tmp/cold.ms)
-echo "METRIC fncall-vm-call-p50-ms $vm"
-echo "METRIC microvm-cold-run-p50-ms $cold"
-echo "PERF-FNCALL-VM {\"vm_call_p50_ms\":$vm,\"vm_call_ms\":[$(paste -sd, /tmp/vm.ms)],\"cold_microvm_run_p50_ms\":$cold,\"cold_microvm_run_ms\":[$(paste -sd, /tmp/cold.ms)]}"
-printf '%-40s %10s\n' "what (L1 clock)" "p50 ms" "fncall-vm python print(1+1)" "$vm" "dsec run --cold (microVM) true" "$cold"
+# Figures (L1 clock): dsec-perf fncall-vm, VM calls beside container calls (the VM image's
+# root unpacked as a container image) and cold microVM `dsec run`s.
+mkdir -p $DSEC_HOME/images/fncall-lite/rootfs
+(cd $DSEC_HOME/images/fncall-lite/rootfs && cpio -id <$DSEC_HOME/images/fncall-vm/initramfs.cpio 2>/dev/null)
+if timeout $T dsec-perf fncall-vm --samples 5 --cold-samples 3 --container-image fncall-lite \
+        --dsec /bin/dsec --json /tmp/fncall-vm.json >/tmp/perf.out 2>&1; then
+    cat /tmp/perf.out
+    grep -q '"vm"' /tmp/perf.out && ok perf-fncall-vm || bad perf-fncall-vm "no vm figures: $(tail -5 /tmp/perf.out)"
+else
+    bad perf-fncall-vm "$(tail -8 /tmp/perf.out)"
+fi
 [ "$(restored_vmms)" = 0 ] && ok nothing-left || bad nothing-left "$(restored_vmms) restored dsec-vmm left"
 
 kill $daemon 2>/dev/null; wait $daemon 2>/dev/null

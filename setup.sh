@@ -55,6 +55,9 @@ images/debian/build.sh --install >/dev/null
 step "fncall image: python3 + numpy, g++, nodejs (cached under ${DSEC_CACHE:-/var/cache/dsec}/images/fncall; first build: a few minutes)"
 images/fncall/build.sh --install >/dev/null
 
+step "VM FnCall image: initramfs with busybox, the agent, python3 and bash (cached under ${DSEC_CACHE:-/var/cache/dsec}/images/fncall-vm)"
+images/fncall-vm/build.sh --install --agent target/x86_64-unknown-linux-gnu/release/dsec-agent >/dev/null
+
 # The unmodified SandboxFusion client, for the FnCall compatibility test (sdk/python/tests).
 sf_venv=${DSEC_CACHE:-/var/cache/dsec}/venv/sandbox-fusion
 if ! "$sf_venv/bin/python" -c 'import sandbox_fusion' 2>/dev/null; then

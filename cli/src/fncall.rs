@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use dsec_api::v1::{FnRunRequest, FnRunResponse, FnStageResult, FnStageStatus};
-use dsec_fncall::{CallLimits, ContainerFactory, Engine, EngineConfig, Language};
+use dsec_fncall::{Engine, EngineConfig, Language};
 use serde_json::json;
 
 #[derive(clap::Subcommand, Debug)]
@@ -38,6 +38,10 @@ pub enum FnCommand {
         /// Ask for network access: refused until calls get a sandbox network (default: loopback only).
         #[arg(long)]
         network: bool,
+        /// Image to run in (default: the node's, `fncall`); a VM FnCall image
+        /// (images/fncall-vm) runs the call in a microVM restored for it.
+        #[arg(long)]
+        image: Option<String>,
         /// Run in this process (root; the image under $DSEC_HOME/images) instead of the node.
         #[arg(long)]
         local: bool,
@@ -78,7 +82,11 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> FnError {
 /// A local engine over `$DSEC_HOME/images`.
 fn local_engine(python_workers: usize) -> Arc<Engine> {
     let home = dsec_edge::paths::Artifacts::home();
-    let factory = ContainerFactory::new(home.join("images"), CallLimits::default());
+    let artifacts = dsec_edge::paths::Artifacts::under(&home);
+    let factory = dsec_edge::daemon::fncall::factory(
+        &artifacts,
+        &std::env::temp_dir().join("dsec-fncall-vm"),
+    );
     let mut config = EngineConfig::default();
     config
         .pool_sizes
@@ -97,6 +105,7 @@ pub async fn run(endpoint: &str, command: FnCommand, json_out: bool) -> Result<i
             compile_timeout,
             mem,
             network,
+            image,
             local,
         } => {
             let (code, language) = match (code, file) {
@@ -130,6 +139,7 @@ pub async fn run(endpoint: &str, command: FnCommand, json_out: bool) -> Result<i
                 run_timeout: timeout,
                 memory_mib: mem,
                 network,
+                image: image.unwrap_or_default(),
                 ..FnRunRequest::default()
             };
             let response = if local {

@@ -22,20 +22,20 @@ use crate::error::{FnCallError, Result};
 use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
 use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
 
-const ZYGOTE: &str = include_str!("zygote.py");
+pub(crate) const ZYGOTE: &str = include_str!("zygote.py");
 /// The zygote's command line: reads zygote.py from a pipe (argv[1]) rather than carrying it
 /// on a command line everyone can read.
 const BOOTSTRAP: &str = "import os, sys\nfd = int(sys.argv.pop(1))\nsrc = b''\nwhile True:\n    chunk = os.read(fd, 65536)\n    if not chunk:\n        break\n    src += chunk\nos.close(fd)\nexec(compile(src, 'zygote.py', 'exec'))\n";
 // The script is written into the pipe before the zygote starts: it must fit its buffer.
 const _: () = assert!(ZYGOTE.len() < 65536);
 /// Bound on one request frame (code, stdin and files, base64 and JSON overhead included).
-const MAX_REQUEST_FRAME: usize = crate::request::MAX_INPUT_BYTES * 3 / 2 + (1 << 20);
+pub(crate) const MAX_REQUEST_FRAME: usize = crate::request::MAX_INPUT_BYTES * 3 / 2 + (1 << 20);
 /// Bound on one result frame.
-const MAX_RESULT_FRAME: usize = 64 << 20;
+pub(crate) const MAX_RESULT_FRAME: usize = 64 << 20;
 /// How long a new worker may take to import its runtime and say hello.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// The engine's own deadline beyond the call's timeouts, before it gives the worker up.
-const GRACE: Duration = Duration::from_secs(10);
+pub(crate) const GRACE: Duration = Duration::from_secs(10);
 
 /// Per-call limits every call of a worker gets.
 #[derive(Clone, Debug)]
@@ -223,7 +223,7 @@ impl WorkerFactory for ContainerFactory {
 
 /// BPF programs as the zygote installs them: each program's `sock_filter`s in native layout
 /// (u16 code, u8 jt, u8 jf, u32 k), hex, programs separated by commas.
-fn filters_hex(filters: &[seccompiler::BpfProgram]) -> String {
+pub(crate) fn filters_hex(filters: &[seccompiler::BpfProgram]) -> String {
     let hex = |program: &seccompiler::BpfProgram| {
         let mut out = String::new();
         for insn in program {
@@ -305,39 +305,7 @@ impl ContainerWorker {
     }
 
     fn request_json(&self, call: &CallRequest) -> Vec<u8> {
-        let b64 = base64::engine::general_purpose::STANDARD;
-        let mut files = serde_json::Map::new();
-        files.insert(
-            call.language.main_file().to_string(),
-            b64.encode(call.code.as_bytes()).into(),
-        );
-        for (name, data) in &call.files {
-            files.insert(name.clone(), b64.encode(data).into());
-        }
-        let limits = &self.limits;
-        serde_json::json!({
-            "language": call.language.as_str(),
-            "main": call.language.main_file(),
-            "files": files,
-            "fetch": call.fetch_files,
-            "stdin": b64.encode(&call.stdin),
-            "uid": self.uid,
-            "compile_timeout": call.compile_timeout.as_secs_f64(),
-            "run_timeout": call.run_timeout.as_secs_f64(),
-            // CPU time: the wall limit rounded up (the wall limit is the one that counts).
-            "cpu_seconds": call.run_timeout.max(call.compile_timeout).as_secs_f64().ceil() + 1.0,
-            "limits": {
-                "processes": limits.processes,
-                "output_bytes": limits.output_bytes,
-                "file_bytes": limits.file_bytes,
-                "work_kib": limits.work_kib,
-                "inodes": limits.inodes,
-                "open_files": limits.open_files,
-                "fetch_bytes": limits.fetch_bytes,
-            },
-        })
-        .to_string()
-        .into_bytes()
+        request_json(call, self.uid, &self.limits)
     }
 
     /// Sends the request; returns the result frame, or the init's wait status when it died
@@ -360,7 +328,43 @@ impl ContainerWorker {
     }
 }
 
-fn wait_status(payload: &[u8]) -> io::Result<i32> {
+/// A call as the zygote's call init reads it (JSON).
+pub(crate) fn request_json(call: &CallRequest, uid: u32, limits: &CallLimits) -> Vec<u8> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut files = serde_json::Map::new();
+    files.insert(
+        call.language.main_file().to_string(),
+        b64.encode(call.code.as_bytes()).into(),
+    );
+    for (name, data) in &call.files {
+        files.insert(name.clone(), b64.encode(data).into());
+    }
+    serde_json::json!({
+        "language": call.language.as_str(),
+        "main": call.language.main_file(),
+        "files": files,
+        "fetch": call.fetch_files,
+        "stdin": b64.encode(&call.stdin),
+        "uid": uid,
+        "compile_timeout": call.compile_timeout.as_secs_f64(),
+        "run_timeout": call.run_timeout.as_secs_f64(),
+        // CPU time: the wall limit rounded up (the wall limit is the one that counts).
+        "cpu_seconds": call.run_timeout.max(call.compile_timeout).as_secs_f64().ceil() + 1.0,
+        "limits": {
+            "processes": limits.processes,
+            "output_bytes": limits.output_bytes,
+            "file_bytes": limits.file_bytes,
+            "work_kib": limits.work_kib,
+            "inodes": limits.inodes,
+            "open_files": limits.open_files,
+            "fetch_bytes": limits.fetch_bytes,
+        },
+    })
+    .to_string()
+    .into_bytes()
+}
+
+pub(crate) fn wait_status(payload: &[u8]) -> io::Result<i32> {
     let bytes: [u8; 4] = payload
         .try_into()
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "end frame of the wrong size"))?;
@@ -434,7 +438,7 @@ impl Worker for ContainerWorker {
     }
 }
 
-fn parse_result(raw: &[u8]) -> std::result::Result<CallResult, String> {
+pub(crate) fn parse_result(raw: &[u8]) -> std::result::Result<CallResult, String> {
     let value: serde_json::Value = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
     if let Some(error) = value.get("error").and_then(|e| e.as_str()) {
         return Err(format!("the call could not be set up: {error}"));

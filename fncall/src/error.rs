@@ -19,6 +19,8 @@ pub enum FnCallError {
     WorkerLost(String),
     #[error("this node has no sandbox network for calls: calls with `network` set are refused (never run in the host's network namespace); drop `network` or use a sandbox (`dsec run`) on a node started with --net-bridge")]
     NoCallNetwork,
+    #[error("this node cannot run VM workers ({0}); use a container image (the default `fncall`) or a node with hardware KVM")]
+    NoVmSupport(String),
     #[error("no {0} worker became free in time: the node is overloaded, retry later")]
     Busy(&'static str),
 }

@@ -75,9 +75,9 @@ pub fn status(err: &FnCallError) -> Status {
         FnCallError::UnknownLanguage(_) | FnCallError::InvalidRequest(_) => {
             Status::invalid_argument(err.to_string())
         }
-        FnCallError::MissingImage { .. } | FnCallError::NoCallNetwork => {
-            Status::failed_precondition(err.to_string())
-        }
+        FnCallError::MissingImage { .. }
+        | FnCallError::NoCallNetwork
+        | FnCallError::NoVmSupport(_) => Status::failed_precondition(err.to_string()),
         FnCallError::Busy(_) => Status::resource_exhausted(err.to_string()),
         FnCallError::WorkerStart { .. } | FnCallError::WorkerLost(_) => {
             Status::unavailable(err.to_string())

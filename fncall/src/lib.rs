@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod request;
 pub mod sandboxfusion;
+pub mod vm;
 pub mod worker;
 
 pub use container::{CallLimits, ContainerFactory};

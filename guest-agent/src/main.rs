@@ -8,6 +8,7 @@ mod container;
 mod diskroot;
 mod exec;
 mod files;
+mod fnworker;
 mod init;
 mod listen;
 mod mountapi;
@@ -206,9 +207,27 @@ async fn serve(listener: BoundListener, mode: Mode) -> Result<(), AgentError> {
             PortsServer::new(ports::PortsService)
                 .max_decoding_message_size(ports::MAX_CHUNK + 1024),
         );
+    if mode == Mode::Vm {
+        start_fn_worker();
+    }
     init::announce_ready(mode);
     server
         .serve_with_incoming(incoming)
         .await
         .map_err(|e| AgentError::Runtime(format!("gRPC server: {e}")))
+}
+
+/// Starts the FnCall worker a worker VM's command line asks for (after the reaper, which
+/// reaps it); a failure is logged on the console, the agent serves on.
+fn start_fn_worker() {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    match fnworker::from_cmdline(&cmdline) {
+        None => {}
+        Some(Err(why)) => tracing::error!("FnCall worker not started: {why}"),
+        Some(Ok(worker)) => {
+            if let Err(e) = worker.start() {
+                tracing::error!("FnCall worker {} not started: {e}", fnworker::WORKER_SCRIPT);
+            }
+        }
+    }
 }

@@ -9,6 +9,7 @@ mod debian;
 mod direct;
 mod fleet;
 mod fncall;
+mod fncall_vm;
 mod guest;
 mod kvmfloor;
 mod layerfs;
@@ -65,6 +66,10 @@ enum Cmd {
     /// per call and `dsec run` per call: p50/p99 latency, calls/s at concurrency 1, 16, 64.
     /// Needs root and the fncall image.
     Fncall(FncallArgs),
+    /// The VMM FnCall mode through a running node: a python call in a microVM restored per
+    /// call beside a container worker's call, `dsec run` and a cold microVM, p50 of a few
+    /// samples. Needs a node with hardware KVM (the rig's L1: tests/rig/tests/fncall-vm.sh).
+    FncallVm(FncallVmArgs),
     /// The control plane: placement throughput through real apiservers (1 and 2 replicas)
     /// and a real etcd over simulated nodes (`dsec control sim-nodes`), and what the
     /// apiserver adds to a real create -> first exec. Needs root for the real node.
@@ -98,6 +103,31 @@ struct NetArgs {
     /// dsec-edge [default: next to this binary, else target/release].
     #[arg(long, value_name = "PATH")]
     edge: Option<PathBuf>,
+    /// Write the results here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct FncallVmArgs {
+    /// The node [default: $DSEC_ENDPOINT, else the SDK's default socket].
+    #[arg(long)]
+    endpoint: Option<String>,
+    /// Samples of the VM and container contenders (alternating).
+    #[arg(long, default_value_t = 5)]
+    samples: usize,
+    /// Samples of `dsec run` and of the cold microVM (create --cold, exec, rm).
+    #[arg(long, default_value_t = 3)]
+    cold_samples: usize,
+    /// The VM FnCall image.
+    #[arg(long, default_value = "fncall-vm")]
+    vm_image: String,
+    /// The container FnCall image.
+    #[arg(long, default_value = "fncall")]
+    container_image: String,
+    /// The dsec binary [default: next to this binary, else target/release].
+    #[arg(long, value_name = "PATH")]
+    dsec: Option<PathBuf>,
     /// Write the results here as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -1071,6 +1101,42 @@ fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn fncall_vm_cmd(a: FncallVmArgs) -> Result<(), String> {
+    let opts = fncall_vm::FnVmOpts {
+        endpoint: a
+            .endpoint
+            .clone()
+            .or_else(|| std::env::var("DSEC_ENDPOINT").ok())
+            .unwrap_or_else(|| dsec_sdk::DEFAULT_TARGET.to_string()),
+        vm_image: a.vm_image.clone(),
+        container_image: a.container_image.clone(),
+        dsec: a
+            .dsec
+            .clone()
+            .unwrap_or_else(|| default_beside_or_release(&repo_root(), "dsec")),
+        samples: a.samples,
+        cold_samples: a.cold_samples,
+    };
+    let scenario = fncall_vm::bench(&opts)?;
+    print!("{}", scenario.table());
+    let mut fields = json!({ "fncall_vm": scenario.to_json() });
+    fields["options"] = json!({
+        "samples": a.samples, "cold_samples": a.cold_samples,
+        "vm_image": a.vm_image, "container_image": a.container_image,
+    });
+    // One line the rig suite can pick out of the console.
+    println!("PERF-FNCALL-VM {fields}");
+    if let Some(path) = &a.json {
+        write_json(
+            path,
+            "fncall-vm",
+            &machine::info(Path::new("qemu-system-x86_64")),
+            fields,
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
 /// machine) plus `fields`.
 fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
@@ -1119,6 +1185,7 @@ fn main() -> ExitCode {
         Cmd::Node(a) => exit_code(node_cmd(a)),
         Cmd::Net(a) => exit_code(net_cmd(a)),
         Cmd::Fncall(a) => exit_code(fncall_cmd(a)),
+        Cmd::FncallVm(a) => exit_code(fncall_vm_cmd(a)),
         Cmd::Cluster(a) => exit_code(cluster_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {

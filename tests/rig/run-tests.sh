@@ -23,6 +23,9 @@
 #                   back to a cold boot, a changed image rebuilds it (the stale one removed),
 #                   restore of a named snapshot (`dsec snapshot` / `dsec restore`: files, a
 #                   process, own entropy and clock), a full disk fails a pause cleanly
+#      fncall-vm:   `dsec fn run --image fncall-vm` through the daemon: python and bash calls
+#                   in microVMs restored per call (output, exit status, no /tmp file or VM
+#                   left, fresh entropy, a time limit), VM call vs cold microVM p50
 #  10. node-network: microVMs on a node with `--net-bridge` in an L1 whose kernel adds
 #                   tests/rig/l1-net.config-fragment (bridge, veth, nftables; built once by
 #                   l1-net-kernel.sh, guests keep the standard kernel): a tap per booted
@@ -123,6 +126,21 @@ if ((${#missing[@]} == 0)); then
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
         "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
         || failed=$((failed + 1))
+fi
+echo "==> rig fncall-vm (FnCall calls in microVMs restored per call, through the daemon, in L1)"
+FNVM_IMG=${DSEC_HOME:-/var/lib/dsec}/images/fncall-vm
+if ((${#missing[@]} == 0)); then
+    if [[ -e $FNVM_IMG/initramfs.cpio && -e $FNVM_IMG/fncall-vm ]]; then
+        "$HERE/rig.sh" run "$HERE/tests/fncall-vm.sh" \
+            "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$BIN/dsec-perf=/bin/dsec-perf" \
+            "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
+            "$FNVM_IMG/initramfs.cpio=/dsec/images/fncall-vm/initramfs.cpio" \
+            "$FNVM_IMG/fncall-vm=/dsec/images/fncall-vm/fncall-vm" \
+            || failed=$((failed + 1))
+    else
+        echo "FAIL fncall-vm: $FNVM_IMG not installed (images/fncall-vm/build.sh --install; setup.sh does it)"
+        failed=$((failed + 1))
+    fi
 fi
 echo "==> rig node-network (microVM taps, policies and the node's isolation, in an L1 with nftables)"
 if ((${#missing[@]} == 0)); then

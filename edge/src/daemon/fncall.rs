@@ -2,11 +2,14 @@
 //! HTTP entry point, both handing calls to one dsec-fncall engine (warm container workers
 //! from `$DSEC_HOME/images/fncall`). See fncall/README.md.
 
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use dsec_fncall::vm::{ByImageKind, VmFactory, VmSettings};
 use dsec_fncall::{CallLimits, ContainerFactory, Engine, EngineConfig, Language};
 
 use crate::backend::EdgeConfig;
+use crate::paths::Artifacts;
 
 static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 
@@ -14,11 +17,33 @@ static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
     ENGINE
         .get_or_init(|| {
-            let images = edge.artifacts.home.join("images");
-            let factory = ContainerFactory::new(images, CallLimits::default());
+            let factory = factory(&edge.artifacts, &edge.state_dir.with_file_name("fncall-vm"));
             Arc::new(Engine::new(EngineConfig::default(), Arc::new(factory)))
         })
         .clone()
+}
+
+/// The node's workers: container workers, and VM workers for images built by
+/// images/fncall-vm (templates and per-call sockets under `vm_run_dir`).
+pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
+    let images = artifacts.home.join("images");
+    let container = ContainerFactory::new(images.clone(), CallLimits::default());
+    let vm = VmFactory::new(
+        VmSettings {
+            images_dir: images.clone(),
+            kernel: artifacts.kernel.clone(),
+            vmm: crate::find_binary("dsec-vmm").unwrap_or_else(|| "dsec-vmm".into()),
+            run_dir: vm_run_dir.to_path_buf(),
+            mem_mib: 512,
+            unsupported: crate::kvm::KvmStatus::detect().why_not_microvm(),
+        },
+        CallLimits::default(),
+    );
+    ByImageKind {
+        images_dir: images,
+        container: Arc::new(container),
+        vm: Arc::new(vm),
+    }
 }
 
 /// Makes the engine and warms the python pool in the background when the FnCall image is

@@ -11,7 +11,7 @@ mod adoption;
 pub mod cgroup;
 mod create;
 pub mod error;
-mod fncall;
+pub mod fncall;
 mod fork;
 pub mod grpc;
 pub mod limits;

@@ -1,0 +1,51 @@
+//! The node's FnCall factory on a host whose KVM cannot run a Linux guest (PVM, or no
+//! /dev/kvm): a call naming a VM FnCall image is refused with FAILED_PRECONDITION and the
+//! reason, before any VMM starts. (On a hardware-KVM host the VM mode is tested in the rig:
+//! tests/rig/tests/fncall-vm.sh.)
+
+use std::sync::Arc;
+
+use dsec_edge::daemon::fncall::factory;
+use dsec_edge::kvm::KvmStatus;
+use dsec_edge::Artifacts;
+use dsec_fncall::{CallRequest, Engine, EngineConfig, FnCallError, Language};
+
+#[tokio::test]
+async fn vm_calls_are_refused_where_linux_guests_cannot_run() {
+    let kvm = KvmStatus::detect();
+    if kvm.can_run_linux_guest() {
+        eprintln!("skipped: this host runs Linux guests; the rig suite fncall-vm covers it");
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let image = home.path().join("images/fncall-vm");
+    std::fs::create_dir_all(&image).unwrap();
+    std::fs::write(image.join("initramfs.cpio"), b"").unwrap();
+    std::fs::write(image.join(dsec_fncall::vm::VM_IMAGE_MARKER), b"").unwrap();
+    let run_dir = home.path().join("run");
+    let engine = Engine::new(
+        EngineConfig::default(),
+        Arc::new(factory(&Artifacts::under(home.path()), &run_dir)),
+    );
+    let call = CallRequest::new(Language::Python, "print(1)");
+    let err = engine.run_in("fncall-vm", &call).await.unwrap_err();
+    assert!(matches!(err, FnCallError::NoVmSupport(_)), "{err}");
+    let status = dsec_fncall::grpc::status(&err);
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status.message().contains("cannot run VM workers")
+            && status.message().contains(&kvm.why_not_microvm().unwrap()),
+        "{}",
+        status.message()
+    );
+    // Refused before anything started: no template, no VMM directory.
+    let started = std::fs::read_dir(&run_dir)
+        .map(|d| d.flatten().count())
+        .unwrap_or(0);
+    assert_eq!(
+        started,
+        0,
+        "the refusal left files under {}",
+        run_dir.display()
+    );
+}

@@ -1,0 +1,507 @@
+//! VM workers (the VMM FnCall mode): each call runs in a microVM restored from a snapshot of
+//! a booted worker VM whose zygote has its runtime loaded, and the VM is killed after the
+//! call: nothing of a call outlives it, not even the guest kernel.
+//!
+//! Per (image, language) the factory boots one template VM (the image's initramfs: busybox,
+//! the guest agent, python3; vsock and rng only, no disk or network device). The agent starts
+//! `guest_worker.py` (`dsec.fnworker=PORT` on the kernel command line), the host sends it the
+//! zygote, the worker loads it and waits; the VM is snapshotted and stopped. A worker of the
+//! pool is a prewarmed `dsec-vmm` (VM shell made, memory slots registered): its one call
+//! restores the snapshot into it (memory MAP_PRIVATE over the snapshot file, its own vsock
+//! socket and CID), sends fresh entropy and the clock, the request, reads the result and kills
+//! the VMM.
+
+mod channel;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use base64::Engine as _;
+use dsec_vmm_api::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_CMDLINE};
+use dsec_vmm_api::control::RestoreRequest;
+use dsec_vmm_api::launch::{LaunchMode, PrewarmLaunch, VmmLaunch};
+use dsec_vmm_api::ControlClient;
+use tokio::process::{Child, Command};
+
+use crate::container::{self, CallLimits};
+use crate::error::{FnCallError, Result};
+use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
+use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
+
+/// The file in an image's directory that makes it a VM FnCall image (next to its
+/// `initramfs.cpio`); `images/fncall-vm/build.sh` writes it.
+pub const VM_IMAGE_MARKER: &str = "fncall-vm";
+/// How long a template VM may take to boot and load its runtime (a TCG-emulated L1 is slow).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a prewarmed VMM may take to make its VM shell.
+const PREWARM_TIMEOUT: Duration = Duration::from_secs(60);
+/// What the guest worker prints on the console once it waits for the call's connection.
+const WARM_LINE: &str = "dsec-fnworker warm";
+
+/// Where a node's VM workers come from.
+#[derive(Clone, Debug)]
+pub struct VmSettings {
+    /// Images (`<images>/<name>/initramfs.cpio` + the marker).
+    pub images_dir: PathBuf,
+    /// The guest kernel (vmlinux).
+    pub kernel: PathBuf,
+    /// The `dsec-vmm` binary.
+    pub vmm: PathBuf,
+    /// Templates and per-call sockets live under `<run_dir>/<pid>/`.
+    pub run_dir: PathBuf,
+    pub mem_mib: u64,
+    /// Why this host cannot run a Linux guest, if it cannot (PVM, no /dev/kvm).
+    pub unsupported: Option<String>,
+}
+
+/// Whether `image` is a VM FnCall image under `images_dir`.
+pub fn is_vm_image(images_dir: &Path, image: &str) -> bool {
+    plain_name(image) && images_dir.join(image).join(VM_IMAGE_MARKER).is_file()
+}
+
+fn plain_name(image: &str) -> bool {
+    !image.is_empty()
+        && image
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// A booted, warm worker VM's snapshot.
+struct Template {
+    snapshot: PathBuf,
+}
+
+/// Makes VM workers: a template per pool key, built on its first worker.
+pub struct VmFactory {
+    settings: VmSettings,
+    limits: CallLimits,
+    seccomp_hex: String,
+    /// This engine's directory under the run dir.
+    own_dir: PathBuf,
+    templates: tokio::sync::Mutex<HashMap<PoolKey, Arc<tokio::sync::OnceCell<Arc<Template>>>>>,
+}
+
+impl VmFactory {
+    pub fn new(settings: VmSettings, limits: CallLimits) -> Self {
+        let filters = dsec_confine::sandbox_filters().expect("the sandbox seccomp filter builds");
+        sweep_stale(&settings.run_dir);
+        let own_dir = settings.run_dir.join(std::process::id().to_string());
+        Self {
+            settings,
+            limits,
+            seccomp_hex: container::filters_hex(&filters),
+            own_dir,
+            templates: tokio::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn template(&self, key: &PoolKey) -> Result<Arc<Template>> {
+        let cell = {
+            let mut templates = self.templates.lock().await;
+            Arc::clone(templates.entry(key.clone()).or_default())
+        };
+        cell.get_or_try_init(|| self.build_template(key))
+            .await
+            .cloned()
+    }
+
+    /// Boots the image's worker VM, hands it the zygote, snapshots it once it is warm.
+    async fn build_template(&self, key: &PoolKey) -> Result<Arc<Template>> {
+        let start_err = |detail: String| FnCallError::WorkerStart {
+            language: key.language.as_str(),
+            detail,
+        };
+        let initrd = self
+            .settings
+            .images_dir
+            .join(&key.image)
+            .join("initramfs.cpio");
+        let dir = self
+            .own_dir
+            .join(format!("template-{}-{}", key.image, key.language.as_str()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| start_err(format!("create {}: {e}", dir.display())))?;
+        let uds = dir.join("vsock.sock");
+        let api = dir.join("api.sock");
+        let console = dir.join("console.log");
+        let mut config = VmConfig::new(&self.settings.kernel);
+        config.initrd = Some(initrd);
+        config.cmdline = format!("{DEFAULT_CMDLINE} dsec.fnworker={}", channel::WORKER_PORT);
+        config.vcpus = 1;
+        config.mem_mib = self.settings.mem_mib;
+        config.vsock = Some(VsockConfig {
+            uds_path: uds.clone(),
+            guest_cid: 3,
+        });
+        config.serial = SerialOutput::File(console.clone());
+        config.rng = true;
+        let launch = VmmLaunch {
+            mode: LaunchMode::Boot(config),
+            api_sock: Some(api.clone()),
+            paused: false,
+            jail: None,
+            no_seccomp: false,
+            metrics_json: None,
+        };
+        let mut vmm = self.start_vmm(&launch, &dir).map_err(&start_err)?;
+        let console_tail = || {
+            let text = std::fs::read_to_string(&console).unwrap_or_default();
+            let tail: String = text.lines().rev().take(8).collect::<Vec<_>>().join(" | ");
+            format!("console (last lines, newest first): {tail}")
+        };
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        let mut stream = loop {
+            match channel::connect(&uds, channel::WORKER_PORT).await {
+                Ok(stream) => break stream,
+                Err(e) => {
+                    if let Ok(Some(status)) = vmm.try_wait() {
+                        return Err(start_err(format!(
+                            "the template VM exited ({status}) before its worker listened; {}",
+                            console_tail()
+                        )));
+                    }
+                    if Instant::now() > deadline {
+                        return Err(start_err(format!(
+                            "the template VM's worker did not listen within {BOOT_TIMEOUT:?} ({e}); {}",
+                            console_tail()
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let boot = serde_json::json!({
+            "zygote": container::ZYGOTE,
+            "args": {
+                "language": key.language.as_str(),
+                "max_request": container::MAX_REQUEST_FRAME,
+                "seccomp_hex": self.seccomp_hex,
+                "work_kib": self.limits.work_kib,
+                "work_inodes": self.limits.inodes,
+            },
+        });
+        let warm = async {
+            channel::send(&mut stream, boot.to_string().as_bytes()).await?;
+            channel::receive(&mut stream, 16).await
+        };
+        match tokio::time::timeout_at(deadline.into(), warm).await {
+            Ok(Ok((b'P', _))) => {}
+            Ok(Ok((kind, _))) => {
+                return Err(start_err(format!(
+                    "the guest worker sent frame {:?} instead of P",
+                    kind as char
+                )))
+            }
+            Ok(Err(e)) => {
+                return Err(start_err(format!(
+                    "the guest worker failed to load the zygote ({e}); {}",
+                    console_tail()
+                )))
+            }
+            Err(_) => {
+                return Err(start_err(format!(
+                    "the guest worker did not load the zygote within {BOOT_TIMEOUT:?}"
+                )))
+            }
+        }
+        drop(stream);
+        // Snapshot only once the worker has closed the boot connection and waits for the next.
+        while !std::fs::read_to_string(&console)
+            .unwrap_or_default()
+            .contains(WARM_LINE)
+        {
+            if Instant::now() > deadline {
+                return Err(start_err(format!(
+                    "the guest worker never said it was warm; {}",
+                    console_tail()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let snapshot = dir.join("snapshot");
+        let control = ControlClient::new(api).reply_timeout(BOOT_TIMEOUT);
+        let path = snapshot.clone();
+        tokio::task::spawn_blocking(move || {
+            control.snapshot(&path, false)?;
+            control.stop()
+        })
+        .await
+        .map_err(|e| start_err(format!("snapshot task: {e}")))?
+        .map_err(|e| start_err(format!("snapshot the template VM: {e}")))?;
+        if tokio::time::timeout(Duration::from_secs(30), vmm.wait())
+            .await
+            .is_err()
+        {
+            let _ = vmm.start_kill();
+            let _ = vmm.wait().await;
+        }
+        tracing::info!(
+            image = key.image,
+            language = key.language.as_str(),
+            "FnCall VM template ready"
+        );
+        Ok(Arc::new(Template { snapshot }))
+    }
+
+    fn start_vmm(&self, launch: &VmmLaunch, dir: &Path) -> std::result::Result<Child, String> {
+        let log = std::fs::File::create(dir.join("vmm.log"))
+            .map_err(|e| format!("create {}: {e}", dir.join("vmm.log").display()))?;
+        Command::new(&self.settings.vmm)
+            .args(launch.to_args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("start {}: {e}", self.settings.vmm.display()))
+    }
+}
+
+/// Removes the directories of engines that are gone (their VMMs died with them: kill_on_drop
+/// and the VMM's parent-death signal).
+fn sweep_stale(run_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+#[async_trait]
+impl WorkerFactory for VmFactory {
+    async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
+        if let Some(reason) = &self.settings.unsupported {
+            return Err(FnCallError::NoVmSupport(reason.clone()));
+        }
+        if !is_vm_image(&self.settings.images_dir, &key.image) {
+            return Err(FnCallError::MissingImage {
+                image: key.image.clone(),
+                path: self.settings.images_dir.join(&key.image),
+            });
+        }
+        let template = self.template(key).await?;
+        static NEXT_WORKER: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
+        let start_err = |detail: String| FnCallError::WorkerStart {
+            language: key.language.as_str(),
+            detail,
+        };
+        let dir = self.own_dir.join(format!("vm-{n}"));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| start_err(format!("create {}: {e}", dir.display())))?;
+        let api = dir.join("api.sock");
+        let launch = VmmLaunch {
+            mode: LaunchMode::Prewarm(PrewarmLaunch {
+                mem_mib: self.settings.mem_mib,
+                vcpus: 1,
+                overrides: Default::default(),
+            }),
+            api_sock: Some(api.clone()),
+            paused: false,
+            jail: None,
+            no_seccomp: false,
+            metrics_json: None,
+        };
+        let vmm = self.start_vmm(&launch, &dir).map_err(&start_err)?;
+        let mut worker = VmWorker {
+            vmm: Some(vmm),
+            dir,
+            api,
+            template,
+            // Guest CIDs 0-2 are reserved; each restored copy gets its own.
+            cid: 3 + n % (u64::from(u32::MAX) - 3),
+            uid: container::call_uid(container::DEFAULT_UID_BASE, std::process::id(), n),
+            limits: self.limits.clone(),
+        };
+        // The shell is ready once its control socket appears (it takes `restore` first).
+        let deadline = Instant::now() + PREWARM_TIMEOUT;
+        while !worker.api.exists() {
+            let exited = worker
+                .vmm
+                .as_mut()
+                .and_then(|vmm| vmm.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                let log = std::fs::read_to_string(worker.dir.join("vmm.log")).unwrap_or_default();
+                worker.kill().await;
+                return Err(start_err(format!(
+                    "the prewarmed VMM did not come up ({}): {}",
+                    exited.map_or("no control socket".to_string(), |s| s.to_string()),
+                    log.trim()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(Box::new(worker))
+    }
+}
+
+/// A prewarmed VMM waiting for its one call.
+struct VmWorker {
+    vmm: Option<Child>,
+    dir: PathBuf,
+    api: PathBuf,
+    template: Arc<Template>,
+    cid: u64,
+    uid: u32,
+    limits: CallLimits,
+}
+
+impl VmWorker {
+    /// Kills the VMM and waits for it: after this no process of the call is left.
+    async fn kill(&mut self) {
+        if let Some(mut vmm) = self.vmm.take() {
+            let _ = vmm.start_kill();
+            let _ = vmm.wait().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    /// Restores the template into the prewarmed VMM and runs the call; the raw result frame,
+    /// or the call init's wait status when it died without one.
+    async fn exchange(
+        &mut self,
+        request: &[u8],
+    ) -> std::io::Result<std::result::Result<Vec<u8>, i32>> {
+        let uds = self.dir.join("vsock.sock");
+        let control = ControlClient::new(self.api.clone()).reply_timeout(Duration::from_secs(60));
+        let restore = RestoreRequest {
+            path: self.template.snapshot.clone(),
+            vsock_uds: Some(uds.clone()),
+            vsock_cid: Some(self.cid),
+            ..Default::default()
+        };
+        tokio::task::spawn_blocking(move || control.restore(restore))
+            .await
+            .map_err(std::io::Error::other)?
+            .map_err(|e| std::io::Error::other(format!("restore: {e}")))?;
+        // The restored guest answers once its vCPU runs again; give it a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut stream = loop {
+            match channel::connect(&uds, channel::WORKER_PORT).await {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            }
+        };
+        let mut entropy = [0u8; 64];
+        getrandom(&mut entropy)?;
+        let realtime_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or_default();
+        let preamble = serde_json::json!({
+            "entropy": base64::engine::general_purpose::STANDARD.encode(entropy),
+            "realtime_ns": realtime_ns,
+        });
+        channel::send(&mut stream, preamble.to_string().as_bytes()).await?;
+        match channel::receive(&mut stream, 16).await? {
+            (b'H', _) => {}
+            (kind, _) => {
+                return Err(protocol(format!(
+                    "frame {:?} instead of hello",
+                    kind as char
+                )))
+            }
+        }
+        channel::send(&mut stream, request).await?;
+        match channel::receive(&mut stream, container::MAX_RESULT_FRAME).await? {
+            (b'R', payload) => Ok(Ok(payload)),
+            (b'E', payload) => Ok(Err(container::wait_status(&payload)?)),
+            (kind, _) => Err(protocol(format!("unexpected frame {:?}", kind as char))),
+        }
+    }
+}
+
+fn protocol(detail: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, detail)
+}
+
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
+impl Drop for VmWorker {
+    fn drop(&mut self) {
+        // kill_on_drop ends the VMM; its directory goes too.
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[async_trait]
+impl Worker for VmWorker {
+    async fn call(&mut self, call: &CallRequest) -> Result<Outcome> {
+        let request = container::request_json(call, self.uid, &self.limits);
+        let deadline = call.compile_timeout + call.run_timeout + container::GRACE;
+        let answer = tokio::time::timeout(deadline, self.exchange(&request)).await;
+        // Whatever happened, this VM served its one call.
+        self.kill().await;
+        let answer = match answer {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => return Err(FnCallError::WorkerLost(format!("VM worker: {e}"))),
+            Err(_) => {
+                return Err(FnCallError::WorkerLost(format!(
+                    "VM worker: no answer within {deadline:?}"
+                )))
+            }
+        };
+        let result = match answer {
+            Ok(raw) => container::parse_result(&raw)
+                .map_err(|e| FnCallError::WorkerLost(format!("result: {e}")))?,
+            Err(status) => {
+                // The call's init died before answering: the guest's OOM killer, or a crash.
+                let signal = libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status));
+                CallResult {
+                    run: Some(StageResult {
+                        status: StageStatus::Finished,
+                        exit_code: None,
+                        signal: signal.or(Some(libc::SIGKILL)),
+                        stdout: Vec::new(),
+                        stderr: b"killed: the call's init died (out of the VM's memory?)\n"
+                            .to_vec(),
+                        stdout_truncated: false,
+                        stderr_truncated: false,
+                        duration: Duration::ZERO,
+                    }),
+                    ..CallResult::default()
+                }
+            }
+        };
+        Ok(Outcome {
+            result,
+            reusable: false,
+        })
+    }
+}
+
+/// Sends each pool to the factory of its image's kind: VM images (see [`is_vm_image`]) to the
+/// VM factory, the others to the container factory.
+pub struct ByImageKind {
+    pub images_dir: PathBuf,
+    pub container: Arc<dyn WorkerFactory>,
+    pub vm: Arc<dyn WorkerFactory>,
+}
+
+#[async_trait]
+impl WorkerFactory for ByImageKind {
+    async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
+        if is_vm_image(&self.images_dir, &key.image) {
+            self.vm.spawn(key).await
+        } else {
+            self.container.spawn(key).await
+        }
+    }
+}

@@ -290,35 +290,22 @@ impl VmmPool {
     }
 
     /// After a crash: kills pooled VMMs that no adopted sandbox took (any process naming the
-    /// pool directory whose pid, or parent's, is not in `adopted`) and empties the directory.
+    /// pool directory whose pid and nearest ancestors are not in `adopted`) and empties the
+    /// directory.
     /// Returns how many processes were killed.
     pub fn sweep(dir: &Path, adopted: &std::collections::HashSet<i32>) -> usize {
         let prefix = format!("{}/", dir.display());
-        let me = std::process::id() as i32;
         let mut killed = 0;
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let names_pool = std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&prefix));
-            if pid == me || !names_pool || adopted.contains(&pid) {
+        for pid in super::host::pids_referencing(prefix.as_bytes()) {
+            if adopted.contains(&pid) {
                 continue;
             }
             // A taken VMM's jailed child, its teardown helper and snapshot writers name the
             // pool directory too: spared when an ancestor is an adopted sandbox's VMM.
-            let mut ancestor = parent_of(pid);
-            let mut spared = false;
-            for _ in 0..4 {
-                match ancestor {
-                    Some(p) if adopted.contains(&p) => spared = true,
-                    Some(p) if p > 1 => ancestor = parent_of(p),
-                    _ => break,
-                }
-                if spared {
-                    break;
-                }
-            }
+            let spared =
+                std::iter::successors(parent_of(pid), |&p| (p > 1).then(|| parent_of(p)).flatten())
+                    .take(4)
+                    .any(|p| adopted.contains(&p));
             if spared {
                 continue;
             }
@@ -348,5 +335,49 @@ fn parent_of(pid: i32) -> Option<i32> {
 impl Drop for VmmPool {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process whose command line names `dir` (as a pooled VMM's names its directory).
+    fn naming(dir: &Path) -> std::process::Child {
+        std::process::Command::new("sh")
+            .args(["-c", "sleep 30; true"])
+            .arg(dir.join("pool-x/api.sock"))
+            .spawn()
+            .unwrap()
+    }
+
+    #[test]
+    fn sweep_kills_pool_processes_but_spares_adopted_ones_and_their_children() {
+        let dir = std::env::temp_dir().join(format!("dsec-pool-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("pool-x")).unwrap();
+        let mut stray = naming(&dir);
+        let mut adopted = naming(&dir);
+        let adopted_pid = adopted.id() as i32;
+        // Our own pid adopted: the processes we started count as an adopted VMM's children.
+        let mine = std::collections::HashSet::from([std::process::id() as i32]);
+        assert_eq!(VmmPool::sweep(&dir, &mine), 0);
+        assert!(
+            stray.try_wait().unwrap().is_none(),
+            "a child of an adopted pid was killed"
+        );
+        let killed = VmmPool::sweep(&dir, &std::collections::HashSet::from([adopted_pid]));
+        let stray_status = stray.wait().unwrap();
+        let adopted_alive = adopted.try_wait().unwrap().is_none();
+        let _ = adopted.kill();
+        let _ = adopted.wait();
+        let left = std::fs::read_dir(&dir).unwrap().count();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(killed, 1);
+        assert!(
+            !stray_status.success(),
+            "the stray was not killed: {stray_status}"
+        );
+        assert!(adopted_alive, "an adopted VMM was killed");
+        assert_eq!(left, 0, "the pool directory was not emptied");
     }
 }

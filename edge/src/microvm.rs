@@ -369,6 +369,43 @@ impl StartingMicroVm {
         &self.dir
     }
 
+    /// Whether the VMM has exited (a pooled VMM that died while it waited).
+    pub fn has_exited(&mut self) -> bool {
+        self.process
+            .child
+            .as_mut()
+            .is_none_or(|c| !matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// The same VMM, whose directory was renamed on the host to `dir` (a pooled VMM handed to
+    /// a sandbox: its jail still sees the old path, which names the same directory).
+    pub fn relocated(mut self, dir: MicroVmDir) -> Self {
+        self.dir = dir;
+        self
+    }
+
+    /// Moves the running VMM (and, jailed, its forked child) into the cgroups whose
+    /// `cgroup.procs` files are given: a pooled VMM joins its sandbox's before it restores,
+    /// so everything the restore maps is charged there.
+    pub fn join_cgroups(&self, procs: &[PathBuf]) -> Result<()> {
+        let mut pids = vec![self.process.pid];
+        let children = format!("/proc/{0}/task/{0}/children", self.process.pid);
+        if let Ok(text) = std::fs::read_to_string(&children) {
+            pids.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok()),
+            );
+        }
+        for file in procs {
+            for pid in &pids {
+                std::fs::write(file, pid.to_string()).map_err(|e| {
+                    EdgeError::io(format!("move VMM pid {pid} into {}", file.display()), e)
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     /// The hostname a restored guest takes when it is refreshed (a sandbox's id: every
     /// sandbox from one template or snapshot would otherwise share the snapshot's name).
     pub fn with_hostname(mut self, hostname: &str) -> Self {
@@ -386,6 +423,8 @@ impl StartingMicroVm {
     ) -> Result<RestoreReply> {
         self.restored = true;
         self.mac = request.net.as_ref().and_then(|n| n.mac.clone());
+        // A pooled VMM may have waited long: the agent deadline runs from the request.
+        self.started = Instant::now();
         let client = self.dir.control().connect_timeout(timeout);
         control_call(client, Request::Restore(request)).await
     }

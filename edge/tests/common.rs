@@ -66,6 +66,7 @@ impl TestNode {
             vmm_bin: None,
             jail: None,
             network: None,
+            vmm_pool: None,
         };
         Self { config, rootfs }
     }

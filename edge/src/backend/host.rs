@@ -64,6 +64,17 @@ impl HostResources {
         })
     }
 
+    /// The guard of a sandbox whose directory, snapshot directory and jail root were made
+    /// for a prewarmed VMM and have just been handed to it.
+    pub(super) fn taken_over(dir: PathBuf, snapshot_dir: PathBuf, jail_root: PathBuf) -> Self {
+        Self {
+            runtime: Runtime::Gone,
+            dir,
+            snapshot_dir: Some(snapshot_dir),
+            jail_root: Some(jail_root),
+        }
+    }
+
     /// Kills what runs, reaps it and removes everything; afterwards the guard holds nothing.
     /// Blocking.
     pub(super) fn release(&mut self) -> Result<()> {

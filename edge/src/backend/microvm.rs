@@ -10,11 +10,13 @@ use dsec_vmm_api::launch::LazyLaunch;
 use dsec_vmm_api::{DriveConfig, JailLaunch, RestoreLaunch, VmConfig, VmmLaunch};
 
 use super::host::{HostResources, Runtime, SandboxHandle};
+use super::vmm_pool::{PooledVmm, Shape};
 use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 use crate::error::{EdgeError, Result};
 use crate::kvm::KvmStatus;
-use crate::microvm::{MicroVm, MicroVmDir, SpawnOptions};
+use crate::microvm::{MicroVm, MicroVmDir, SpawnOptions, StartingMicroVm};
 use crate::paths::find_binary;
+use dsec_vmm_api::control::RestoreRequest;
 
 /// How microVM sandboxes' VMMs are jailed: each runs in its own PID, mount, IPC, UTS and
 /// network namespaces, pivot_rooted into `<roots>/<sandbox id>` (which holds only its kernel,
@@ -36,7 +38,7 @@ pub const JAIL_GID: u32 = 65534;
 
 impl VmmJail {
     /// The snapshot directory of sandbox `id`: made, owned by the jail's uid, private.
-    fn snapshot_dir(&self, id: &str) -> Result<PathBuf> {
+    pub(super) fn snapshot_dir(&self, id: &str) -> Result<PathBuf> {
         use std::os::unix::fs::PermissionsExt;
         let dir = self.snapshots.join(id);
         std::fs::create_dir_all(&dir)
@@ -55,7 +57,7 @@ impl VmmJail {
 
     /// How the VMM of sandbox `id` jails itself: its snapshot directory is its one
     /// writable extra.
-    fn launch(&self, id: &str, snapshot_dir: &Path) -> JailLaunch {
+    pub(super) fn launch(&self, id: &str, snapshot_dir: &Path) -> JailLaunch {
         let mut jail = JailLaunch::new(self.root(id), self.uid, self.gid);
         jail.expose.push(Exposure {
             path: snapshot_dir.to_path_buf(),
@@ -305,10 +307,18 @@ async fn start(
         host.jail_root = Some(jail.root(&id));
         host.snapshot_dir = Some(snapshots);
     }
-    let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?
-        .with_hostname(&id)
-        .ready(spec.ready_timeout)
-        .await?;
+    let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?.with_hostname(&id);
+    finish(host, vm, id, spec).await
+}
+
+/// Waits until the started VMM's agent answers and hands the sandbox out.
+async fn finish(
+    mut host: HostResources,
+    vm: StartingMicroVm,
+    id: String,
+    spec: &SandboxSpec,
+) -> Result<Sandbox> {
+    let vm = vm.ready(spec.ready_timeout).await?;
     let client = vm.agent().clone();
     host.runtime = Runtime::MicroVm {
         vmm: vm.into_child(),
@@ -421,6 +431,25 @@ pub async fn restore_microvm(
     memory: MemoryRestore,
 ) -> Result<Sandbox> {
     let options = spawn_options(config, spec)?;
+    if upper.is_none() && spec.root_disk.is_none() && spec.network_policy.is_empty() {
+        if let Some(pooled) = config.vmm_pool.as_ref().and_then(|pool| {
+            pool.take(Shape {
+                mem_mib: u64::from(spec.mem_mib),
+                vcpus: u8::try_from(spec.vcpus).ok()?,
+            })
+        }) {
+            let name = pooled.name.clone();
+            match start_pooled(config, pooled, snapshot, id, vsock_cid, spec, memory).await {
+                Ok((host, vm)) => return finish(host, vm, id.to_string(), spec).await,
+                Err(err) => tracing::warn!(
+                    sandbox = %id,
+                    vmm = %name,
+                    %err,
+                    "a prewarmed VMM could not restore the snapshot; starting a fresh VMM"
+                ),
+            }
+        }
+    }
     let host = HostResources::create(config, id)?;
     let mut restore = RestoreLaunch::new(snapshot);
     restore.lazy = memory.lazy_launch();
@@ -453,6 +482,87 @@ pub async fn restore_microvm(
         spec,
     )
     .await
+}
+
+/// The first half of [`restore_microvm`] in a prewarmed VMM of the pool (vmm_pool.rs says
+/// how its jail gets the snapshot): into the sandbox's cgroups, its directory renamed to the
+/// sandbox's, the snapshot linked in, the restore request answered. The agent wait and
+/// refresh are [`finish`]'s, as for any restore.
+async fn start_pooled(
+    config: &EdgeConfig,
+    pooled: PooledVmm,
+    snapshot: &Path,
+    id: &str,
+    vsock_cid: u64,
+    spec: &SandboxSpec,
+    memory: MemoryRestore,
+) -> Result<(HostResources, StartingMicroVm)> {
+    let taken = scopeguard_inbox(&pooled);
+    pooled.vm.join_cgroups(&spec.cgroup_procs)?;
+    let path = pooled.link_snapshot(snapshot)?;
+    let dir = config.state_dir.join(id);
+    rename_no_replace(pooled.vm.dir().path(), &dir).map_err(|e| {
+        EdgeError::io(
+            format!("move the prewarmed VMM's directory to {}", dir.display()),
+            e,
+        )
+    })?;
+    // From here the guard owns the VMM's files: a failure removes them all.
+    let host = HostResources::taken_over(dir.clone(), pooled.snapshot_dir, pooled.jail_root);
+    let mut vm = pooled.vm.relocated(MicroVmDir::new(&dir)).with_hostname(id);
+    let request = RestoreRequest {
+        path,
+        vsock_cid: Some(vsock_cid),
+        lazy: memory == MemoryRestore::Lazy,
+        prefetch: memory == MemoryRestore::Lazy,
+        ..RestoreRequest::default()
+    };
+    let reply = vm.restore(request, spec.ready_timeout).await;
+    drop(taken);
+    let reply = reply?;
+    tracing::info!(
+        sandbox = %id,
+        vmm = %pooled.name,
+        restore_ms = reply.restore_ms,
+        "restored into a prewarmed VMM"
+    );
+    Ok((host, vm))
+}
+
+/// rename(2) that fails rather than replace an existing (empty) directory.
+fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
+    let c =
+        |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that outlive the call; absolute, so the dirfds are
+    // not used.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes a taken VMM's inbox (the links to the snapshot) when dropped: once the VMM has
+/// answered the restore it holds what it mapped, and on failure nothing needs them.
+fn scopeguard_inbox(pooled: &PooledVmm) -> InboxLinks {
+    InboxLinks(pooled.inbox.clone())
+}
+
+struct InboxLinks(PathBuf);
+
+impl Drop for InboxLinks {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Brings back a sandbox whose VMM was ended after a snapshot (pause that frees memory):

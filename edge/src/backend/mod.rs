@@ -6,6 +6,7 @@ mod container;
 pub mod host;
 pub mod microvm;
 pub mod spec;
+pub mod vmm_pool;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +63,8 @@ pub struct EdgeConfig {
     pub jail: Option<VmmJail>,
     /// The node's sandbox network; None: containers have loopback only.
     pub network: Option<std::sync::Arc<crate::net::Network>>,
+    /// Prewarmed VMMs that restores take (vmm_pool.rs); None: every restore starts one.
+    pub vmm_pool: Option<std::sync::Arc<vmm_pool::VmmPool>>,
 }
 
 impl Default for EdgeConfig {
@@ -85,6 +88,7 @@ impl Default for EdgeConfig {
                 roots: run_dir.join("jails"),
             }),
             network: None,
+            vmm_pool: None,
         }
     }
 }

@@ -73,7 +73,27 @@ impl Node {
         }
         // Processes started for sandboxes that are not adopted (creates in flight when the
         // previous daemon died, or whose record is gone) reference their directory.
-        let killed = kill_strays(&dir, &kept);
+        let mut killed = kill_strays(&dir, &kept);
+        // Prewarmed VMMs no sandbox took; the ones that were taken serve adopted sandboxes
+        // under their pool names (jail root, snapshot directory), which stay.
+        let adopted_pids: HashSet<i32> =
+            self.list().iter().map(|e| e.record().handle.pid).collect();
+        killed += crate::backend::vmm_pool::VmmPool::sweep(
+            &Self::vmm_pool_dir(&self.config),
+            &adopted_pids,
+        );
+        let mut kept_names = kept.clone();
+        for entry in self.list() {
+            let handle = entry.record().handle;
+            for path in [&handle.jail_root, &handle.snapshot_dir]
+                .into_iter()
+                .flatten()
+            {
+                if let Some(name) = path.file_name() {
+                    kept_names.insert(name.to_string_lossy().into_owned());
+                }
+            }
+        }
         for (path, record) in &stale {
             if let Some(record) = record {
                 let _ = record.handle.teardown();
@@ -91,7 +111,7 @@ impl Node {
                 .flatten()
                 .flatten()
             {
-                if !kept.contains(entry.file_name().to_string_lossy().as_ref()) {
+                if !kept_names.contains(entry.file_name().to_string_lossy().as_ref()) {
                     let _ = std::fs::remove_dir_all(entry.path());
                 }
             }
@@ -100,7 +120,7 @@ impl Node {
                 .flatten()
                 .flatten()
             {
-                if !kept.contains(entry.file_name().to_string_lossy().as_ref()) {
+                if !kept_names.contains(entry.file_name().to_string_lossy().as_ref()) {
                     let _ = std::fs::remove_dir(entry.path());
                 }
             }

@@ -93,6 +93,36 @@ pub fn render(node: &Node, denied: &[(std::net::Ipv4Addr, u64)]) -> String {
         "Connections opened to ports inside sandboxes.",
         get(&m.port_connections_total),
     );
+    if let Some(pool) = &node.edge.vmm_pool {
+        for (name, help, value) in [
+            (
+                "dsec_vmm_pool_served_total",
+                "Restores served by a prewarmed VMM.",
+                get(&pool.served),
+            ),
+            (
+                "dsec_vmm_pool_missed_total",
+                "Restores that found no prewarmed VMM of their shape ready.",
+                get(&pool.missed),
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP dsec_vmm_pool_ready Prewarmed VMMs ready, per shape.\n# TYPE dsec_vmm_pool_ready gauge"
+        );
+        for (shape, ready) in pool.counts() {
+            let _ = writeln!(
+                out,
+                "dsec_vmm_pool_ready{{mem_mib=\"{}\",vcpus=\"{}\"}} {ready}",
+                shape.mem_mib, shape.vcpus
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "# HELP dsec_admission_rejections_total Creates refused because a budget was spent.\n# TYPE dsec_admission_rejections_total counter"

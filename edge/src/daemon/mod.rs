@@ -101,6 +101,8 @@ pub struct DaemonConfig {
     pub invocation: Vec<OsString>,
     /// Run microVMs' VMMs in a jail (namespaces, pivot_root, unprivileged uid); needs root.
     pub jail_vmms: bool,
+    /// Prewarmed VMMs kept per memory/vCPU shape for restores (jailed VMMs only); 0: none.
+    pub vmm_pool: usize,
     /// This node's name in a cluster: its sandbox ids become `sb-<name>-<12 of a-z2-7>`.
     pub node_name: Option<String>,
     /// Apiservers to register with (needs `node_name` and a TCP API to advertise).
@@ -141,6 +143,7 @@ impl Default for DaemonConfig {
             cgroup_name: "dsec-edge".into(),
             invocation: Vec::new(),
             jail_vmms: nix::unistd::geteuid().is_root(),
+            vmm_pool: crate::backend::vmm_pool::DEFAULT_POOL_SIZE,
             node_name: None,
             registration: None,
             network: None,
@@ -295,6 +298,9 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         .await
         .map_err(|e| EdgeError::Protocol(format!("API server: {e}")))?;
     registration::deregister(&lease).await;
+    if let Some(pool) = &node.edge.vmm_pool {
+        pool.close();
+    }
     let _ = std::fs::remove_file(&socket);
     // Image mounts of running sandboxes stay (the sandboxes do); the rest are unmounted.
     let in_use = node
@@ -376,6 +382,11 @@ pub struct DaemonArgs {
     /// own namespaces, pivot_rooted into the sandbox's `jail` directory, as uid 65534.
     #[arg(long)]
     pub no_jail: bool,
+    /// Prewarmed VMMs kept ready per memory/vCPU shape: template creates and snapshot
+    /// restores take one instead of starting a VMM, and it is refilled in the background
+    /// (jailed VMMs only; 0 turns the pool off).
+    #[arg(long, value_name = "N", default_value_t = crate::backend::vmm_pool::DEFAULT_POOL_SIZE)]
+    pub vmm_pool: usize,
     /// This node's name in a cluster (1-8 of a-z, 0-9, '-'): sandbox ids become
     /// `sb-<name>-<12 of a-z2-7>` and Create accepts ids the apiserver chose.
     #[arg(long, value_name = "NAME")]
@@ -431,6 +442,13 @@ impl DaemonArgs {
         config.listen_tcp = self.listen;
         config.tls = self.tls_dir.clone().map(dsec_api::tls::TlsDir::new);
         config.jail_vmms &= !self.no_jail;
+        if self.vmm_pool > 64 {
+            return Err(EdgeError::InvalidSpec(format!(
+                "--vmm-pool {}: at most 64 prewarmed VMMs per shape",
+                self.vmm_pool
+            )));
+        }
+        config.vmm_pool = self.vmm_pool;
         if self.ready_timeout == 0 {
             return Err(EdgeError::InvalidSpec(
                 "--ready-timeout must be at least 1 second".into(),

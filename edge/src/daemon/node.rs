@@ -55,6 +55,11 @@ impl Node {
         config.state_dir.join("sandboxes")
     }
 
+    /// The prewarmed VMMs' directories (beside the sandboxes': a taken one is renamed there).
+    pub fn vmm_pool_dir(config: &DaemonConfig) -> PathBuf {
+        config.state_dir.join("vmm-pool")
+    }
+
     /// Builds the node and re-adopts the sandboxes a previous daemon left running; everything
     /// else it left (half-created sandboxes, processes, cgroups, directories) is removed.
     pub async fn start(config: DaemonConfig) -> Result<Arc<Self>, EdgeError> {
@@ -86,7 +91,17 @@ impl Node {
                 }
                 None => None,
             },
+            vmm_pool: None,
         };
+        // Pooled VMMs a crashed daemon left are swept by adoption before any is started.
+        let mut edge = edge;
+        edge.vmm_pool = crate::backend::vmm_pool::VmmPool::new(
+            config.vmm_pool,
+            &Self::vmm_pool_dir(&config),
+            &sandboxes_dir,
+            edge.jail.as_ref(),
+            edge.vmm_bin.as_deref(),
+        );
         let kvm = KvmStatus::detect();
         let microvm_unavailable = kvm.why_not_microvm();
         let default_backend = config

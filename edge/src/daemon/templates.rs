@@ -20,6 +20,10 @@ use crate::backend::{restore_microvm, BackendKind, Sandbox, SandboxSpec};
 use crate::error::EdgeError;
 use crate::microvm::SpawnOptions;
 
+/// How long a template restore may take to reach its agent before the create boots cold
+/// (the create's own ready timeout when that is shorter).
+pub const TEMPLATE_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The node's template snapshots.
 pub struct Templates {
     dir: PathBuf,
@@ -177,12 +181,19 @@ impl Node {
         let id = spec.id.clone().unwrap_or_default();
         let cid = self.next_cid.fetch_add(1, Ordering::Relaxed);
         let upper = dir.join("upper.ext4");
+        // A restore that has not reached its agent by then is given up and booted cold: one
+        // of 4 concurrent restores on a loaded rig once never answered, and the create hung
+        // for the whole ready timeout (120 s there).
+        let restore_spec = SandboxSpec {
+            ready_timeout: spec.ready_timeout.min(TEMPLATE_READY_TIMEOUT),
+            ..spec.clone()
+        };
         let restored = restore_microvm(
             &self.edge,
             &dir.join("snapshot"),
             &id,
             cid,
-            spec,
+            &restore_spec,
             spec.root_disk.is_some().then_some(UpperDisk::Copy(&upper)),
             templates.memory,
         )

@@ -13,6 +13,7 @@
 # - restore of a named snapshot (`dsec snapshot`, `dsec restore`): new sandboxes with the
 #   source's files and processes (also after the source is deleted), each with its own id,
 #   entropy, the host's clock and private writes;
+# - creates are served by the pool of prewarmed VMMs once it is started, and it refills;
 # - a session's cwd survives the three pause/resume cycles;
 # - a missing template memory file falls back to a cold boot; a changed image (new mtime)
 #   builds a new template and removes the stale one;
@@ -39,15 +40,22 @@ start_daemon() {
     i=0
     until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
 }
-# dsec-vmm processes whose command line names sandbox $1.
+# dsec-vmm processes whose command line names sandbox $1, or that its pid file names (a
+# VMM taken from the prewarmed pool is named after the pool) and their children.
 vmms_of() {
     n=0
+    vpid=$(cat /tmp/node/sandboxes/$1/pid 2>/dev/null)
     for d in /proc/[0-9]*; do
         [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
-        tr '\0' ' ' <$d/cmdline 2>/dev/null | grep -q "$1" && n=$((n + 1))
+        if tr '\0' ' ' <$d/cmdline 2>/dev/null | grep -q "$1"; then n=$((n + 1)); continue; fi
+        [ -n "$vpid" ] || continue
+        ppid=$(sed 's/.*) [A-Za-z] \([0-9]*\).*/\1/' $d/stat 2>/dev/null)
+        [ "${d#/proc/}" = "$vpid" ] || [ "$ppid" = "$vpid" ] && n=$((n + 1))
     done
     echo $n
 }
+# Prewarmed VMMs of the pool whose VM shell is built (their control socket is there).
+pool_ready() { ls /tmp/node/vmm-pool/*/api.sock 2>/dev/null | wc -l; }
 start_daemon
 dsec ls >/dev/null 2>&1 && ok daemon-up || { bad daemon-up "$(tail -5 /tmp/node.log)"; echo "$pass passed, $fail failed"; exit 1; }
 
@@ -81,6 +89,18 @@ timeout $T dsec exec $b -- sh -c 'echo b >/root/who'
 # Each sandbox is named after its id (the template's guest was snapshotted as another).
 ha=$(timeout $T dsec exec $a -- hostname); hb=$(timeout $T dsec exec $b -- hostname)
 [ "$ha" = "$a" ] && [ "$hb" = "$b" ] && ok template-hostname || bad template-hostname "'$ha' for $a, '$hb' for $b"
+# The prewarmed VMM pool: the first restore of a shape starts its pool (2 VMMs), later
+# creates take one (the hostname check above ran in one) and it refills in the background.
+i=0; until [ "$(pool_ready)" -ge 2 ] || [ $i -ge 150 ]; do sleep 0.2; i=$((i + 1)); done
+served=$(grep -c 'restored into a prewarmed VMM' /tmp/node.log)
+pb=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
+pout=$(timeout $T dsec exec $pb -- hostname)
+i=0; until [ "$(pool_ready)" -ge 2 ] || [ $i -ge 150 ]; do sleep 0.2; i=$((i + 1)); done
+[ "$served" -ge 1 ] && [ "$(grep -c 'restored into a prewarmed VMM' /tmp/node.log)" = $((served + 1)) ] \
+    && [ "$pout" = "$pb" ] && [ "$(pool_ready)" = 2 ] && [ "$(vmms_of $pb)" -ge 1 ] \
+    && ok vmm-pool-serves-and-refills \
+    || bad vmm-pool-serves-and-refills "served before $served, '$pout' for $pb, $(pool_ready) ready, $(vmms_of $pb) VMMs: $(grep -i 'prewarm' /tmp/node.log | tail -3)"
+timeout $T dsec rm $pb >/dev/null 2>&1
 timeout $T dsec rm $b >/dev/null 2>&1
 
 # Restore of a named snapshot into new sandboxes (Create.from_snapshot), after the source is gone.
@@ -273,9 +293,9 @@ i=0
 while [ "$(ps | grep -c "[d]sec-vmm")" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 left=$(dsec ls 2>/dev/null | grep -c sb-)
 vmms=$(ps | grep -c "[d]sec-vmm")
-dirs=$(ls -A /tmp/node/sandboxes /tmp/node/jails /tmp/node/snapshots 2>/dev/null | grep -c -e '^sb-' -e '^template-')
+dirs=$(ls -A /tmp/node/sandboxes /tmp/node/jails /tmp/node/snapshots /tmp/node/vmm-pool 2>/dev/null | grep -c -e '^sb-' -e '^template-' -e '^pool-')
 [ "$left" = 0 ] && [ "$vmms" = 0 ] && [ "$dirs" = 0 ] && ok nothing-left \
-    || bad nothing-left "$left sandboxes, $vmms VMMs, $dirs sandbox, jail or snapshot directories"
+    || bad nothing-left "$left sandboxes, $vmms VMMs, $dirs sandbox, jail, snapshot or pool directories"
 kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
 grep -E 'WARN|ERROR' /tmp/node.log | tail -20
 echo "$pass passed, $fail failed"

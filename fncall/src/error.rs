@@ -19,6 +19,8 @@ pub enum FnCallError {
     WorkerLost(String),
     #[error("this node has no sandbox network for calls: calls with `network` set are refused (never run in the host's network namespace); drop `network` or use a sandbox (`dsec run`) on a node started with --net-bridge")]
     NoCallNetwork,
+    #[error("cannot put a FnCall worker on the node's sandbox network ({0}); the call was not run: retry it, and check the node's log and `nft list table inet BRIDGE` if it keeps failing")]
+    CallNetwork(String),
     #[error("no {0} worker became free in time: the node is overloaded, retry later")]
     Busy(&'static str),
 }

@@ -20,12 +20,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::Engine;
 use crate::error::FnCallError;
+use crate::network::NetworkRules;
 use crate::request::{CallRequest, CallResult, Language, StageResult, StageStatus};
 
 /// Largest request body accepted (base64 files included).
 const MAX_BODY: usize = crate::request::MAX_INPUT_BYTES * 3 / 2;
 
-/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB` and `network` (ours).
+/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB`, `network` and `network_policy`
+/// (ours).
 #[derive(Debug, Deserialize)]
 pub struct RunCodeRequest {
     pub code: String,
@@ -45,6 +47,21 @@ pub struct RunCodeRequest {
     pub memory_limit_mb: Option<u32>,
     #[serde(default)]
     pub network: bool,
+    /// What a networked call may reach (implies `network`), as the gRPC API's.
+    #[serde(default)]
+    pub network_policy: Option<NetworkPolicyJson>,
+}
+
+/// `{"allow_internet": bool, "allow": [RULE|NAME...], "deny": [...]}`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkPolicyJson {
+    #[serde(default)]
+    pub allow_internet: bool,
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub deny: Vec<String>,
 }
 
 fn ten() -> f64 {
@@ -101,7 +118,14 @@ impl RunCodeRequest {
         if let Some(mib) = self.memory_limit_mb {
             call.memory_mib = mib;
         }
-        call.network = self.network;
+        call.network = match &self.network_policy {
+            Some(policy) => Some(NetworkRules {
+                allow_internet: policy.allow_internet,
+                allow: policy.allow.clone(),
+                deny: policy.deny.clone(),
+            }),
+            None => self.network.then(NetworkRules::default),
+        };
         Ok(call)
     }
 }

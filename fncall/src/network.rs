@@ -11,7 +11,8 @@ use crate::error::Result;
 /// What a networked call may reach, as the caller wrote it: rules
 /// (`[tcp:|udp:|icmp:]CIDR[:PORT[-PORT]]`) and names of the node's policies, as in a
 /// sandbox's network policy. Empty: nothing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct NetworkRules {
     pub allow_internet: bool,
     pub allow: Vec<String>,

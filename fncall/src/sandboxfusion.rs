@@ -47,21 +47,10 @@ pub struct RunCodeRequest {
     pub memory_limit_mb: Option<u32>,
     #[serde(default)]
     pub network: bool,
-    /// What a networked call may reach (implies `network`), as the gRPC API's.
+    /// What a networked call may reach (implies `network`), as the gRPC API's:
+    /// `{"allow_internet": bool, "allow": [RULE|NAME...], "deny": [...]}`.
     #[serde(default)]
-    pub network_policy: Option<NetworkPolicyJson>,
-}
-
-/// `{"allow_internet": bool, "allow": [RULE|NAME...], "deny": [...]}`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetworkPolicyJson {
-    #[serde(default)]
-    pub allow_internet: bool,
-    #[serde(default)]
-    pub allow: Vec<String>,
-    #[serde(default)]
-    pub deny: Vec<String>,
+    pub network_policy: Option<NetworkRules>,
 }
 
 fn ten() -> f64 {
@@ -118,14 +107,10 @@ impl RunCodeRequest {
         if let Some(mib) = self.memory_limit_mb {
             call.memory_mib = mib;
         }
-        call.network = match &self.network_policy {
-            Some(policy) => Some(NetworkRules {
-                allow_internet: policy.allow_internet,
-                allow: policy.allow.clone(),
-                deny: policy.deny.clone(),
-            }),
-            None => self.network.then(NetworkRules::default),
-        };
+        call.network = self
+            .network_policy
+            .clone()
+            .or_else(|| self.network.then(NetworkRules::default));
         Ok(call)
     }
 }
@@ -338,6 +323,30 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Replay<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_fields_become_the_calls_rules() {
+        let parse = |json: &str| {
+            serde_json::from_str::<RunCodeRequest>(json)
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.to_call().map_err(|e| e.to_string()))
+                .map(|c| c.network)
+        };
+        let base = r#""code": "print(1)", "language": "python""#;
+        assert_eq!(parse(&format!("{{{base}}}")).unwrap(), None);
+        assert_eq!(
+            parse(&format!(r#"{{{base}, "network": true}}"#)).unwrap(),
+            Some(NetworkRules::default())
+        );
+        let rules = parse(&format!(
+            r#"{{{base}, "network_policy": {{"allow": ["tcp:198.18.0.1:80"]}}}}"#
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(rules.allow, ["tcp:198.18.0.1:80"]);
+        assert!(!rules.allow_internet && rules.deny.is_empty());
+        assert!(parse(&format!(r#"{{{base}, "network_policy": {{"alow": []}}}}"#)).is_err());
+    }
 
     #[test]
     fn api_paths_are_recognised() {

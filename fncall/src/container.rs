@@ -10,6 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,6 +20,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout};
 
 use crate::cgroup::CallCgroup;
 use crate::error::{FnCallError, Result};
+use crate::network::{CallLink, CallNetwork, NetworkRules};
 use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
 use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
 
@@ -77,6 +79,8 @@ pub struct ContainerFactory {
     /// The sandbox seccomp filters every stage of a call installs, as the zygote reads them
     /// (see `filters_hex`).
     seccomp_hex: String,
+    /// The node's sandbox network for networked workers; None: networked calls are refused.
+    network: Option<Arc<dyn CallNetwork>>,
 }
 
 /// Host uids of calls: above the container backend's id pool (2^30 .. 3 * 2^30), so no
@@ -100,7 +104,14 @@ impl ContainerFactory {
             limits,
             uid_base: DEFAULT_UID_BASE,
             seccomp_hex: filters_hex(&filters),
+            network: None,
         }
+    }
+
+    /// Networked calls run in workers whose namespace has a link on `network`.
+    pub fn with_network(mut self, network: Arc<dyn CallNetwork>) -> Self {
+        self.network = Some(network);
+        self
     }
 
     pub fn rootfs(&self, image: &str) -> Result<PathBuf> {
@@ -126,8 +137,20 @@ impl ContainerFactory {
 
 #[async_trait]
 impl WorkerFactory for ContainerFactory {
+    fn check_network(&self, _image: &str, rules: &NetworkRules) -> Result<()> {
+        match &self.network {
+            Some(network) => network.check(rules),
+            None => Err(FnCallError::NoCallNetwork),
+        }
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         let rootfs = self.rootfs(&key.image)?;
+        let network = match (key.network, &self.network) {
+            (false, _) => None,
+            (true, Some(network)) => Some(Arc::clone(network)),
+            (true, None) => return Err(FnCallError::NoCallNetwork),
+        };
         // Numbered across all factories of the process: cgroup names and uids stay unique.
         static NEXT_WORKER: AtomicU64 = AtomicU64::new(0);
         let n = NEXT_WORKER.fetch_add(1, Ordering::Relaxed);
@@ -199,11 +222,24 @@ impl WorkerFactory for ContainerFactory {
             limits: self.limits.clone(),
             cgroup,
             end_pending: false,
+            link: None,
+            call_rules: None,
         };
         match tokio::time::timeout(START_TIMEOUT, worker.read_frame()).await {
             Ok(Ok((b'H', _))) => {
                 // What the zygote itself holds: a call's limit comes on top of it.
                 worker.cgroup.record_baseline();
+                if let Some(network) = network {
+                    // The zygote's namespace (its calls' too) gets its link, denying all.
+                    let pid = worker.child.id().ok_or_else(|| {
+                        start_err("the zygote exited before its network was attached".into())
+                    })?;
+                    worker.link = Some(
+                        tokio::task::spawn_blocking(move || network.attach(pid))
+                            .await
+                            .map_err(|e| FnCallError::CallNetwork(format!("attach task: {e}")))??,
+                    );
+                }
                 Ok(Box::new(worker))
             }
             Ok(Ok((kind, _))) => Err(start_err(format!(
@@ -264,6 +300,10 @@ struct ContainerWorker {
     cgroup: CallCgroup,
     /// The last call answered; its init's end (frame E) is still to come.
     end_pending: bool,
+    /// A networked worker's link on the node's network (released on drop).
+    link: Option<Arc<dyn CallLink>>,
+    /// The rules the link holds for the current call, taken back once it is over.
+    call_rules: Option<NetworkRules>,
 }
 
 /// How long a finished call's teardown may take before the worker is given up.
@@ -275,10 +315,13 @@ impl Drop for ContainerWorker {
         // The group empties once the zygote and its call are reaped; remove it then.
         let pid = self.child.id();
         let cgroup = std::mem::replace(&mut self.cgroup, CallCgroup::placeholder());
+        let link = self.link.take();
         std::thread::spawn(move || {
             if let Some(pid) = pid {
                 let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
             }
+            // After the zygote (and with it its namespace) is gone: address and rules freed.
+            drop(link);
             for _ in 0..50 {
                 if cgroup.remove() {
                     return;
@@ -324,6 +367,24 @@ impl ContainerWorker {
                 io::ErrorKind::InvalidData,
                 format!("unexpected frame {:?}", other as char),
             )),
+        }
+    }
+}
+
+impl ContainerWorker {
+    /// Takes the last call's rules back from the link, if it had any.
+    async fn deny_all(&mut self) -> bool {
+        let (Some(link), Some(_)) = (&self.link, self.call_rules.take()) else {
+            return true;
+        };
+        let link = Arc::clone(link);
+        match tokio::task::spawn_blocking(move || link.apply(&NetworkRules::default())).await {
+            Ok(Ok(())) => true,
+            Ok(Err(err)) => {
+                tracing::warn!(%err, "cannot reset a FnCall worker's network policy; replacing it");
+                false
+            }
+            Err(_) => false,
         }
     }
 }
@@ -378,6 +439,16 @@ impl Worker for ContainerWorker {
         self.cgroup
             .set_memory(call.memory_mib)
             .map_err(|e| lost(format!("set the memory limit: {e}")))?;
+        if let (Some(link), Some(rules)) = (&self.link, &call.network) {
+            if !rules.is_deny_all() {
+                // Marked first: if applying fails half-way, settle or drop takes it back.
+                self.call_rules = Some(rules.clone());
+                let (link, rules) = (Arc::clone(link), rules.clone());
+                tokio::task::spawn_blocking(move || link.apply(&rules))
+                    .await
+                    .map_err(|e| FnCallError::CallNetwork(format!("policy task: {e}")))??;
+            }
+        }
         let request = self.request_json(call);
         let deadline = call.compile_timeout + call.run_timeout + GRACE;
         let answer = match tokio::time::timeout(deadline, self.exchange(&request)).await {
@@ -426,15 +497,16 @@ impl Worker for ContainerWorker {
     }
 
     async fn settle(&mut self) -> bool {
-        if !std::mem::take(&mut self.end_pending) {
-            return true;
-        }
-        match tokio::time::timeout(SETTLE_TIMEOUT, self.read_frame()).await {
-            Ok(Ok((b'E', payload))) => {
-                wait_status(&payload).ok() == Some(0) && !self.cgroup.oom_killed_since_last()
-            }
-            _ => false,
-        }
+        let ended = !std::mem::take(&mut self.end_pending)
+            || match tokio::time::timeout(SETTLE_TIMEOUT, self.read_frame()).await {
+                Ok(Ok((b'E', payload))) => {
+                    wait_status(&payload).ok() == Some(0) && !self.cgroup.oom_killed_since_last()
+                }
+                _ => false,
+            };
+        // The call's processes are gone: the link denies everything again before the next
+        // call (a worker whose link cannot be reset is dropped, which releases it).
+        ended && self.deny_all().await
     }
 }
 

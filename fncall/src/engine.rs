@@ -151,16 +151,16 @@ impl Engine {
 
     pub async fn run_in(&self, image: &str, call: &CallRequest) -> Result<CallResult> {
         call.validate()?;
-        if call.network {
-            // Workers only have a loopback-only namespace: never the host's.
-            return Err(FnCallError::NoCallNetwork);
+        if let Some(rules) = &call.network {
+            // Refused where workers have only loopback (never the host's namespace).
+            self.factory.check_network(image, rules)?;
         }
         let started = Instant::now();
         let pool = self
             .pool(PoolKey {
                 image: image.to_string(),
                 language: call.language,
-                network: call.network,
+                network: call.network.is_some(),
             })
             .await?;
         let permit = tokio::time::timeout(self.config.queue_timeout, pool.ready.acquire())

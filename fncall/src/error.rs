@@ -21,6 +21,8 @@ pub enum FnCallError {
     NoCallNetwork,
     #[error("this node cannot run VM workers ({0}); use a container image (the default `fncall`) or a node with hardware KVM")]
     NoVmSupport(String),
+    #[error("cannot put a FnCall worker on the node's sandbox network ({0}); the call was not run: retry it, and check the node's log and `nft list table inet BRIDGE` if it keeps failing")]
+    CallNetwork(String),
     #[error("no {0} worker became free in time: the node is overloaded, retry later")]
     Busy(&'static str),
 }

@@ -9,6 +9,7 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::Engine;
 use crate::error::FnCallError;
+use crate::network::NetworkRules;
 use crate::request::{CallRequest, CallResult, Language, StageResult, StageStatus};
 
 /// A message's call, and the image it names (empty: the engine's default).
@@ -34,7 +35,14 @@ pub fn call_from_proto(message: &api::FnRunRequest) -> Result<(String, CallReque
     if message.memory_mib != 0 {
         call.memory_mib = message.memory_mib;
     }
-    call.network = message.network;
+    call.network = match &message.network_policy {
+        Some(policy) => Some(NetworkRules {
+            allow_internet: policy.allow_internet,
+            allow: policy.allow.clone(),
+            deny: policy.deny.clone(),
+        }),
+        None => message.network.then(NetworkRules::default),
+    };
     call.validate()?;
     Ok((message.image.clone(), call))
 }
@@ -79,9 +87,9 @@ pub fn status(err: &FnCallError) -> Status {
         | FnCallError::NoCallNetwork
         | FnCallError::NoVmSupport(_) => Status::failed_precondition(err.to_string()),
         FnCallError::Busy(_) => Status::resource_exhausted(err.to_string()),
-        FnCallError::WorkerStart { .. } | FnCallError::WorkerLost(_) => {
-            Status::unavailable(err.to_string())
-        }
+        FnCallError::WorkerStart { .. }
+        | FnCallError::WorkerLost(_)
+        | FnCallError::CallNetwork(_) => Status::unavailable(err.to_string()),
     }
 }
 

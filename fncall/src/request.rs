@@ -88,9 +88,9 @@ pub struct CallRequest {
     pub compile_timeout: Duration,
     pub run_timeout: Duration,
     pub memory_mib: u32,
-    /// Ask for network access: refused (`NoCallNetwork`) until calls get a namespace on the
-    /// node's sandbox network.
-    pub network: bool,
+    /// Network access: None, loopback only. Some: the call runs in a worker on the node's
+    /// sandbox network with these rules (refused, `NoCallNetwork`, where there is none).
+    pub network: Option<crate::network::NetworkRules>,
 }
 
 impl CallRequest {
@@ -104,7 +104,7 @@ impl CallRequest {
             compile_timeout: Duration::from_secs(10),
             run_timeout: Duration::from_secs(10),
             memory_mib: 512,
-            network: false,
+            network: None,
         }
     }
 

@@ -20,12 +20,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::Engine;
 use crate::error::FnCallError;
+use crate::network::NetworkRules;
 use crate::request::{CallRequest, CallResult, Language, StageResult, StageStatus};
 
 /// Largest request body accepted (base64 files included).
 const MAX_BODY: usize = crate::request::MAX_INPUT_BYTES * 3 / 2;
 
-/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB` and `network` (ours).
+/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB`, `network` and `network_policy`
+/// (ours).
 #[derive(Debug, Deserialize)]
 pub struct RunCodeRequest {
     pub code: String,
@@ -45,6 +47,10 @@ pub struct RunCodeRequest {
     pub memory_limit_mb: Option<u32>,
     #[serde(default)]
     pub network: bool,
+    /// What a networked call may reach (implies `network`), as the gRPC API's:
+    /// `{"allow_internet": bool, "allow": [RULE|NAME...], "deny": [...]}`.
+    #[serde(default)]
+    pub network_policy: Option<NetworkRules>,
 }
 
 fn ten() -> f64 {
@@ -101,7 +107,10 @@ impl RunCodeRequest {
         if let Some(mib) = self.memory_limit_mb {
             call.memory_mib = mib;
         }
-        call.network = self.network;
+        call.network = self
+            .network_policy
+            .clone()
+            .or_else(|| self.network.then(NetworkRules::default));
         Ok(call)
     }
 }
@@ -314,6 +323,30 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Replay<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_fields_become_the_calls_rules() {
+        let parse = |json: &str| {
+            serde_json::from_str::<RunCodeRequest>(json)
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.to_call().map_err(|e| e.to_string()))
+                .map(|c| c.network)
+        };
+        let base = r#""code": "print(1)", "language": "python""#;
+        assert_eq!(parse(&format!("{{{base}}}")).unwrap(), None);
+        assert_eq!(
+            parse(&format!(r#"{{{base}, "network": true}}"#)).unwrap(),
+            Some(NetworkRules::default())
+        );
+        let rules = parse(&format!(
+            r#"{{{base}, "network_policy": {{"allow": ["tcp:198.18.0.1:80"]}}}}"#
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(rules.allow, ["tcp:198.18.0.1:80"]);
+        assert!(!rules.allow_internet && rules.deny.is_empty());
+        assert!(parse(&format!(r#"{{{base}, "network_policy": {{"alow": []}}}}"#)).is_err());
+    }
 
     #[test]
     fn api_paths_are_recognised() {

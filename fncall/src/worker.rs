@@ -4,7 +4,8 @@
 
 use async_trait::async_trait;
 
-use crate::error::Result;
+use crate::error::{FnCallError, Result};
+use crate::network::NetworkRules;
 use crate::request::{CallRequest, CallResult, Language};
 
 /// What a pool's workers have in common.
@@ -12,8 +13,8 @@ use crate::request::{CallRequest, CallResult, Language};
 pub struct PoolKey {
     pub image: String,
     pub language: Language,
-    /// Workers whose calls reach a network: never made today (such calls are refused); kept
-    /// apart so a sandbox-network pool can come without changing the key.
+    /// Workers on the node's sandbox network (each call's policy applied around it); the
+    /// others have loopback only.
     pub network: bool,
 }
 
@@ -42,4 +43,10 @@ pub trait Worker: Send {
 #[async_trait]
 pub trait WorkerFactory: Send + Sync {
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>>;
+
+    /// Checks a networked call's rules (for a worker of `image`) before it waits for a
+    /// worker; factories whose workers have no network refuse every networked call.
+    fn check_network(&self, _image: &str, _rules: &NetworkRules) -> Result<()> {
+        Err(FnCallError::NoCallNetwork)
+    }
 }

@@ -317,7 +317,7 @@ async fn a_call_cannot_reach_the_hosts_loopback() {
         text(&got.stderr)
     );
     let mut networked = CallRequest::new(Language::Python, &code);
-    networked.network = true;
+    networked.network = Some(dsec_fncall::NetworkRules::default());
     let err = engine.run(&networked).await.unwrap_err();
     assert!(
         matches!(err, dsec_fncall::FnCallError::NoCallNetwork),

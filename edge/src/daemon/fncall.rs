@@ -2,22 +2,43 @@
 //! HTTP entry point, both handing calls to one dsec-fncall engine (warm container workers
 //! from `$DSEC_HOME/images/fncall`). See fncall/README.md.
 
-use std::path::Path;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use dsec_fncall::vm::{ByImageKind, VmFactory, VmSettings};
-use dsec_fncall::{CallLimits, ContainerFactory, Engine, EngineConfig, Language};
+use dsec_fncall::{
+    CallLimits, CallLink, CallNetwork, ContainerFactory, Engine, EngineConfig, FnCallError,
+    Language, NetworkRules,
+};
 
 use crate::backend::EdgeConfig;
+use crate::net::{Network, Policy, PolicyText};
 use crate::paths::Artifacts;
 
 static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 
-/// The node's engine, made on first use.
+/// The node's engine, made on first use. On a node with a sandbox network, networked calls
+/// run in workers on it; the links of a previous daemon's workers are freed first.
 pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
     ENGINE
         .get_or_init(|| {
-            let factory = factory(&edge.artifacts, &edge.state_dir.with_file_name("fncall-vm"));
+            let images = edge.artifacts.home.join("images");
+            let mut container = ContainerFactory::new(images, CallLimits::default());
+            if let Some(net) = &edge.network {
+                // A dead daemon's workers died with it; their addresses and records did not.
+                release_links(edge);
+                container = container.with_network(Arc::new(WorkerNetwork {
+                    net: Arc::clone(net),
+                    dir: links_dir(edge),
+                }));
+            }
+            let factory = with_vm_workers(
+                &edge.artifacts,
+                &edge.state_dir.with_file_name("fncall-vm"),
+                container,
+            );
             Arc::new(Engine::new(EngineConfig::default(), Arc::new(factory)))
         })
         .clone()
@@ -26,8 +47,17 @@ pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
 /// The node's workers: container workers, and VM workers for images built by
 /// images/fncall-vm (templates and per-call sockets under `vm_run_dir`).
 pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
+    let container = ContainerFactory::new(artifacts.home.join("images"), CallLimits::default());
+    with_vm_workers(artifacts, vm_run_dir, container)
+}
+
+/// `container` beside VM workers for images built by images/fncall-vm.
+fn with_vm_workers(
+    artifacts: &Artifacts,
+    vm_run_dir: &Path,
+    container: ContainerFactory,
+) -> ByImageKind {
     let images = artifacts.home.join("images");
-    let container = ContainerFactory::new(images.clone(), CallLimits::default());
     let vm = VmFactory::new(
         VmSettings {
             images_dir: images.clone(),
@@ -43,6 +73,110 @@ pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
         images_dir: images,
         container: Arc::new(container),
         vm: Arc::new(vm),
+    }
+}
+
+/// Frees every networked worker's link recorded for this node (at start: a dead daemon's;
+/// at a clean stop: this one's, whose workers die with it). Blocking.
+pub fn release_links(edge: &EdgeConfig) {
+    if edge.network.is_none() {
+        return;
+    }
+    for entry in std::fs::read_dir(links_dir(edge))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        crate::net::release(&entry.path());
+        let _ = std::fs::remove_dir_all(entry.path());
+    }
+}
+
+/// Where networked workers' links are recorded (one directory each, what `net::release`
+/// frees): beside the sandboxes' directories, not among them.
+fn links_dir(edge: &EdgeConfig) -> PathBuf {
+    edge.state_dir.with_file_name("fncall-net")
+}
+
+/// The node's sandbox network as FnCall workers use it.
+struct WorkerNetwork {
+    net: Arc<Network>,
+    dir: PathBuf,
+}
+
+/// A call's rules as the node's policy (named policies expanded); INVALID_ARGUMENT-worthy
+/// errors say what is wrong.
+fn resolve(net: &Network, rules: &NetworkRules) -> dsec_fncall::Result<Policy> {
+    let count = rules.allow.len() + rules.deny.len();
+    if count > crate::net::policy::MAX_RULES {
+        // Before parsing 100,000 strings.
+        return Err(FnCallError::InvalidRequest(
+            crate::net::PolicyError::TooManyRules { count }.to_string(),
+        ));
+    }
+    let text = PolicyText {
+        allow: rules.allow.clone(),
+        deny: rules.deny.clone(),
+    };
+    net.resolve(rules.allow_internet, &text)
+        .map_err(|e| FnCallError::InvalidRequest(format!("network policy: {e}")))
+}
+
+impl CallNetwork for WorkerNetwork {
+    fn check(&self, rules: &NetworkRules) -> dsec_fncall::Result<()> {
+        resolve(&self.net, rules).map(drop)
+    }
+
+    fn attach(&self, pid: u32) -> dsec_fncall::Result<Arc<dyn CallLink>> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = self.dir.join(format!(
+            "w{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let failed = |e: String| FnCallError::CallNetwork(e);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| failed(format!("create {}: {e}", dir.display())))?;
+        let mut link = WorkerLink {
+            net: Arc::clone(&self.net),
+            dir,
+            addr: Ipv4Addr::UNSPECIFIED,
+        };
+        // On failure the link is dropped: whatever was made is released.
+        let pid = i32::try_from(pid).map_err(|_| failed(format!("pid {pid}")))?;
+        link.addr = self
+            .net
+            .attach(&link.dir, pid, &Policy::default())
+            .map_err(|e| failed(e.to_string()))?;
+        tracing::debug!(addr = %link.addr, pid, "FnCall worker on the sandbox network");
+        Ok(Arc::new(link))
+    }
+}
+
+/// A networked worker's address, veth and chain; released on drop.
+struct WorkerLink {
+    net: Arc<Network>,
+    dir: PathBuf,
+    addr: Ipv4Addr,
+}
+
+impl CallLink for WorkerLink {
+    fn apply(&self, rules: &NetworkRules) -> dsec_fncall::Result<()> {
+        let policy = if *rules == NetworkRules::default() {
+            Policy::default()
+        } else {
+            resolve(&self.net, rules)?
+        };
+        self.net
+            .set_policy(self.addr, &policy)
+            .map_err(|e| FnCallError::CallNetwork(format!("apply the call's policy: {e}")))
+    }
+}
+
+impl Drop for WorkerLink {
+    fn drop(&mut self) {
+        crate::net::release(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -30,6 +30,7 @@ use tokio::process::{Child, Command};
 
 use crate::container::{self, CallLimits};
 use crate::error::{FnCallError, Result};
+use crate::network::NetworkRules;
 use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
 use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
 
@@ -497,6 +498,14 @@ pub struct ByImageKind {
 
 #[async_trait]
 impl WorkerFactory for ByImageKind {
+    fn check_network(&self, image: &str, rules: &NetworkRules) -> Result<()> {
+        if is_vm_image(&self.images_dir, image) {
+            // A VM worker has no network device.
+            return Err(FnCallError::NoCallNetwork);
+        }
+        self.container.check_network(image, rules)
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         if is_vm_image(&self.images_dir, &key.image) {
             self.vm.spawn(key).await

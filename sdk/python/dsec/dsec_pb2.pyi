@@ -648,7 +648,7 @@ class SetNetworkPolicyFailure(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class FnRunRequest(_message.Message):
-    __slots__ = ("language", "code", "stdin", "files", "fetch_files", "compile_timeout", "run_timeout", "memory_mib", "network", "image")
+    __slots__ = ("language", "code", "stdin", "files", "fetch_files", "compile_timeout", "run_timeout", "memory_mib", "network", "image", "network_policy")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +666,7 @@ class FnRunRequest(_message.Message):
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_POLICY_FIELD_NUMBER: _ClassVar[int]
     language: str
     code: str
     stdin: bytes
@@ -676,7 +677,8 @@ class FnRunRequest(_message.Message):
     memory_mib: int
     network: bool
     image: str
-    def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[bytes] = ..., files: _Optional[_Mapping[str, bytes]] = ..., fetch_files: _Optional[_Iterable[str]] = ..., compile_timeout: _Optional[float] = ..., run_timeout: _Optional[float] = ..., memory_mib: _Optional[int] = ..., network: _Optional[bool] = ..., image: _Optional[str] = ...) -> None: ...
+    network_policy: NetworkPolicy
+    def __init__(self, language: _Optional[str] = ..., code: _Optional[str] = ..., stdin: _Optional[bytes] = ..., files: _Optional[_Mapping[str, bytes]] = ..., fetch_files: _Optional[_Iterable[str]] = ..., compile_timeout: _Optional[float] = ..., run_timeout: _Optional[float] = ..., memory_mib: _Optional[int] = ..., network: _Optional[bool] = ..., image: _Optional[str] = ..., network_policy: _Optional[_Union[NetworkPolicy, _Mapping]] = ...) -> None: ...
 
 class FnStageResult(_message.Message):
     __slots__ = ("status", "exit_code", "signal", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "seconds")

@@ -822,6 +822,42 @@ mod tests {
     }
 
     #[test]
+    fn resume_hands_the_vmm_directory_to_the_sandbox_keeping_its_files() {
+        let base = std::env::temp_dir().join(format!("dsec-swap-{}", std::process::id()));
+        let (sandbox, vmm) = (base.join("sb-x"), base.join("pool-y"));
+        std::fs::create_dir_all(&sandbox).unwrap();
+        std::fs::create_dir_all(&vmm).unwrap();
+        for (dir, name, text) in [
+            (&sandbox, "meta.json", "record"),
+            (&sandbox, "events.log", "events"),
+            (&sandbox, "vmm.log", "old vmm"),
+            (&vmm, "vmm.log", "new vmm"),
+            (&vmm, "pid", "42"),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        std::fs::create_dir(sandbox.join("extra")).unwrap();
+        let vmm_inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&vmm).unwrap());
+        swap_in_vmm_dir(&sandbox, &vmm).unwrap();
+        let read = |name: &str| std::fs::read_to_string(sandbox.join(name)).unwrap();
+        let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&sandbox).unwrap());
+        let (meta, events, log, pid) = (
+            read("meta.json"),
+            read("events.log"),
+            read("vmm.log"),
+            read("pid"),
+        );
+        let (extra, vmm_gone) = (sandbox.join("extra").is_dir(), !vmm.exists());
+        std::fs::remove_dir_all(&base).unwrap();
+        // The sandbox's path now names the VMM's directory (its jail bind-mounts that one).
+        assert_eq!(inode, vmm_inode);
+        assert_eq!((meta.as_str(), events.as_str()), ("record", "events"));
+        assert_eq!((log.as_str(), pid.as_str()), ("new vmm", "42"));
+        assert!(extra, "a directory of the sandbox was not moved over");
+        assert!(vmm_gone, "the old directory was left behind");
+    }
+
+    #[test]
     fn sparse_copies_keep_data_and_holes() {
         use std::os::unix::fs::{FileExt, MetadataExt};
         let dir = std::env::temp_dir().join(format!("dsec-sparse-{}", std::process::id()));

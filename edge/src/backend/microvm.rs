@@ -531,6 +531,11 @@ async fn start_pooled(
 
 /// rename(2) that fails rather than replace an existing (empty) directory.
 fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
+    rename_flags(from, to, libc::RENAME_NOREPLACE)
+}
+
+/// renameat2(2) of two absolute paths with `flags`.
+fn rename_flags(from: &Path, to: &Path, flags: libc::c_uint) -> std::io::Result<()> {
     let c =
         |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
     let (from, to) = (c(from)?, c(to)?);
@@ -542,7 +547,7 @@ fn rename_no_replace(from: &Path, to: &Path) -> std::io::Result<()> {
             from.as_ptr(),
             libc::AT_FDCWD,
             to.as_ptr(),
-            libc::RENAME_NOREPLACE,
+            flags,
         )
     };
     if rc < 0 {
@@ -565,25 +570,61 @@ impl Drop for InboxLinks {
     }
 }
 
+/// A resumed sandbox's new VMM: its pid, its refreshed agent and, when a prewarmed VMM of
+/// the pool took it, the jail paths that VMM brought (its snapshot directory and jail root,
+/// which the record keeps from now on).
+pub struct Resumed {
+    pub pid: u32,
+    pub agent: crate::AgentClient,
+    pub pooled_jail: Option<(PathBuf, PathBuf)>,
+}
+
 /// Brings back a sandbox whose VMM was ended after a snapshot (pause that frees memory):
 /// a restore of `snapshot` (MAP_PRIVATE: pages come in as the guest touches them; in the rig
 /// it reached the first exec 2-3x sooner than userfaultfd) in its own directory, so it keeps its id, vsock socket,
-/// context id and disks, jailed like before and in `cgroup_procs`. Returns the new VMM's pid
-/// and its refreshed agent; on failure nothing runs and the snapshot is untouched.
+/// context id and disks, jailed like before and in `cgroup_procs`. A prewarmed VMM of the
+/// pool takes it when there is one of `shape` (a jailed sandbox without disk image or
+/// network), else a fresh VMM starts. On failure nothing runs and the snapshot is untouched.
 pub async fn resume_microvm(
     config: &EdgeConfig,
     handle: &SandboxHandle,
     snapshot: &Path,
     cgroup_procs: Vec<PathBuf>,
+    shape: Shape,
     timeout: std::time::Duration,
-) -> Result<(u32, crate::AgentClient)> {
+) -> Result<Resumed> {
+    let dir = MicroVmDir::new(&handle.dir);
+    let poolable = handle.snapshot_dir.is_some()
+        && !handle.dir.join("upper.ext4").exists()
+        && crate::net::jail_netns(&handle.dir).is_none();
+    if let Some(pooled) = config
+        .vmm_pool
+        .as_ref()
+        .filter(|_| poolable)
+        .and_then(|pool| pool.take(shape))
+    {
+        let name = pooled.name.clone();
+        match resume_pooled(pooled, handle, snapshot, &cgroup_procs, timeout).await {
+            Ok(resumed) => return Ok(resumed),
+            Err(err) => tracing::warn!(
+                sandbox = %handle.id,
+                vmm = %name,
+                %err,
+                "a prewarmed VMM could not resume the sandbox; starting a fresh VMM"
+            ),
+        }
+    }
     let mut options = SpawnOptions::find(config.vmm_bin.as_deref())?;
     options.cgroup_procs = cgroup_procs;
     let mut launch = VmmLaunch::restore(RestoreLaunch::new(snapshot));
     if let (Some(jail), Some(snapshots)) = (&config.jail, &handle.snapshot_dir) {
-        launch.jail = Some(jail.launch(&handle.id, snapshots));
+        let mut jailed = jail.launch(&handle.id, snapshots);
+        // A sandbox once taken by a pooled VMM keeps that VMM's jail root in its record.
+        if let Some(root) = &handle.jail_root {
+            jailed.root = root.clone();
+        }
+        launch.jail = Some(jailed);
     }
-    let dir = MicroVmDir::new(&handle.dir);
     // The ended VMM's sockets: the wait must not find the old vsock path.
     let _ = std::fs::remove_file(dir.vsock());
     let _ = std::fs::remove_file(dir.api_sock());
@@ -592,7 +633,122 @@ pub async fn resume_microvm(
         .ready(timeout)
         .await?;
     let agent = vm.agent().clone();
-    Ok((vm.detach(), agent))
+    Ok(Resumed {
+        pid: vm.detach(),
+        agent,
+        pooled_jail: None,
+    })
+}
+
+/// [`resume_microvm`] in a prewarmed VMM: into the sandbox's cgroups, the snapshot linked
+/// into its inbox, and its directory swapped with the sandbox's (the sandbox's files moved
+/// over first as hard links, so a crash at any point leaves a directory holding the
+/// record), then the restore request, the agent wait and the refresh.
+async fn resume_pooled(
+    pooled: PooledVmm,
+    handle: &SandboxHandle,
+    snapshot: &Path,
+    cgroup_procs: &[PathBuf],
+    timeout: std::time::Duration,
+) -> Result<Resumed> {
+    let taken = scopeguard_inbox(&pooled);
+    let jail = (pooled.snapshot_dir.clone(), pooled.jail_root.clone());
+    let forget_jail = |jail: &(PathBuf, PathBuf)| {
+        let _ = std::fs::remove_dir(&jail.0);
+        let _ = std::fs::remove_dir_all(&jail.1);
+    };
+    let pool_dir = pooled.vm.dir().path().to_path_buf();
+    let handed_over = pooled
+        .vm
+        .join_cgroups(cgroup_procs)
+        .and_then(|()| pooled.link_snapshot(snapshot))
+        .and_then(|path| {
+            swap_in_vmm_dir(&handle.dir, &pool_dir)
+                .map_err(|e| {
+                    EdgeError::io(
+                        format!(
+                            "hand the prewarmed VMM's directory to {}",
+                            handle.dir.display()
+                        ),
+                        e,
+                    )
+                })
+                .map(|()| path)
+        });
+    let path = match handed_over {
+        Ok(path) => path,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&pool_dir);
+            drop(pooled.vm);
+            forget_jail(&jail);
+            return Err(err);
+        }
+    };
+    let mut vm = pooled
+        .vm
+        .relocated(MicroVmDir::new(&handle.dir))
+        .with_hostname(&handle.id);
+    // The snapshot's own context id: the sandbox keeps it.
+    let request = RestoreRequest {
+        path,
+        ..RestoreRequest::default()
+    };
+    let reply = vm.restore(request, timeout).await;
+    drop(taken);
+    let ready = match reply {
+        Ok(reply) => {
+            tracing::info!(
+                sandbox = %handle.id,
+                vmm = %pooled.name,
+                restore_ms = reply.restore_ms,
+                "resumed into a prewarmed VMM"
+            );
+            vm.ready(timeout).await
+        }
+        // Dropping a VMM that is still owned kills its process group.
+        Err(err) => Err(err),
+    };
+    match ready {
+        Ok(vm) => {
+            let agent = vm.agent().clone();
+            Ok(Resumed {
+                pid: vm.detach(),
+                agent,
+                pooled_jail: Some(jail),
+            })
+        }
+        Err(err) => {
+            // The sandbox directory (now the pooled VMM's, holding the record) stays; the
+            // next resume starts a fresh VMM there.
+            forget_jail(&jail);
+            Err(err)
+        }
+    }
+}
+
+/// Makes the pooled VMM's directory `vmm_dir` the sandbox directory `sandbox_dir`: the
+/// sandbox's entries (record, event log...) are hard-linked into it, the two directories
+/// are exchanged atomically, and whatever the sandbox's directory gained meanwhile is moved
+/// over before the old one is removed. The VMM's own files (logs, pid, sockets) win.
+fn swap_in_vmm_dir(sandbox_dir: &Path, vmm_dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(sandbox_dir)?.flatten() {
+        let to = vmm_dir.join(entry.file_name());
+        if entry.file_type()?.is_file() && !to.exists() {
+            std::fs::hard_link(entry.path(), &to)?;
+        }
+    }
+    rename_flags(vmm_dir, sandbox_dir, libc::RENAME_EXCHANGE)?;
+    // `vmm_dir` now names the sandbox's old directory.
+    for entry in std::fs::read_dir(vmm_dir)?.flatten() {
+        let to = sandbox_dir.join(entry.file_name());
+        let own = ["vmm.log", "serial.log", "pid", "api.sock", "vsock.sock"];
+        if own.iter().any(|n| entry.file_name() == *n) {
+            continue;
+        }
+        // A newer record replaces its link; everything else moves as it is.
+        std::fs::rename(entry.path(), &to)?;
+    }
+    std::fs::remove_dir_all(vmm_dir)
 }
 
 /// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
@@ -663,6 +819,42 @@ mod tests {
             }]
         );
         std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn resume_hands_the_vmm_directory_to_the_sandbox_keeping_its_files() {
+        let base = std::env::temp_dir().join(format!("dsec-swap-{}", std::process::id()));
+        let (sandbox, vmm) = (base.join("sb-x"), base.join("pool-y"));
+        std::fs::create_dir_all(&sandbox).unwrap();
+        std::fs::create_dir_all(&vmm).unwrap();
+        for (dir, name, text) in [
+            (&sandbox, "meta.json", "record"),
+            (&sandbox, "events.log", "events"),
+            (&sandbox, "vmm.log", "old vmm"),
+            (&vmm, "vmm.log", "new vmm"),
+            (&vmm, "pid", "42"),
+        ] {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        std::fs::create_dir(sandbox.join("extra")).unwrap();
+        let vmm_inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&vmm).unwrap());
+        swap_in_vmm_dir(&sandbox, &vmm).unwrap();
+        let read = |name: &str| std::fs::read_to_string(sandbox.join(name)).unwrap();
+        let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&sandbox).unwrap());
+        let (meta, events, log, pid) = (
+            read("meta.json"),
+            read("events.log"),
+            read("vmm.log"),
+            read("pid"),
+        );
+        let (extra, vmm_gone) = (sandbox.join("extra").is_dir(), !vmm.exists());
+        std::fs::remove_dir_all(&base).unwrap();
+        // The sandbox's path now names the VMM's directory (its jail bind-mounts that one).
+        assert_eq!(inode, vmm_inode);
+        assert_eq!((meta.as_str(), events.as_str()), ("record", "events"));
+        assert_eq!((log.as_str(), pid.as_str()), ("new vmm", "42"));
+        assert!(extra, "a directory of the sandbox was not moved over");
+        assert!(vmm_gone, "the old directory was left behind");
     }
 
     #[test]

@@ -13,6 +13,7 @@ use super::record::{now_ms, Entry};
 use super::vmm_control;
 use crate::backend::microvm::resume_microvm;
 use crate::backend::proc_stat;
+use crate::backend::vmm_pool::Shape;
 
 impl Node {
     /// Pauses the VM, snapshots it next to the sandbox and ends its VMM. A snapshot that
@@ -63,16 +64,33 @@ impl Node {
     ) -> Result<Arc<Entry>, NodeError> {
         let started = std::time::Instant::now();
         let mut record = entry.record();
-        let (pid, client) = resume_microvm(
+        let shape = Shape {
+            mem_mib: u64::try_from(record.memory_mib).unwrap_or(0),
+            vcpus: u8::try_from(record.vcpus).unwrap_or(0),
+        };
+        let resumed = resume_microvm(
             &self.edge,
             &record.handle,
             &snapshot,
             cgroup::procs_files(&record.cgroups),
+            shape,
             self.config.ready_timeout,
         )
         .await?;
+        let (pid, client) = (resumed.pid, resumed.agent);
         record.handle.pid = pid as i32;
         record.handle.pid_start = proc_stat(pid as i32).map_or(0, |(_, start)| start);
+        // A prewarmed VMM brings its own jail; the old one's directories go once the
+        // snapshot in them does.
+        let old_jail = resumed.pooled_jail.map(|(snapshots, root)| {
+            let old = (
+                record.handle.snapshot_dir.take(),
+                record.handle.jail_root.take(),
+            );
+            record.handle.snapshot_dir = Some(snapshots);
+            record.handle.jail_root = Some(root);
+            old
+        });
         record.paused = false;
         record.suspended = None;
         if let Err(err) = record.persist() {
@@ -91,7 +109,14 @@ impl Node {
         );
         let woken = Entry::new(record, client);
         self.lock().insert(id, woken.clone());
-        let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(snapshot)).await;
+        let _ = tokio::task::spawn_blocking(move || {
+            let _ = std::fs::remove_dir_all(snapshot);
+            if let Some((snapshots, root)) = old_jail {
+                snapshots.map(std::fs::remove_dir);
+                root.map(std::fs::remove_dir_all);
+            }
+        })
+        .await;
         Ok(woken)
     }
 }

@@ -7,7 +7,7 @@
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
-#   pause -> resume -> first exec (METRIC);
+#   pause -> resume -> first exec (METRIC); later resumes take a prewarmed VMM of the pool;
 # - a paused sandbox survives kill -9 of the daemon and a restart, then resumes;
 # - a corrupted template falls back to a cold boot with a warning, and is built again.
 # - restore of a named snapshot (`dsec snapshot`, `dsec restore`): new sandboxes with the
@@ -209,7 +209,8 @@ for i in 1 2 3; do
     left=$(vmms_of $a)
     [ "$left" = 0 ] || bad "pause-$i-ends-vmm" "$left dsec-vmm processes still name $a"
     # What the paused sandbox holds instead: its snapshot on disk.
-    echo "METRIC paused_snapshot_disk_kib $(du -sk /tmp/node/snapshots/$a | cut -f1)"
+    snapdir=$(sed -n 's/.*"suspended": "\(.*\)".*/\1/p' /tmp/node/sandboxes/$a/meta.json)
+    echo "METRIC paused_snapshot_disk_kib $(du -sk "$snapdir" | cut -f1)"
     t0=$(now_ms)
     timeout $T dsec resume $a >/dev/null || { bad "resume-$i" "refused"; break; }
     timeout $T dsec exec $a -- true
@@ -224,6 +225,10 @@ for i in 1 2 3; do
 done
 grep -o 'resumed from its snapshot on disk.*' /tmp/node.log | tail -3
 [ $cycles = 3 ] && ok pause-resume-three-cycles || bad pause-resume-three-cycles "$cycles of 3 cycles kept everything"
+# The first resume starts the shape's pool (the daemon was restarted), later ones take from it.
+pooled=$(grep -c 'resumed into a prewarmed VMM' /tmp/node.log)
+[ "$pooled" -ge 1 ] && [ "$(vmms_of $a)" -ge 1 ] && ok resume-through-vmm-pool \
+    || bad resume-through-vmm-pool "$pooled resumes in a prewarmed VMM, $(vmms_of $a) VMMs: $(grep -i 'prewarm' /tmp/node.log | tail -3)"
 [ $sessions = 3 ] && ok pause-resume-session-cwd || bad pause-resume-session-cwd "the session's cwd survived $sessions of 3 cycles"
 exec 7>&-
 wait $sess 2>/dev/null

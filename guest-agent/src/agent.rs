@@ -113,6 +113,23 @@ fn uptime_ms() -> u64 {
         .unwrap_or(0)
 }
 
+impl AgentService {
+    /// The guest's network interface, which a refresh's `field` is about to change: only a
+    /// VM's init owns one (a container or plain process shares its interfaces with others).
+    fn owned_interface(&self, field: &str) -> Result<String, Status> {
+        if self.mode != Mode::Vm {
+            return Err(Status::failed_precondition(format!(
+                "only an agent running as a VM's init owns the network interface; send no {field}"
+            )));
+        }
+        crate::init::first_ethernet().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "{field} was given but the guest has no network interface"
+            ))
+        })
+    }
+}
+
 #[tonic::async_trait]
 impl Agent for AgentService {
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
@@ -151,32 +168,13 @@ impl Agent for AgentService {
             })?),
         };
         if let Some(mac) = mac {
-            // A container or plain process shares its interfaces with others.
-            if self.mode != Mode::Vm {
-                return Err(Status::failed_precondition(
-                    "only an agent running as a VM's init owns the network interface; send no mac",
-                ));
-            }
-            let name = crate::init::first_ethernet().ok_or_else(|| {
-                Status::failed_precondition(
-                    "a MAC was given but the guest has no network interface",
-                )
-            })?;
+            let name = self.owned_interface("mac")?;
             crate::init::set_mac(&name, mac)
                 .map_err(|e| Status::internal(format!("cannot set the MAC of {name}: {e}")))?;
         }
         if let Some(ipv4) = &request.ipv4 {
             let setup = parse_ipv4(ipv4)?;
-            if self.mode != Mode::Vm {
-                return Err(Status::failed_precondition(
-                    "only an agent running as a VM's init owns the network interface; send no ipv4",
-                ));
-            }
-            let name = crate::init::first_ethernet().ok_or_else(|| {
-                Status::failed_precondition(
-                    "an ipv4 setup was given but the guest has no network interface",
-                )
-            })?;
+            let name = self.owned_interface("ipv4")?;
             crate::init::set_ipv4(&name, setup.0, setup.1, setup.2, setup.3)
                 .map_err(|e| Status::internal(format!("cannot set up IPv4 on {name}: {e}")))?;
         }

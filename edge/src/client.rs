@@ -131,6 +131,17 @@ pub struct GuestIdentity {
     pub mac: Option<String>,
     /// Its hostname (the sandbox id).
     pub hostname: Option<String>,
+    /// Its interface's address, default route and resolver (the sandbox's own).
+    pub ipv4: Option<GuestIpv4>,
+}
+
+/// A guest interface's IPv4 setup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestIpv4 {
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: std::net::Ipv4Addr,
+    pub nameserver: std::net::Ipv4Addr,
 }
 
 /// Typed access to the agent's services over one multiplexed connection.
@@ -183,7 +194,8 @@ impl AgentClient {
     }
 
     /// After a restore or fork: reseed the guest RNG with `entropy`, set its wall clock to
-    /// the host's and give it `identity` (its network interface's MAC, its hostname). Returns
+    /// the host's and give it `identity` (its network interface's MAC and IPv4 setup, its
+    /// hostname). Returns
     /// how far the guest clock was off (guest minus host).
     pub async fn refresh(
         &self,
@@ -200,6 +212,12 @@ impl AgentClient {
                 realtime_ns,
                 mac: identity.mac.unwrap_or_default(),
                 hostname: identity.hostname.unwrap_or_default(),
+                ipv4: identity.ipv4.map(|n| dsec_api::agent::v1::GuestIpv4 {
+                    address: n.address.to_string(),
+                    prefix_len: n.prefix_len.into(),
+                    gateway: n.gateway.to_string(),
+                    nameserver: n.nameserver.to_string(),
+                }),
             })
             .await
             .map_err(|s| EdgeError::agent("refresh", s))?;

@@ -14,7 +14,9 @@ pub mod net;
 pub mod paths;
 
 pub use backend::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
-pub use client::{AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec, GuestIdentity};
+pub use client::{
+    AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec, GuestIdentity, GuestIpv4,
+};
 pub use error::{EdgeError, Result};
 pub use kvm::KvmStatus;
 pub use microvm::{MicroVm, MicroVmDir, SpawnOptions, StartingMicroVm};

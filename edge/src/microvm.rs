@@ -502,8 +502,8 @@ impl StartingMicroVm {
             return Ok(());
         };
         let identity = crate::GuestIdentity {
-            mac: None,
             hostname: Some(hostname),
+            ..Default::default()
         };
         match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(Vec::new(), identity)).await {
             Ok(result) => result.map(drop),
@@ -527,6 +527,7 @@ impl StartingMicroVm {
         let identity = crate::GuestIdentity {
             mac: self.mac.clone(),
             hostname: self.hostname.clone(),
+            ..Default::default()
         };
         match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(entropy, identity)).await {
             Ok(result) => {

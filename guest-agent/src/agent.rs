@@ -3,8 +3,11 @@
 use std::time::Duration;
 
 use dsec_api::agent::v1::agent_server::Agent;
+use std::net::Ipv4Addr;
+
 use dsec_api::agent::v1::{
-    InfoRequest, InfoResponse, RefreshRequest, RefreshResponse, ShutdownRequest, ShutdownResponse,
+    GuestIpv4, InfoRequest, InfoResponse, RefreshRequest, RefreshResponse, ShutdownRequest,
+    ShutdownResponse,
 };
 use tonic::{Request, Response, Status};
 
@@ -44,6 +47,35 @@ fn valid_hostname(name: &str) -> bool {
         && edge_ok(name.chars().last())
 }
 
+/// A checked [`GuestIpv4`]: address, prefix length, gateway (inside the address's network)
+/// and nameserver.
+fn parse_ipv4(setup: &GuestIpv4) -> Result<(Ipv4Addr, u8, Ipv4Addr, Ipv4Addr), Status> {
+    let field = |name: &str, text: &str| {
+        text.parse::<Ipv4Addr>().map_err(|_| {
+            Status::invalid_argument(format!(
+                "ipv4.{name} {:?} is not a dotted-quad IPv4 address",
+                text.chars().take(40).collect::<String>()
+            ))
+        })
+    };
+    let address = field("address", &setup.address)?;
+    let gateway = field("gateway", &setup.gateway)?;
+    let nameserver = field("nameserver", &setup.nameserver)?;
+    let prefix_len = u8::try_from(setup.prefix_len)
+        .ok()
+        .filter(|p| (1..=32).contains(p))
+        .ok_or_else(|| {
+            Status::invalid_argument(format!("ipv4.prefix_len {} is not 1-32", setup.prefix_len))
+        })?;
+    let mask = u32::MAX << (32 - u32::from(prefix_len));
+    if u32::from(address) & mask != u32::from(gateway) & mask || address == gateway {
+        return Err(Status::invalid_argument(format!(
+            "ipv4.gateway {gateway} is not another address in {address}/{prefix_len}"
+        )));
+    }
+    Ok((address, prefix_len, gateway, nameserver))
+}
+
 /// Adds `entropy` to the input pool, credited (the host's getrandom output is full-entropy, and
 /// a young guest's CRNG may not be initialised yet), then forces an immediate CRNG reseed, so
 /// two forks of one snapshot diverge from their very next read.
@@ -79,6 +111,23 @@ fn uptime_ms() -> u64 {
         .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
         .map(|secs| (secs * 1000.0) as u64)
         .unwrap_or(0)
+}
+
+impl AgentService {
+    /// The guest's network interface, which a refresh's `field` is about to change: only a
+    /// VM's init owns one (a container or plain process shares its interfaces with others).
+    fn owned_interface(&self, field: &str) -> Result<String, Status> {
+        if self.mode != Mode::Vm {
+            return Err(Status::failed_precondition(format!(
+                "only an agent running as a VM's init owns the network interface; send no {field}"
+            )));
+        }
+        crate::init::first_ethernet().ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "{field} was given but the guest has no network interface"
+            ))
+        })
+    }
 }
 
 #[tonic::async_trait]
@@ -119,19 +168,15 @@ impl Agent for AgentService {
             })?),
         };
         if let Some(mac) = mac {
-            // A container or plain process shares its interfaces with others.
-            if self.mode != Mode::Vm {
-                return Err(Status::failed_precondition(
-                    "only an agent running as a VM's init owns the network interface; send no mac",
-                ));
-            }
-            let name = crate::init::first_ethernet().ok_or_else(|| {
-                Status::failed_precondition(
-                    "a MAC was given but the guest has no network interface",
-                )
-            })?;
+            let name = self.owned_interface("mac")?;
             crate::init::set_mac(&name, mac)
                 .map_err(|e| Status::internal(format!("cannot set the MAC of {name}: {e}")))?;
+        }
+        if let Some(ipv4) = &request.ipv4 {
+            let setup = parse_ipv4(ipv4)?;
+            let name = self.owned_interface("ipv4")?;
+            crate::init::set_ipv4(&name, setup.0, setup.1, setup.2, setup.3)
+                .map_err(|e| Status::internal(format!("cannot set up IPv4 on {name}: {e}")))?;
         }
         if !request.hostname.is_empty() {
             if !valid_hostname(&request.hostname) {
@@ -186,7 +231,37 @@ impl Agent for AgentService {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_mac, valid_hostname};
+    use super::{parse_ipv4, parse_mac, valid_hostname};
+    use dsec_api::agent::v1::GuestIpv4;
+
+    #[test]
+    fn ipv4_setups_are_checked() {
+        let setup = |address: &str, prefix_len, gateway: &str, nameserver: &str| GuestIpv4 {
+            address: address.into(),
+            prefix_len,
+            gateway: gateway.into(),
+            nameserver: nameserver.into(),
+        };
+        assert_eq!(
+            parse_ipv4(&setup("10.200.0.5", 16, "10.200.0.1", "10.200.0.1")).unwrap(),
+            (
+                [10, 200, 0, 5].into(),
+                16,
+                [10, 200, 0, 1].into(),
+                [10, 200, 0, 1].into()
+            )
+        );
+        for bad in [
+            setup("10.200.0.5", 0, "10.200.0.1", "10.200.0.1"),
+            setup("10.200.0.5", 33, "10.200.0.1", "10.200.0.1"),
+            setup("10.200.0.5/16", 16, "10.200.0.1", "10.200.0.1"),
+            setup("10.200.0.5", 16, "10.201.0.1", "10.200.0.1"),
+            setup("10.200.0.5", 16, "10.200.0.5", "10.200.0.1"),
+            setup("10.200.0.5", 16, "10.200.0.1", "resolver"),
+        ] {
+            assert!(parse_ipv4(&bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn hostnames_are_checked() {

@@ -1,6 +1,7 @@
 //! PID 1 duties inside a VM: early mounts, loopback, hostname, poweroff.
 
 use std::io::Write;
+use std::net::Ipv4Addr;
 
 use nix::mount::{mount, MsFlags};
 
@@ -133,9 +134,73 @@ pub fn set_mac(name: &str, mac: [u8; 6]) -> std::io::Result<()> {
 }
 
 fn set_loopback_up() -> std::io::Result<()> {
+    link_up("lo")
+}
+
+/// An `AF_INET` socket address (what the interface and route ioctls take).
+fn sockaddr_v4(addr: Ipv4Addr) -> libc::sockaddr {
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(addr).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: sockaddr_in and sockaddr are both 16 bytes of plain old data; the kernel reads
+    // the family to know which it is.
+    unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) }
+}
+
+/// Gives interface `name` the address `addr/prefix_len` (replacing its primary IPv4
+/// address, e.g. a snapshot parent's), brings it up, routes everything through `gateway`
+/// and names `nameserver` in /etc/resolv.conf.
+pub fn set_ipv4(
+    name: &str,
+    addr: Ipv4Addr,
+    prefix_len: u8,
+    gateway: Ipv4Addr,
+    nameserver: Ipv4Addr,
+) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let sock = ioctl_socket()?;
-    let mut req = ifreq_for("lo")?;
+    let netmask = Ipv4Addr::from(
+        u32::MAX
+            .checked_shl(32 - u32::from(prefix_len))
+            .unwrap_or(0),
+    );
+    for (op, value) in [(libc::SIOCSIFADDR, addr), (libc::SIOCSIFNETMASK, netmask)] {
+        let mut req = ifreq_for(name)?;
+        req.ifr_ifru.ifru_addr = sockaddr_v4(value);
+        // SAFETY: both ioctls only read `req`, whose address member was just written.
+        if unsafe { libc::ioctl(sock.as_raw_fd(), op, &req) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    link_up(name)?;
+    // SAFETY: rtentry is plain old data; all-zero is a valid value.
+    let mut route: libc::rtentry = unsafe { std::mem::zeroed() };
+    route.rt_dst = sockaddr_v4(Ipv4Addr::UNSPECIFIED);
+    route.rt_genmask = sockaddr_v4(Ipv4Addr::UNSPECIFIED);
+    route.rt_gateway = sockaddr_v4(gateway);
+    route.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
+    // SAFETY: SIOCADDRT only reads `route`, which names no device (the kernel picks the one
+    // whose network holds the gateway).
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCADDRT, &route) } < 0 {
+        let err = std::io::Error::last_os_error();
+        // The same default route (a snapshot parent's on the same bridge) is fine.
+        if err.raw_os_error() != Some(libc::EEXIST) {
+            return Err(err);
+        }
+    }
+    std::fs::write("/etc/resolv.conf", format!("nameserver {nameserver}\n"))
+}
+
+/// Sets `IFF_UP` (and running) on interface `name`.
+fn link_up(name: &str) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let sock = ioctl_socket()?;
+    let mut req = ifreq_for(name)?;
     // SAFETY: SIOCGIFFLAGS reads the flags of the interface named in `req` into `req`.
     if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
         return Err(std::io::Error::last_os_error());

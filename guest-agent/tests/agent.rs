@@ -245,7 +245,7 @@ async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() 
             Vec::new(),
             GuestIdentity {
                 mac: Some("07:00:00:00:00:01".into()),
-                hostname: None,
+                ..Default::default()
             },
         )
         .await
@@ -257,7 +257,7 @@ async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() 
             Vec::new(),
             GuestIdentity {
                 mac: Some("06:00:00:00:00:01".into()),
-                hostname: None,
+                ..Default::default()
             },
         )
         .await
@@ -276,11 +276,43 @@ async fn refresh_reseeds_and_bounds_its_input_without_touching_a_shared_clock() 
                 GuestIdentity {
                     mac: None,
                     hostname: Some(name.into()),
+                    ..Default::default()
                 },
             )
             .await
             .unwrap_err();
         assert!(err.to_string().contains(expected), "{name}: {err}");
+    }
+    // And for an IPv4 setup: a bad prefix or a gateway outside the network is refused, a good
+    // one only outside a VM.
+    let gateway = std::net::Ipv4Addr::new(10, 200, 0, 1);
+    for (prefix_len, gateway, expected) in [
+        (40, gateway, "1-32"),
+        (
+            16,
+            std::net::Ipv4Addr::new(10, 9, 0, 1),
+            "not another address",
+        ),
+        (16, gateway, "VM's init"),
+    ] {
+        let ipv4 = dsec_edge::GuestIpv4 {
+            address: std::net::Ipv4Addr::new(10, 200, 0, 5),
+            prefix_len,
+            gateway,
+            nameserver: gateway,
+        };
+        let err = agent
+            .client
+            .refresh(
+                Vec::new(),
+                GuestIdentity {
+                    ipv4: Some(ipv4),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains(expected), "{ipv4:?}: {err}");
     }
 }
 

@@ -79,6 +79,9 @@ pub struct MicroVmImage {
     pub vcpus: u8,
     pub mem_mib: u64,
     pub cmdline: String,
+    /// A virtio-net device (the node has a sandbox network): its template snapshot has
+    /// one, so restored sandboxes get their own tap for it.
+    pub network_device: bool,
 }
 
 impl MicroVmImage {
@@ -151,6 +154,7 @@ impl MicroVmImage {
             vcpus,
             mem_mib: u64::from(spec.mem_mib),
             cmdline,
+            network_device: config.network.is_some() && config.jail.is_some(),
         })
     }
 
@@ -180,10 +184,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
     let host = HostResources::create(config, &id)?;
     let mut vm = image.boot_config(&host.dir).await?;
     let tap = crate::net::prepare_microvm(config, &host.dir, &spec.network_policy).await?;
-    vm.net = tap.as_ref().map(|t| dsec_vmm_api::config::NetConfig {
-        tap: t.tap.clone(),
-        mac: Some(t.mac.clone()),
-    });
+    vm.net = tap.as_ref().map(crate::net::restore_override);
     let sandbox = start(config, host, VmmLaunch::boot(vm), &options, id, spec).await?;
     if let Some(tap) = &tap {
         crate::net::attach_microvm(config, tap, &sandbox.client).await?;
@@ -203,7 +204,8 @@ pub async fn build_template(
     let image = MicroVmImage::of(config, spec)?;
     let options = SpawnOptions::find(config.vmm_bin.as_deref())?;
     let host = HostResources::create(config, id)?;
-    let vm = image.boot_config(&host.dir).await?;
+    let mut vm = image.boot_config(&host.dir).await?;
+    vm.net = image.network_device.then(crate::net::template_net_device);
     let mut sandbox = start(
         config,
         host,
@@ -234,13 +236,16 @@ pub async fn build_template(
         },
     )
     .await?;
-    let (dir, out) = (host.dir.clone(), out.to_path_buf());
+    let (dir, out, vm_has_net) = (host.dir.clone(), out.to_path_buf(), image.network_device);
     tokio::task::spawn_blocking(move || -> Result<()> {
         let rename = |from: &Path, to: &Path| {
             std::fs::rename(from, to).map_err(|e| {
                 EdgeError::io(format!("move {} to {}", from.display(), to.display()), e)
             })
         };
+        if vm_has_net {
+            crate::net::mark_snapshot_net_device(&snapshot)?;
+        }
         rename(&snapshot, &out.join("snapshot"))?;
         let upper = dir.join("upper.ext4");
         if upper.exists() {
@@ -473,7 +478,9 @@ pub async fn restore_microvm(
         }
         restore.overrides.drives = root_and_upper(root, own);
     }
-    start(
+    let tap = crate::net::prepare_restore(config, &host.dir, snapshot, spec).await?;
+    restore.overrides.net = tap.as_ref().map(crate::net::restore_override);
+    let sandbox = start(
         config,
         host,
         VmmLaunch::restore(restore),
@@ -481,7 +488,11 @@ pub async fn restore_microvm(
         id.to_string(),
         spec,
     )
-    .await
+    .await?;
+    if let Some(tap) = &tap {
+        crate::net::attach_microvm(config, tap, &sandbox.client).await?;
+    }
+    Ok(sandbox)
 }
 
 /// The first half of [`restore_microvm`] in a prewarmed VMM of the pool (vmm_pool.rs says

@@ -364,11 +364,7 @@ impl Node {
         let spec = plan.spec(id, &pending.cgroups, rootfs, self.config.ready_timeout);
         let sandbox = if let Some(snapshot) = &request.from_snapshot {
             self.restore_snapshot(&spec, snapshot).await?
-        } else if request.kind == BackendKind::MicroVm
-            && !request.cold
-            && request.network.is_empty()
-        {
-            // Template snapshots have no network device: a microVM with a policy boots.
+        } else if request.kind == BackendKind::MicroVm && !request.cold {
             self.create_from_template(&spec).await?
         } else {
             Sandbox::create(request.kind, &self.edge, &spec).await?

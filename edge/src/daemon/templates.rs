@@ -103,6 +103,7 @@ pub fn template_key(image: &MicroVmImage, vmm: &Path) -> String {
         "vcpus": image.vcpus,
         "mem_mib": image.mem_mib,
         "cmdline": image.cmdline,
+        "network_device": image.network_device,
     });
     super::create::fnv1a_hex(&inputs.to_string())
 }
@@ -119,6 +120,7 @@ pub fn template_family(image: &MicroVmImage, vmm: &Path) -> String {
         "vcpus": image.vcpus,
         "mem_mib": image.mem_mib,
         "cmdline": image.cmdline,
+        "network_device": image.network_device,
     });
     super::create::fnv1a_hex(&inputs.to_string())
 }
@@ -307,6 +309,7 @@ mod tests {
             vcpus: 1,
             mem_mib: 256,
             cmdline: "console=ttyS0".into(),
+            network_device: false,
         };
         let vmm = file("dsec-vmm", b"v");
         let key = template_key(&image, &vmm);
@@ -322,6 +325,10 @@ mod tests {
             },
             MicroVmImage {
                 cmdline: "console=ttyS0 x".into(),
+                ..image.clone()
+            },
+            MicroVmImage {
+                network_device: true,
                 ..image.clone()
             },
             MicroVmImage {
@@ -376,6 +383,7 @@ mod tests {
             vcpus: 1,
             mem_mib: 256,
             cmdline: "console=ttyS0".into(),
+            network_device: false,
         };
         let vmm = base.join("dsec-vmm");
         let (family, key) = (template_family(&image, &vmm), template_key(&image, &vmm));

@@ -82,14 +82,15 @@ impl Network {
         Ok(())
     }
 
-    /// The shell command that gives the guest its address, route and resolver.
-    pub fn guest_setup(&self, addr: Ipv4Addr) -> String {
-        format!(
-            "ip link set lo up; ip link set eth0 up && ip addr add {addr}/{len} dev eth0 && \
-             ip route add default via {gw} && echo 'nameserver {gw}' > /etc/resolv.conf",
-            len = self.pool.1,
-            gw = self.gateway
-        )
+    /// The guest's address, default route and resolver (the agent sets them up in its
+    /// refresh; the guest kernel has no `ip=` autoconfiguration).
+    pub fn guest_ipv4(&self, addr: Ipv4Addr) -> crate::client::GuestIpv4 {
+        crate::client::GuestIpv4 {
+            address: addr,
+            prefix_len: self.pool.1,
+            gateway: self.gateway,
+            nameserver: self.gateway,
+        }
     }
 }
 
@@ -126,8 +127,8 @@ pub(super) fn remove_netns(path: &Path) {
     let _ = std::fs::remove_file(path);
 }
 
-/// The microVM backend's hook before a boot: a tap for every booted microVM on a node with
-/// a network (template snapshots have no network device, so restored ones get none).
+/// The microVM backend's hook before a boot or restore: a tap for every microVM on a node
+/// with a network whose guest has (or, restored, whose snapshot has) a network device.
 pub async fn prepare_microvm(
     config: &crate::backend::EdgeConfig,
     sandbox_dir: &Path,
@@ -149,7 +150,9 @@ pub async fn prepare_microvm(
     Ok(Some(plan))
 }
 
-/// The hook once the microVM's agent answers: its tap onto the bridge, its `eth0` set up.
+/// The hook once the microVM's agent answers: its tap onto the bridge, its `eth0` given the
+/// sandbox's address, route and resolver through the agent's refresh (a restored guest's
+/// MAC was set by the refresh that woke it).
 pub async fn attach_microvm(
     config: &crate::backend::EdgeConfig,
     plan: &TapPlan,
@@ -162,16 +165,65 @@ pub async fn attach_microvm(
     tokio::task::spawn_blocking(move || net.attach_tap(&moved))
         .await
         .map_err(|e| NetError::Setup(format!("network setup task failed: {e}")))??;
-    let mut setup =
-        crate::client::ExecSpec::new(["/bin/sh", "-c", &network.guest_setup(plan.addr)]);
-    setup.timeout = Some(std::time::Duration::from_secs(10));
-    let done = agent.exec_collect(&setup, None).await?;
-    if done.outcome.code != Some(0) {
-        return Err(NetError::Setup(format!(
-            "the guest could not configure eth0: {}",
-            String::from_utf8_lossy(&done.stderr).trim()
-        ))
-        .into());
+    let identity = crate::client::GuestIdentity {
+        ipv4: Some(network.guest_ipv4(plan.addr)),
+        ..Default::default()
+    };
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        agent.refresh(Vec::new(), identity),
+    )
+    .await
+    {
+        Ok(done) => done.map(|_| ()).map_err(|e| {
+            NetError::Setup(format!("the guest could not configure its interface: {e}")).into()
+        }),
+        Err(_) => Err(NetError::Setup(
+            "the guest did not configure its interface within 10 s".into(),
+        )
+        .into()),
     }
-    Ok(())
+}
+
+/// The network device override of a restore: the snapshot's device on the sandbox's tap,
+/// with its MAC (the agent's refresh gives the guest the same one).
+pub fn restore_override(plan: &TapPlan) -> dsec_vmm_api::config::NetConfig {
+    dsec_vmm_api::config::NetConfig {
+        tap: plan.tap.clone(),
+        mac: Some(plan.mac.clone()),
+    }
+}
+
+/// A file in a snapshot directory saying its VM has a network device (the VMM refuses a
+/// net override for a snapshot without one).
+const SNAPSHOT_NET_MARKER: &str = "dsec-net-device";
+
+/// The network device a template is built with: a tap of its own in the jailed VMM's
+/// private namespace, never attached (the snapshot only needs the device).
+pub fn template_net_device() -> dsec_vmm_api::config::NetConfig {
+    dsec_vmm_api::config::NetConfig {
+        tap: format!("{TAP_PREFIX}template"),
+        mac: None,
+    }
+}
+
+/// Records in `snapshot` (a directory) that its VM has a network device.
+pub fn mark_snapshot_net_device(snapshot: &Path) -> crate::error::Result<()> {
+    let marker = snapshot.join(SNAPSHOT_NET_MARKER);
+    std::fs::write(&marker, b"")
+        .map_err(|e| crate::error::EdgeError::io(format!("write {}", marker.display()), e))
+}
+
+/// The microVM backend's hook before a restore: a tap (address, rules, namespace) when
+/// the snapshot has a network device and the node a network.
+pub async fn prepare_restore(
+    config: &crate::backend::EdgeConfig,
+    sandbox_dir: &Path,
+    snapshot: &Path,
+    spec: &crate::backend::SandboxSpec,
+) -> crate::error::Result<Option<TapPlan>> {
+    if !snapshot.join(SNAPSHOT_NET_MARKER).is_file() {
+        return Ok(None);
+    }
+    prepare_microvm(config, sandbox_dir, &spec.network_policy).await
 }

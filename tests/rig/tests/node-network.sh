@@ -4,8 +4,9 @@
 # namespace of L1's own ("web", 192.168.77.2, HTTP on 8080 and 9090); the daemon with
 # `--net-bridge dsec0`. A booted microVM gets a tap on the bridge and reaches nothing; with a
 # policy, the test host by port only; never the node's API or HTTP entry point, even with
-# --internet; a guest that takes another sandbox's address sends nothing; taps, namespaces
-# and rules are gone after delete, and ip_forward is put back when the daemon stops.
+# --internet; a guest that takes another sandbox's address sends nothing; two template
+# creates get their own tap, address, MAC, route and resolver, and their policy; taps,
+# namespaces and rules are gone after delete, and ip_forward is put back when the daemon stops.
 # Expects in L1: /bin/dsec, /bin/dsec-vmm, iproute2 at /usr/sbin/ip, nft and conntrack in
 # /usr/sbin, DSEC_HOME=/dsec holding kernel/vmlinux and images/busybox/initramfs.cpio.
 # Prints PASS/FAIL per check and "N passed, N failed"; exit status = failures.
@@ -91,7 +92,38 @@ timeout 60 dsec exec $b -- sh -c "ip addr flush dev eth0; ip addr add $aa/24 dev
 after=$(syns)
 [ "$after" = "$before" ] && ok spoofed-source-dropped || bad spoofed-source-dropped "the test host got $((after - before)) SYNs from $b posing as $a"
 
-for s in $a $b; do timeout $T dsec rm $s >/dev/null 2>&1; done
+# Template creates: the template is built with a network device; each restore gets a tap,
+# MAC, address, route and resolver of its own through the agent's refresh, and its policy.
+c=$(timeout $T dsec create --backend microvm --mem 128 --allow tcp:192.168.77.2:8080 2>/tmp/create.err)
+d=$(timeout $T dsec create --backend microvm --mem 128 --allow tcp:192.168.77.2:8080 2>/tmp/create.err)
+# The log's fields are coloured: escapes between a name and its value.
+restored=$(tr -d '\033' </tmp/node.log | sed 's/\[[0-9;]*m//g' | grep 'restored from the template snapshot' | grep -c -e "sandbox=$c" -e "sandbox=$d")
+[ -n "$c" ] && [ -n "$d" ] && [ "$restored" = 2 ] && ok template-creates \
+    || bad template-creates "c='$c' d='$d', $restored restored: $(cat /tmp/create.err; grep -i -e template -e warn /tmp/node.log | tail -5)"
+ac=$(addr_of $c); ad=$(addr_of $d)
+mac_of() { timeout 60 dsec exec $1 -- cat /sys/class/net/eth0/address; }
+mc=$(mac_of $c); md=$(mac_of $d)
+# The MAC the node derives from the address (06:00 and the address's bytes).
+mac_for() { echo "$1" | awk -F. '{printf "06:00:%02x:%02x:%02x:%02x", $1, $2, $3, $4}'; }
+case $ac$ad in 10.77.0.*10.77.0.*) [ "$ac" != "$ad" ] && [ "$mc" != "$md" ] && [ "$mc" = "$(mac_for $ac)" ] \
+    && [ "$md" = "$(mac_for $ad)" ] && ok template-own-address-and-mac \
+    || bad template-own-address-and-mac "$c: $ac $mc, $d: $ad $md";;
+    *) bad template-own-address-and-mac "$c: '$ac', $d: '$ad'; $(tail -5 /tmp/node.log)";; esac
+resolvers=$(for s in $c $d; do timeout 60 dsec exec $s -- cat /etc/resolv.conf; done | sort -u)
+routes=$(for s in $c $d; do timeout 60 dsec exec $s -- ip route; done | awk '$1 == "default" {print $3}' | sort -u)
+[ "$resolvers" = "nameserver $gw" ] && [ "$routes" = "$gw" ] && ok template-route-and-resolver \
+    || bad template-route-and-resolver "resolv.conf '$resolvers', default via '$routes'"
+for s in $c $d; do
+    [ "$(reach $s '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $s '192.168.77.2 9090')" ] \
+        && ok "template-policy-$s" || bad "template-policy-$s" "8080 '$(reach $s '192.168.77.2 8080')', 9090 '$(reach $s '192.168.77.2 9090')'"
+done
+taps=$(ls /sys/class/net | grep -c '^dst')
+[ "$taps" = 4 ] && ok template-taps-on-bridge || bad template-taps-on-bridge "$taps taps: $(ls /sys/class/net)"
+# Which way the rules went: libnftables in the daemon, or the nft program per change.
+if grep -q 'rules through libnftables' /tmp/node.log; then echo "  rules through libnftables"
+else echo "  rules through the nft program (libnftables not found)"; fi
+
+for s in $a $b $c $d; do timeout $T dsec rm $s >/dev/null 2>&1; done
 i=0
 while [ "$(ls /sys/class/net | grep -c '^dst')" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 taps=$(ls /sys/class/net | grep -c '^dst')

@@ -436,7 +436,13 @@ pub async fn restore_microvm(
     memory: MemoryRestore,
 ) -> Result<Sandbox> {
     let options = spawn_options(config, spec)?;
-    if upper.is_none() && spec.root_disk.is_none() && spec.network_policy.is_empty() {
+    // A snapshot with a network device needs its tap in the VMM's own namespace, which a
+    // pooled VMM (started before the sandbox existed) does not have.
+    if upper.is_none()
+        && spec.root_disk.is_none()
+        && spec.network_policy.is_empty()
+        && !crate::net::snapshot_has_net_device(snapshot)
+    {
         if let Some(pooled) = config.vmm_pool.as_ref().and_then(|pool| {
             pool.take(Shape {
                 mem_mib: u64::from(spec.mem_mib),

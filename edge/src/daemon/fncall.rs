@@ -82,6 +82,24 @@ pub fn release_links(edge: &EdgeConfig) {
     if edge.network.is_none() {
         return;
     }
+    release_recorded(edge);
+}
+
+/// Frees every networked worker's link at a clean stop and refuses links after it, so a
+/// pool refilling while the daemon stops cannot leave an address behind. Blocking.
+pub fn release_links_at_stop(edge: &EdgeConfig) {
+    if edge.network.is_none() {
+        return;
+    }
+    let mut stopped = LINKS_STOPPED.lock().unwrap_or_else(|e| e.into_inner());
+    *stopped = true;
+    release_recorded(edge);
+}
+
+/// Set at a clean stop; held while a link is made, so no link is made after the release.
+static LINKS_STOPPED: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+
+fn release_recorded(edge: &EdgeConfig) {
     for entry in std::fs::read_dir(links_dir(edge))
         .into_iter()
         .flatten()
@@ -129,6 +147,10 @@ impl CallNetwork for WorkerNetwork {
 
     fn attach(&self, pid: u32) -> dsec_fncall::Result<Arc<dyn CallLink>> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
+        let stopped = LINKS_STOPPED.lock().unwrap_or_else(|e| e.into_inner());
+        if *stopped {
+            return Err(FnCallError::CallNetwork("the node is stopping".into()));
+        }
         let dir = self.dir.join(format!(
             "w{}-{}",
             std::process::id(),

@@ -311,7 +311,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     node.images.stop_unused(&in_use).await;
     // FnCall workers die with the daemon: their links on the sandbox network go now.
     let edge = node.edge.clone();
-    let _ = tokio::task::spawn_blocking(move || fncall::release_links(&edge)).await;
+    let _ = tokio::task::spawn_blocking(move || fncall::release_links_at_stop(&edge)).await;
     // The bridge and table go with the last sandbox; running ones keep their network for
     // the next daemon.
     if let Some(net) = node.edge.network.clone() {

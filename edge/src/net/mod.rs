@@ -31,7 +31,7 @@ use std::time::Instant;
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
 pub use tap::{
     attach_microvm, mark_snapshot_net_device, prepare_microvm, prepare_restore, restore_override,
-    template_net_device, TapPlan,
+    snapshot_has_net_device, template_net_device, TapPlan,
 };
 
 /// File in the sandbox directory naming its address, table and pool slot.

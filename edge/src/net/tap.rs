@@ -214,6 +214,11 @@ pub fn mark_snapshot_net_device(snapshot: &Path) -> crate::error::Result<()> {
         .map_err(|e| crate::error::EdgeError::io(format!("write {}", marker.display()), e))
 }
 
+/// Whether `snapshot`'s VM has a network device (its restore needs a tap of its own).
+pub fn snapshot_has_net_device(snapshot: &Path) -> bool {
+    snapshot.join(SNAPSHOT_NET_MARKER).is_file()
+}
+
 /// The microVM backend's hook before a restore: a tap (address, rules, namespace) when
 /// the snapshot has a network device and the node a network.
 pub async fn prepare_restore(
@@ -222,7 +227,7 @@ pub async fn prepare_restore(
     snapshot: &Path,
     spec: &crate::backend::SandboxSpec,
 ) -> crate::error::Result<Option<TapPlan>> {
-    if !snapshot.join(SNAPSHOT_NET_MARKER).is_file() {
+    if !snapshot_has_net_device(snapshot) {
         return Ok(None);
     }
     prepare_microvm(config, sandbox_dir, &spec.network_policy).await

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use dsec_fncall::vm::{ByImageKind, VmFactory, VmSettings};
+use dsec_fncall::vm::{ByImageKind, VmFactory, VmJail, VmSettings};
 use dsec_fncall::{CallLimits, ContainerFactory, Engine, EngineConfig, Language};
 
 use crate::backend::EdgeConfig;
@@ -13,19 +13,34 @@ use crate::paths::Artifacts;
 
 static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 
-/// The node's engine, made on first use.
+/// The node's engine, made on first use (by [`start`]).
 pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
+    engine_with(edge, dsec_fncall::vm::DEFAULT_VM_POOL_SIZE)
+}
+
+fn engine_with(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
     ENGINE
         .get_or_init(|| {
-            let factory = factory(&edge.artifacts, &edge.state_dir.with_file_name("fncall-vm"));
+            let jail = edge.jail.as_ref().map(|j| VmJail {
+                uid: j.uid,
+                gid: j.gid,
+            });
+            let run_dir = edge.state_dir.with_file_name("fncall-vm");
+            let factory = factory(&edge.artifacts, &run_dir, jail, vm_pool_size);
             Arc::new(Engine::new(EngineConfig::default(), Arc::new(factory)))
         })
         .clone()
 }
 
 /// The node's workers: container workers, and VM workers for images built by
-/// images/fncall-vm (templates and per-call sockets under `vm_run_dir`).
-pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
+/// images/fncall-vm (templates and per-call sockets under `vm_run_dir`), their VMMs jailed
+/// as `jail` says (the node's microVM jail's uid), `vm_pool_size` prewarmed VMMs per VM pool.
+pub fn factory(
+    artifacts: &Artifacts,
+    vm_run_dir: &Path,
+    jail: Option<VmJail>,
+    vm_pool_size: usize,
+) -> ByImageKind {
     let images = artifacts.home.join("images");
     let container = ContainerFactory::new(images.clone(), CallLimits::default());
     let vm = VmFactory::new(
@@ -35,6 +50,8 @@ pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
             vmm: crate::find_binary("dsec-vmm").unwrap_or_else(|| "dsec-vmm".into()),
             run_dir: vm_run_dir.to_path_buf(),
             mem_mib: 512,
+            pool_size: vm_pool_size,
+            jail,
             unsupported: crate::kvm::KvmStatus::detect().why_not_microvm(),
         },
         CallLimits::default(),
@@ -48,8 +65,8 @@ pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
 
 /// Makes the engine and warms the python pool in the background when the FnCall image is
 /// installed (a node without it serves every call with an error naming the build command).
-pub fn start(edge: &EdgeConfig) -> Arc<Engine> {
-    let engine = engine(edge);
+pub fn start(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
+    let engine = engine_with(edge, vm_pool_size);
     let warm = Arc::clone(&engine);
     tokio::spawn(async move {
         if let Err(err) = warm.prewarm(&[Language::Python]).await {

@@ -10,18 +10,27 @@ use dsec_edge::kvm::KvmStatus;
 use dsec_edge::Artifacts;
 use dsec_fncall::{CallRequest, Engine, EngineConfig, FnCallError, Language};
 
-#[tokio::test]
-async fn vm_calls_are_refused_where_linux_guests_cannot_run() {
+/// The host's KVM status and a DSEC_HOME holding a VM image (an empty initramfs: it never
+/// boots), or None (skipped) on a host that runs Linux guests.
+fn home_with_a_vm_image() -> Option<(KvmStatus, tempfile::TempDir)> {
     let kvm = KvmStatus::detect();
     if kvm.can_run_linux_guest() {
         eprintln!("skipped: this host runs Linux guests; the rig suite fncall-vm covers it");
-        return;
+        return None;
     }
     let home = tempfile::tempdir().unwrap();
     let image = home.path().join("images/fncall-vm");
     std::fs::create_dir_all(&image).unwrap();
     std::fs::write(image.join("initramfs.cpio"), b"").unwrap();
     std::fs::write(image.join(dsec_fncall::vm::VM_IMAGE_MARKER), b"").unwrap();
+    Some((kvm, home))
+}
+
+#[tokio::test]
+async fn vm_calls_are_refused_where_linux_guests_cannot_run() {
+    let Some((kvm, home)) = home_with_a_vm_image() else {
+        return;
+    };
     let run_dir = home.path().join("run");
     let engine = Engine::new(
         EngineConfig::default(),
@@ -55,16 +64,9 @@ async fn vm_calls_are_refused_where_linux_guests_cannot_run() {
 #[tokio::test]
 async fn sandboxfusion_calls_naming_a_vm_image_are_refused_where_linux_guests_cannot_run() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let kvm = KvmStatus::detect();
-    if kvm.can_run_linux_guest() {
-        eprintln!("skipped: this host runs Linux guests; the rig suite fncall-vm covers it");
+    let Some((kvm, home)) = home_with_a_vm_image() else {
         return;
-    }
-    let home = tempfile::tempdir().unwrap();
-    let image = home.path().join("images/fncall-vm");
-    std::fs::create_dir_all(&image).unwrap();
-    std::fs::write(image.join("initramfs.cpio"), b"").unwrap();
-    std::fs::write(image.join(dsec_fncall::vm::VM_IMAGE_MARKER), b"").unwrap();
+    };
     let engine = Arc::new(Engine::new(
         EngineConfig::default(),
         Arc::new(factory(

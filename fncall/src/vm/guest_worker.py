@@ -82,7 +82,8 @@ def load_zygote(boot):
     pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     args = boot["args"]
     sys.argv = ["zygote.py", args["language"], str(args["max_request"]), str(pid_ns),
-                args["seccomp_hex"], str(args["work_kib"]), str(args["work_inodes"])]
+                args["seccomp_hex"], str(args["work_kib"]), str(args["work_inodes"]),
+                str(args["call_uid"])]
     namespace = {"__name__": "zygote", "__builtins__": __builtins__}
     exec(compile(tree, "zygote.py", "exec"), namespace)
     return namespace

@@ -44,6 +44,10 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 const PREWARM_TIMEOUT: Duration = Duration::from_secs(60);
 /// What the guest worker prints on the console once it waits for the call's connection.
 const WARM_LINE: &str = "dsec-fnworker warm";
+/// The uid calls run as inside a worker VM (the zygote's argv and every request name it: the
+/// python stage is dropped to it before its call arrives); one for all, since the VM is the
+/// call's own.
+const GUEST_CALL_UID: u32 = 1000;
 
 /// Where a node's VM workers come from.
 #[derive(Clone, Debug)]
@@ -206,6 +210,7 @@ impl VmFactory {
                 "seccomp_hex": self.seccomp_hex,
                 "work_kib": self.limits.work_kib,
                 "work_inodes": self.limits.inodes,
+                "call_uid": GUEST_CALL_UID,
             },
         });
         let warm = async {
@@ -387,7 +392,7 @@ impl WorkerFactory for VmFactory {
             template,
             // Guest CIDs 0-2 are reserved; each restored copy gets its own.
             cid: 3 + n % (u64::from(u32::MAX) - 3),
-            uid: container::call_uid(container::DEFAULT_UID_BASE, std::process::id(), n),
+            uid: GUEST_CALL_UID,
             limits: self.limits.clone(),
         };
         // The shell is ready once its control socket appears (it takes `restore` first).

@@ -202,17 +202,7 @@ impl VmFactory {
                 }
             }
         };
-        let boot = serde_json::json!({
-            "zygote": container::ZYGOTE,
-            "args": {
-                "language": key.language.as_str(),
-                "max_request": container::MAX_REQUEST_FRAME,
-                "seccomp_hex": self.seccomp_hex,
-                "work_kib": self.limits.work_kib,
-                "work_inodes": self.limits.inodes,
-                "call_uid": GUEST_CALL_UID,
-            },
-        });
+        let boot = boot_frame(key.language, &self.seccomp_hex, &self.limits);
         let warm = async {
             channel::send(&mut stream, boot.to_string().as_bytes()).await?;
             channel::receive(&mut stream, 16).await
@@ -309,6 +299,25 @@ impl VmFactory {
             .spawn()
             .map_err(|e| format!("start {}: {e}", self.settings.vmm.display()))
     }
+}
+
+/// What the template's guest worker gets: the zygote's source and its argv.
+fn boot_frame(
+    language: crate::request::Language,
+    seccomp_hex: &str,
+    limits: &CallLimits,
+) -> serde_json::Value {
+    serde_json::json!({
+        "zygote": container::ZYGOTE,
+        "args": {
+            "language": language.as_str(),
+            "max_request": container::MAX_REQUEST_FRAME,
+            "seccomp_hex": seccomp_hex,
+            "work_kib": limits.work_kib,
+            "work_inodes": limits.inodes,
+            "call_uid": GUEST_CALL_UID,
+        },
+    })
 }
 
 /// Removes the directories of engines that are gone (their VMMs died with them: kill_on_drop
@@ -643,5 +652,46 @@ mod tests {
         let err = check_memory(513, 512).unwrap_err();
         assert!(matches!(err, FnCallError::InvalidRequest(_)), "{err}");
         assert!(err.to_string().contains("512 MiB"), "{err}");
+    }
+
+    /// The guest worker's `load_zygote` (on the host's python3) takes this zygote with the
+    /// boot frame a template gets: the two files' argv contract holds.
+    #[test]
+    fn the_guest_worker_loads_this_zygote() {
+        use std::io::Write;
+        let worker = include_str!("guest_worker.py");
+        let body = worker
+            .trim_end()
+            .strip_suffix("main()")
+            .expect("guest_worker.py ends with main()");
+        let script = format!(
+            "{body}\nz = load_zygote(json.loads(sys.stdin.read()))\n\
+             print(callable(z['main']), z['CALL_UID'], z['LANG'])\n"
+        );
+        let boot = boot_frame(
+            crate::request::Language::Python,
+            "00",
+            &CallLimits::default(),
+        );
+        let mut python = std::process::Command::new("python3")
+            .args(["-I", "-c", &script, "1100"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("python3 runs (the FnCall tests need it)");
+        python
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(boot.to_string().as_bytes())
+            .unwrap();
+        let out = python.wait_with_output().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("True {GUEST_CALL_UID} python"),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

@@ -86,6 +86,14 @@ fn local_engine(python_workers: usize) -> Arc<Engine> {
     let factory = dsec_edge::daemon::fncall::factory(
         &artifacts,
         &std::env::temp_dir().join("dsec-fncall-vm"),
+        // Jailed as the node jails them (the local engine runs as root).
+        nix::unistd::geteuid()
+            .is_root()
+            .then_some(dsec_fncall::vm::VmJail {
+                uid: dsec_edge::backend::JAIL_UID,
+                gid: dsec_edge::backend::JAIL_GID,
+            }),
+        dsec_fncall::vm::DEFAULT_VM_POOL_SIZE,
     );
     let mut config = EngineConfig::default();
     config

@@ -122,6 +122,8 @@ impl Engine {
         let first = self.factory.spawn(&key).await?;
         let size = if key.network {
             1
+        } else if let Some(size) = self.factory.pool_size(&key) {
+            size
         } else {
             self.config
                 .pool_sizes
@@ -156,13 +158,13 @@ impl Engine {
             self.factory.check_network(image, rules)?;
         }
         let started = Instant::now();
-        let pool = self
-            .pool(PoolKey {
-                image: image.to_string(),
-                language: call.language,
-                network: call.network.is_some(),
-            })
-            .await?;
+        let key = PoolKey {
+            image: image.to_string(),
+            language: call.language,
+            network: call.network.is_some(),
+        };
+        self.factory.admit(&key, call)?;
+        let pool = self.pool(key).await?;
         let permit = tokio::time::timeout(self.config.queue_timeout, pool.ready.acquire())
             .await
             .map_err(|_| FnCallError::Busy(call.language.as_str()))?

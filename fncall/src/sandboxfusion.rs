@@ -26,8 +26,8 @@ use crate::request::{CallRequest, CallResult, Language, StageResult, StageStatus
 /// Largest request body accepted (base64 files included).
 const MAX_BODY: usize = crate::request::MAX_INPUT_BYTES * 3 / 2;
 
-/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB`, `network` and `network_policy`
-/// (ours).
+/// SandboxFusion's `RunCodeRequest`, plus `memory_limit_MB`, `network`, `network_policy` and
+/// `image` (ours; SandboxFusion's own client never sends them and ignores what it does not know).
 #[derive(Debug, Deserialize)]
 pub struct RunCodeRequest {
     pub code: String,
@@ -51,6 +51,10 @@ pub struct RunCodeRequest {
     /// `{"allow_internet": bool, "allow": [RULE|NAME...], "deny": [...]}`.
     #[serde(default)]
     pub network_policy: Option<NetworkRules>,
+    /// The FnCall image to run in (as `Fn.Run`'s `image`): a VM image such as `fncall-vm`
+    /// runs the call in a microVM of its own. None: the engine's default image.
+    #[serde(default)]
+    pub image: Option<String>,
 }
 
 fn ten() -> f64 {
@@ -178,11 +182,12 @@ pub fn response(result: Result<CallResult, FnCallError>) -> RunCodeResponse {
 pub async fn run_code(engine: &Engine, body: &[u8]) -> RunCodeResponse {
     let parsed: Result<RunCodeRequest, _> = serde_json::from_slice(body);
     let call = match parsed {
-        Ok(request) => request.to_call(),
+        Ok(request) => request.to_call().map(|call| (request.image, call)),
         Err(e) => Err(FnCallError::InvalidRequest(format!("request body: {e}"))),
     };
     match call {
-        Ok(call) => response(engine.run(&call).await),
+        Ok((Some(image), call)) => response(engine.run_in(&image, &call).await),
+        Ok((None, call)) => response(engine.run(&call).await),
         Err(err) => response(Err(err)),
     }
 }

@@ -42,6 +42,17 @@ pub trait Worker: Send {
 /// Makes workers for a pool, in the background of calls.
 #[async_trait]
 pub trait WorkerFactory: Send + Sync {
+    /// Workers kept in `key`'s pool when this factory sizes its pools itself (a VM worker is
+    /// a prewarmed VMM); None: the engine's size for the language.
+    fn pool_size(&self, _key: &PoolKey) -> Option<usize> {
+        None
+    }
+
+    /// Refuses a call this pool's workers cannot honour, before it takes a worker.
+    fn admit(&self, _key: &PoolKey, _call: &CallRequest) -> Result<()> {
+        Ok(())
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>>;
 
     /// Checks a networked call's rules (for a worker of `image`) before it waits for a

@@ -25,7 +25,8 @@
 #                   process, own entropy and clock), a full disk fails a pause cleanly
 #      fncall-vm:   `dsec fn run --image fncall-vm` through the daemon: python and bash calls
 #                   in microVMs restored per call (output, exit status, no /tmp file or VM
-#                   left, fresh entropy, a time limit), VM call vs cold microVM p50
+#                   left, fresh entropy, a time limit, the VMM jailed, memory_mib,
+#                   SandboxFusion /run_code with "image"), VM call vs cold microVM p50
 #  10. node-network: microVMs on a node with `--net-bridge` in an L1 whose kernel adds
 #                   tests/rig/l1-net.config-fragment (bridge, veth, nftables; built once by
 #                   l1-net-kernel.sh, guests keep the standard kernel): a tap per booted

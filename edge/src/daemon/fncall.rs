@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use dsec_fncall::vm::{ByImageKind, VmFactory, VmSettings};
+use dsec_fncall::vm::{ByImageKind, VmFactory, VmJail, VmSettings};
 use dsec_fncall::{
     CallLimits, CallLink, CallNetwork, ContainerFactory, Engine, EngineConfig, FnCallError,
     Language, NetworkRules,
@@ -19,9 +19,14 @@ use crate::paths::Artifacts;
 
 static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 
-/// The node's engine, made on first use. On a node with a sandbox network, networked calls
-/// run in workers on it; the links of a previous daemon's workers are freed first.
+/// The node's engine, made on first use (by [`start`]). On a node with a sandbox network,
+/// networked calls run in workers on it; the links of a previous daemon's workers are freed
+/// first.
 pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
+    engine_with(edge, dsec_fncall::vm::DEFAULT_VM_POOL_SIZE)
+}
+
+fn engine_with(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
     ENGINE
         .get_or_init(|| {
             let images = edge.artifacts.home.join("images");
@@ -34,21 +39,28 @@ pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
                     dir: links_dir(edge),
                 }));
             }
-            let factory = with_vm_workers(
-                &edge.artifacts,
-                &edge.state_dir.with_file_name("fncall-vm"),
-                container,
-            );
+            let jail = edge.jail.as_ref().map(|j| VmJail {
+                uid: j.uid,
+                gid: j.gid,
+            });
+            let run_dir = edge.state_dir.with_file_name("fncall-vm");
+            let factory = with_vm_workers(&edge.artifacts, &run_dir, container, jail, vm_pool_size);
             Arc::new(Engine::new(EngineConfig::default(), Arc::new(factory)))
         })
         .clone()
 }
 
 /// The node's workers: container workers, and VM workers for images built by
-/// images/fncall-vm (templates and per-call sockets under `vm_run_dir`).
-pub fn factory(artifacts: &Artifacts, vm_run_dir: &Path) -> ByImageKind {
+/// images/fncall-vm (templates and per-call sockets under `vm_run_dir`), their VMMs jailed
+/// as `jail` says (the node's microVM jail's uid), `vm_pool_size` prewarmed VMMs per VM pool.
+pub fn factory(
+    artifacts: &Artifacts,
+    vm_run_dir: &Path,
+    jail: Option<VmJail>,
+    vm_pool_size: usize,
+) -> ByImageKind {
     let container = ContainerFactory::new(artifacts.home.join("images"), CallLimits::default());
-    with_vm_workers(artifacts, vm_run_dir, container)
+    with_vm_workers(artifacts, vm_run_dir, container, jail, vm_pool_size)
 }
 
 /// `container` beside VM workers for images built by images/fncall-vm.
@@ -56,6 +68,8 @@ fn with_vm_workers(
     artifacts: &Artifacts,
     vm_run_dir: &Path,
     container: ContainerFactory,
+    jail: Option<VmJail>,
+    vm_pool_size: usize,
 ) -> ByImageKind {
     let images = artifacts.home.join("images");
     let vm = VmFactory::new(
@@ -65,6 +79,8 @@ fn with_vm_workers(
             vmm: crate::find_binary("dsec-vmm").unwrap_or_else(|| "dsec-vmm".into()),
             run_dir: vm_run_dir.to_path_buf(),
             mem_mib: 512,
+            pool_size: vm_pool_size,
+            jail,
             unsupported: crate::kvm::KvmStatus::detect().why_not_microvm(),
         },
         CallLimits::default(),
@@ -204,8 +220,8 @@ impl Drop for WorkerLink {
 
 /// Makes the engine and warms the python pool in the background when the FnCall image is
 /// installed (a node without it serves every call with an error naming the build command).
-pub fn start(edge: &EdgeConfig) -> Arc<Engine> {
-    let engine = engine(edge);
+pub fn start(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
+    let engine = engine_with(edge, vm_pool_size);
     let warm = Arc::clone(&engine);
     tokio::spawn(async move {
         if let Err(err) = warm.prewarm(&[Language::Python]).await {

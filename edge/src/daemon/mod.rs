@@ -103,6 +103,8 @@ pub struct DaemonConfig {
     pub jail_vmms: bool,
     /// Prewarmed VMMs kept per memory/vCPU shape for restores (jailed VMMs only); 0: none.
     pub vmm_pool: usize,
+    /// Prewarmed VMMs kept per FnCall VM pool (image, language).
+    pub fncall_vm_pool: usize,
     /// This node's name in a cluster: its sandbox ids become `sb-<name>-<12 of a-z2-7>`.
     pub node_name: Option<String>,
     /// Apiservers to register with (needs `node_name` and a TCP API to advertise).
@@ -144,6 +146,7 @@ impl Default for DaemonConfig {
             invocation: Vec::new(),
             jail_vmms: nix::unistd::geteuid().is_root(),
             vmm_pool: crate::backend::vmm_pool::DEFAULT_POOL_SIZE,
+            fncall_vm_pool: dsec_fncall::vm::DEFAULT_VM_POOL_SIZE,
             node_name: None,
             registration: None,
             network: None,
@@ -224,7 +227,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         }
     }
-    let fn_engine = fncall::start(&node.edge);
+    let fn_engine = fncall::start(&node.edge, config.fncall_vm_pool);
     let router = |mut builder: tonic::transport::Server, require_token: bool| {
         builder
             .add_service(dsec_fncall::grpc::server(fn_engine.clone()))
@@ -390,6 +393,10 @@ pub struct DaemonArgs {
     /// (jailed VMMs only; 0 turns the pool off).
     #[arg(long, value_name = "N", default_value_t = crate::backend::vmm_pool::DEFAULT_POOL_SIZE)]
     pub vmm_pool: usize,
+    /// Prewarmed VMMs kept per FnCall VM pool (image, language; 1-16): each holds a VM
+    /// shell and serves one call, so a small pool keeps refills from starving sandboxes.
+    #[arg(long, value_name = "N", default_value_t = dsec_fncall::vm::DEFAULT_VM_POOL_SIZE)]
+    pub fncall_vm_pool: usize,
     /// This node's name in a cluster (1-8 of a-z, 0-9, '-'): sandbox ids become
     /// `sb-<name>-<12 of a-z2-7>` and Create accepts ids the apiserver chose.
     #[arg(long, value_name = "NAME")]
@@ -452,6 +459,13 @@ impl DaemonArgs {
             )));
         }
         config.vmm_pool = self.vmm_pool;
+        if !(1..=16).contains(&self.fncall_vm_pool) {
+            return Err(EdgeError::InvalidSpec(format!(
+                "--fncall-vm-pool {}: 1 to 16 prewarmed VMMs per FnCall VM pool",
+                self.fncall_vm_pool
+            )));
+        }
+        config.fncall_vm_pool = self.fncall_vm_pool;
         if self.ready_timeout == 0 {
             return Err(EdgeError::InvalidSpec(
                 "--ready-timeout must be at least 1 second".into(),

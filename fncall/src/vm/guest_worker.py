@@ -7,7 +7,8 @@
 # snapshot while this process waits in accept().
 # Call (once per restored copy): the host connects and sends fresh entropy and its clock; the
 # kernel's random pool is reseeded (every copy starts from the same snapshot), the clock set,
-# the connection becomes fds 0 and 1 and the zygote's main loop runs: hello, one request,
+# the call's memory bounded by a cgroup of its own (memory.max; the zygote and every process
+# of the call in it; on failure an "X" frame says why and the call is not run), the connection becomes fds 0 and 1 and the zygote's main loop runs: hello, one request,
 # its result (frames as in zygote.py). The host then kills the VM.
 import os, sys, socket, struct, json, base64, ctypes, ast, fcntl, time
 
@@ -51,6 +52,25 @@ def set_clock(realtime_ns):
     libc.clock_settime(CLOCK_REALTIME, ctypes.byref(ts))
 
 
+def limit_memory(memory_mib):
+    """Moves this process (the zygote-to-be, so every process of the call) into a cgroup whose
+    memory.max is the call's limit; swap is off in the VM."""
+    root = "/sys/fs/cgroup"
+    if not os.path.exists(root + "/cgroup.controllers"):
+        os.makedirs(root, exist_ok=True)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mount(b"cgroup2", root.encode(), b"cgroup2", 0, None) != 0:
+            raise OSError(ctypes.get_errno(), "mount cgroup2 on " + root)
+    with open(root + "/cgroup.subtree_control", "w") as f:
+        f.write("+memory")
+    call = root + "/call"
+    os.makedirs(call, exist_ok=True)
+    with open(call + "/memory.max", "w") as f:
+        f.write(str(memory_mib << 20))
+    with open(call + "/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+
+
 def load_zygote(boot):
     """The zygote's module body without its final main() call: everything it preloads."""
     tree = ast.parse(boot["zygote"], "zygote.py")
@@ -62,7 +82,8 @@ def load_zygote(boot):
     pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     args = boot["args"]
     sys.argv = ["zygote.py", args["language"], str(args["max_request"]), str(pid_ns),
-                args["seccomp_hex"], str(args["work_kib"]), str(args["work_inodes"])]
+                args["seccomp_hex"], str(args["work_kib"]), str(args["work_inodes"]),
+                str(args["call_uid"])]
     namespace = {"__name__": "zygote", "__builtins__": __builtins__}
     exec(compile(tree, "zygote.py", "exec"), namespace)
     return namespace
@@ -95,6 +116,12 @@ def main():
             conn.close()
     reseed(base64.b64decode(call["entropy"]))
     set_clock(int(call["realtime_ns"]))
+    try:
+        limit_memory(int(call["memory_mib"]))
+    except (OSError, ValueError, KeyError) as e:
+        why = ("the call's memory limit: %s" % e).encode()[:4000]
+        conn.sendall(struct.pack(">I", 1 + len(why)) + b"X" + why)
+        sys.exit(1)
     os.dup2(conn.fileno(), 0)
     os.dup2(conn.fileno(), 1)
     conn.close()

@@ -24,7 +24,9 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use dsec_vmm_api::config::{SerialOutput, VmConfig, VsockConfig, DEFAULT_CMDLINE};
 use dsec_vmm_api::control::RestoreRequest;
-use dsec_vmm_api::launch::{LaunchMode, PrewarmLaunch, VmmLaunch};
+use dsec_vmm_api::launch::{
+    Exposure, JailLaunch, LaunchMode, PrewarmLaunch, SnapshotOverrides, VmmLaunch,
+};
 use dsec_vmm_api::ControlClient;
 use tokio::process::{Child, Command};
 
@@ -43,6 +45,10 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 const PREWARM_TIMEOUT: Duration = Duration::from_secs(60);
 /// What the guest worker prints on the console once it waits for the call's connection.
 const WARM_LINE: &str = "dsec-fnworker warm";
+/// The uid calls run as inside a worker VM (the zygote's argv and every request name it: the
+/// python stage is dropped to it before its call arrives); one for all, since the VM is the
+/// call's own.
+const GUEST_CALL_UID: u32 = 1000;
 
 /// Where a node's VM workers come from.
 #[derive(Clone, Debug)]
@@ -55,10 +61,30 @@ pub struct VmSettings {
     pub vmm: PathBuf,
     /// Templates and per-call sockets live under `<run_dir>/<pid>/`.
     pub run_dir: PathBuf,
+    /// Each worker VM's memory: a call may ask for at most this much (`memory_mib`, enforced
+    /// by a cgroup in the guest).
     pub mem_mib: u64,
+    /// Prewarmed VMMs kept per VM pool (each holds its VM shell's memory slots, and a call
+    /// uses one up): small, so refills do not starve the node's sandboxes.
+    pub pool_size: usize,
+    /// Jail the workers' VMMs (as the node jails its microVM sandboxes); None runs them
+    /// unjailed (a node started with `--no-jail`, or not as root).
+    pub jail: Option<VmJail>,
     /// Why this host cannot run a Linux guest, if it cannot (PVM, no /dev/kvm).
     pub unsupported: Option<String>,
 }
+
+/// How VM workers' VMMs are jailed: each in its own PID, mount, IPC, UTS and (empty) network
+/// namespaces, pivot_rooted into `<engine dir>/jails/<vm>` holding only its kernel, initrd,
+/// template snapshot and socket directory, as `uid`:`gid` once its VM is built, seccomp on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmJail {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Default VM pool size: one prewarmed VMM per (image, language).
+pub const DEFAULT_VM_POOL_SIZE: usize = 1;
 
 /// Whether `image` is a VM FnCall image under `images_dir`.
 pub fn is_vm_image(images_dir: &Path, image: &str) -> bool {
@@ -146,7 +172,7 @@ impl VmFactory {
             mode: LaunchMode::Boot(config),
             api_sock: Some(api.clone()),
             paused: false,
-            jail: None,
+            jail: self.jail(&dir, Vec::new()).map_err(&start_err)?,
             no_seccomp: false,
             metrics_json: None,
         };
@@ -177,16 +203,7 @@ impl VmFactory {
                 }
             }
         };
-        let boot = serde_json::json!({
-            "zygote": container::ZYGOTE,
-            "args": {
-                "language": key.language.as_str(),
-                "max_request": container::MAX_REQUEST_FRAME,
-                "seccomp_hex": self.seccomp_hex,
-                "work_kib": self.limits.work_kib,
-                "work_inodes": self.limits.inodes,
-            },
-        });
+        let boot = boot_frame(key.language, &self.seccomp_hex, &self.limits);
         let warm = async {
             channel::send(&mut stream, boot.to_string().as_bytes()).await?;
             channel::receive(&mut stream, 16).await
@@ -239,6 +256,7 @@ impl VmFactory {
             .await
             .is_err()
         {
+            kill_group(&vmm);
             let _ = vmm.start_kill();
             let _ = vmm.wait().await;
         }
@@ -250,6 +268,24 @@ impl VmFactory {
         Ok(Arc::new(Template { snapshot }))
     }
 
+    /// The jail of the VMM that works in `dir` (named after it), with `expose` visible besides
+    /// what its launch names; `dir` is handed to the jail's uid, which writes snapshots there.
+    fn jail(
+        &self,
+        dir: &Path,
+        expose: Vec<Exposure>,
+    ) -> std::result::Result<Option<JailLaunch>, String> {
+        let Some(jail) = self.settings.jail else {
+            return Ok(None);
+        };
+        std::os::unix::fs::chown(dir, Some(jail.uid), Some(jail.gid))
+            .map_err(|e| format!("chown {} to the jail uid {}: {e}", dir.display(), jail.uid))?;
+        let name = dir.file_name().unwrap_or_default();
+        let mut launch = JailLaunch::new(self.own_dir.join("jails").join(name), jail.uid, jail.gid);
+        launch.expose = expose;
+        Ok(Some(launch))
+    }
+
     fn start_vmm(&self, launch: &VmmLaunch, dir: &Path) -> std::result::Result<Child, String> {
         let log = std::fs::File::create(dir.join("vmm.log"))
             .map_err(|e| format!("create {}: {e}", dir.join("vmm.log").display()))?;
@@ -258,10 +294,31 @@ impl VmFactory {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
+            // Its own process group: a jailed VMM's forked child is killed with it.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("start {}: {e}", self.settings.vmm.display()))
     }
+}
+
+/// What the template's guest worker gets: the zygote's source and its argv.
+fn boot_frame(
+    language: crate::request::Language,
+    seccomp_hex: &str,
+    limits: &CallLimits,
+) -> serde_json::Value {
+    serde_json::json!({
+        "zygote": container::ZYGOTE,
+        "args": {
+            "language": language.as_str(),
+            "max_request": container::MAX_REQUEST_FRAME,
+            "seccomp_hex": seccomp_hex,
+            "work_kib": limits.work_kib,
+            "work_inodes": limits.inodes,
+            "call_uid": GUEST_CALL_UID,
+        },
+    })
 }
 
 /// Removes the directories of engines that are gone (their VMMs died with them: kill_on_drop
@@ -283,6 +340,14 @@ fn sweep_stale(run_dir: &Path) {
 
 #[async_trait]
 impl WorkerFactory for VmFactory {
+    fn pool_size(&self, _key: &PoolKey) -> Option<usize> {
+        Some(self.settings.pool_size.max(1))
+    }
+
+    fn admit(&self, _key: &PoolKey, call: &CallRequest) -> Result<()> {
+        check_memory(call.memory_mib, self.settings.mem_mib)
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         if let Some(reason) = &self.settings.unsupported {
             return Err(FnCallError::NoVmSupport(reason.clone()));
@@ -308,23 +373,36 @@ impl WorkerFactory for VmFactory {
             mode: LaunchMode::Prewarm(PrewarmLaunch {
                 mem_mib: self.settings.mem_mib,
                 vcpus: 1,
-                overrides: Default::default(),
+                // Its own console (the template's is outside its jail).
+                overrides: SnapshotOverrides {
+                    serial: Some(SerialOutput::File(dir.join("console.log"))),
+                    ..Default::default()
+                },
             }),
             api_sock: Some(api.clone()),
             paused: false,
-            jail: None,
+            jail: self
+                .jail(
+                    &dir,
+                    vec![Exposure {
+                        path: template.snapshot.clone(),
+                        writable: false,
+                    }],
+                )
+                .map_err(&start_err)?,
             no_seccomp: false,
             metrics_json: None,
         };
         let vmm = self.start_vmm(&launch, &dir).map_err(&start_err)?;
         let mut worker = VmWorker {
             vmm: Some(vmm),
+            jail_root: launch.jail.as_ref().map(|j| j.root.clone()),
             dir,
             api,
             template,
             // Guest CIDs 0-2 are reserved; each restored copy gets its own.
             cid: 3 + n % (u64::from(u32::MAX) - 3),
-            uid: container::call_uid(container::DEFAULT_UID_BASE, std::process::id(), n),
+            uid: GUEST_CALL_UID,
             limits: self.limits.clone(),
         };
         // The shell is ready once its control socket appears (it takes `restore` first).
@@ -349,10 +427,23 @@ impl WorkerFactory for VmFactory {
     }
 }
 
+/// A call may ask for at most the worker VM's memory.
+fn check_memory(memory_mib: u32, vm_mib: u64) -> Result<()> {
+    if u64::from(memory_mib) > vm_mib {
+        return Err(FnCallError::InvalidRequest(format!(
+            "memory limit {memory_mib} MiB is above the VM worker's {vm_mib} MiB of memory: \
+             ask for at most {vm_mib} MiB, or use a container image"
+        )));
+    }
+    Ok(())
+}
+
 /// A prewarmed VMM waiting for its one call.
 struct VmWorker {
     vmm: Option<Child>,
     dir: PathBuf,
+    /// The jailed VMM's root directory (left behind when its supervisor is killed).
+    jail_root: Option<PathBuf>,
     api: PathBuf,
     template: Arc<Template>,
     cid: u64,
@@ -364,10 +455,20 @@ impl VmWorker {
     /// Kills the VMM and waits for it: after this no process of the call is left.
     async fn kill(&mut self) {
         if let Some(mut vmm) = self.vmm.take() {
+            kill_group(&vmm);
             let _ = vmm.start_kill();
             let _ = vmm.wait().await;
         }
+        self.remove_dirs();
+    }
+
+    fn remove_dirs(&self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(root) = &self.jail_root {
+            // Its bind mounts live in the jail's own mount namespace: on the host it is only
+            // empty directories and files.
+            let _ = std::fs::remove_dir_all(root);
+        }
     }
 
     /// Restores the template into the prewarmed VMM and runs the call; the raw result frame,
@@ -375,6 +476,7 @@ impl VmWorker {
     async fn exchange(
         &mut self,
         request: &[u8],
+        memory_mib: u32,
     ) -> std::io::Result<std::result::Result<Vec<u8>, i32>> {
         let uds = self.dir.join("vsock.sock");
         let control = ControlClient::new(self.api.clone()).reply_timeout(Duration::from_secs(60));
@@ -406,10 +508,17 @@ impl VmWorker {
         let preamble = serde_json::json!({
             "entropy": base64::engine::general_purpose::STANDARD.encode(entropy),
             "realtime_ns": realtime_ns,
+            "memory_mib": memory_mib,
         });
         channel::send(&mut stream, preamble.to_string().as_bytes()).await?;
-        match channel::receive(&mut stream, 16).await? {
+        match channel::receive(&mut stream, 4096).await? {
             (b'H', _) => {}
+            (b'X', why) => {
+                return Err(protocol(format!(
+                    "the guest could not set {}",
+                    String::from_utf8_lossy(&why)
+                )))
+            }
             (kind, _) => {
                 return Err(protocol(format!(
                     "frame {:?} instead of hello",
@@ -435,10 +544,23 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
     std::fs::File::open("/dev/urandom")?.read_exact(buf)
 }
 
+/// SIGKILLs the VMM's process group: the VMM and, jailed, its forked child.
+fn kill_group(vmm: &Child) {
+    if let Some(pid) = vmm.id() {
+        // SAFETY: killpg with a plain pid and signal number; the group is the VMM's own
+        // (process_group(0) at spawn) and its pid is not reaped yet, so not reused.
+        unsafe { libc::killpg(pid as libc::pid_t, libc::SIGKILL) };
+    }
+}
+
 impl Drop for VmWorker {
     fn drop(&mut self) {
-        // kill_on_drop ends the VMM; its directory goes too.
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // kill_on_drop ends the VMM (its group here: a jailed VMM's child too); its
+        // directories go too.
+        if let Some(vmm) = &self.vmm {
+            kill_group(vmm);
+        }
+        self.remove_dirs();
     }
 }
 
@@ -447,7 +569,7 @@ impl Worker for VmWorker {
     async fn call(&mut self, call: &CallRequest) -> Result<Outcome> {
         let request = container::request_json(call, self.uid, &self.limits);
         let deadline = call.compile_timeout + call.run_timeout + container::GRACE;
-        let answer = tokio::time::timeout(deadline, self.exchange(&request)).await;
+        let answer = tokio::time::timeout(deadline, self.exchange(&request, call.memory_mib)).await;
         // Whatever happened, this VM served its one call.
         self.kill().await;
         let answer = match answer {
@@ -471,8 +593,7 @@ impl Worker for VmWorker {
                         exit_code: None,
                         signal: signal.or(Some(libc::SIGKILL)),
                         stdout: Vec::new(),
-                        stderr: b"killed: the call's init died (out of the VM's memory?)\n"
-                            .to_vec(),
+                        stderr: b"killed: the call's init died (over its memory limit?)\n".to_vec(),
                         stdout_truncated: false,
                         stderr_truncated: false,
                         duration: Duration::ZERO,
@@ -496,6 +617,16 @@ pub struct ByImageKind {
     pub vm: Arc<dyn WorkerFactory>,
 }
 
+impl ByImageKind {
+    fn factory(&self, key: &PoolKey) -> &dyn WorkerFactory {
+        if is_vm_image(&self.images_dir, &key.image) {
+            self.vm.as_ref()
+        } else {
+            self.container.as_ref()
+        }
+    }
+}
+
 #[async_trait]
 impl WorkerFactory for ByImageKind {
     fn check_network(&self, image: &str, rules: &NetworkRules) -> Result<()> {
@@ -506,11 +637,70 @@ impl WorkerFactory for ByImageKind {
         self.container.check_network(image, rules)
     }
 
+    fn pool_size(&self, key: &PoolKey) -> Option<usize> {
+        self.factory(key).pool_size(key)
+    }
+
+    fn admit(&self, key: &PoolKey, call: &CallRequest) -> Result<()> {
+        self.factory(key).admit(key, call)
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
-        if is_vm_image(&self.images_dir, &key.image) {
-            self.vm.spawn(key).await
-        } else {
-            self.container.spawn(key).await
-        }
+        self.factory(key).spawn(key).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_asking_for_more_memory_than_the_vm_are_refused() {
+        assert!(check_memory(512, 512).is_ok());
+        assert!(check_memory(16, 512).is_ok());
+        let err = check_memory(513, 512).unwrap_err();
+        assert!(matches!(err, FnCallError::InvalidRequest(_)), "{err}");
+        assert!(err.to_string().contains("512 MiB"), "{err}");
+    }
+
+    /// The guest worker's `load_zygote` (on the host's python3) takes this zygote with the
+    /// boot frame a template gets: the two files' argv contract holds.
+    #[test]
+    fn the_guest_worker_loads_this_zygote() {
+        use std::io::Write;
+        let worker = include_str!("guest_worker.py");
+        let body = worker
+            .trim_end()
+            .strip_suffix("main()")
+            .expect("guest_worker.py ends with main()");
+        let script = format!(
+            "{body}\nz = load_zygote(json.loads(sys.stdin.read()))\n\
+             print(callable(z['main']), z['CALL_UID'], z['LANG'])\n"
+        );
+        let boot = boot_frame(
+            crate::request::Language::Python,
+            "00",
+            &CallLimits::default(),
+        );
+        let mut python = std::process::Command::new("python3")
+            .args(["-I", "-c", &script, "1100"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("python3 runs (the FnCall tests need it)");
+        python
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(boot.to_string().as_bytes())
+            .unwrap();
+        let out = python.wait_with_output().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("True {GUEST_CALL_UID} python"),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }

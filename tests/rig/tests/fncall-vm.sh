@@ -3,7 +3,12 @@
 # `dsec fn run --image fncall-vm` (a microVM restored per call from the image's warm template).
 # - python and bash calls: right output and exit status;
 # - a file written to /tmp by call 1 is absent in call 2;
+# - a call's VMM is jailed like the node's microVMs: uid 65534, its own mount namespace and
+#   root (no /bin/dsec in it, /dev/kvm there), seccomp filters on;
 # - no dsec-vmm of a call is left after it (only the pool's prewarmed, not yet restored VMMs);
+# - SandboxFusion's POST /run_code with `"image": "fncall-vm"` runs the call in a worker VM;
+# - memory_mib: 200 MB in a 64 MiB call is killed, 100 MB in a 300 MiB call runs, 1024 MiB
+#   (above the VM's 512) is refused naming the VM's size;
 # - a call that never ends is killed at its time limit (exit 124) and its VM is gone;
 # - `dsec-perf fncall-vm`: VM call (restore -> result -> VM gone) beside a container call,
 #   `dsec run` (template restore) and a cold microVM (create --cold, exec, rm), a few samples
@@ -37,13 +42,20 @@ done
 now_ms() { read up _ </proc/uptime; echo $(( ${up%.*} * 1000 + 1${up#*.} * 10 - 1000 )); }
 # dsec-vmm processes running a restored worker VM: the template's memory file is mapped
 # (the pool's prewarmed VMMs, still empty, map nothing of it).
-restored_vmms() {
-    n=0
+restored_vmm_pids() {
     for d in /proc/[0-9]*; do
         [ "$(cat $d/comm 2>/dev/null)" = dsec-vmm ] || continue
-        grep -q 'fncall-vm/.*/snapshot' $d/maps 2>/dev/null && n=$((n + 1))
+        grep -q 'fncall-vm/.*/snapshot' $d/maps 2>/dev/null && echo ${d#/proc/}
     done
-    echo $n
+}
+restored_vmms() { restored_vmm_pids | wc -l | tr -d ' '; }
+# Why the VMM `$1` is not jailed (empty when it is).
+not_jailed() {
+    uid=$(awk '/^Uid:/ {print $2}' /proc/$1/status)
+    [ "$uid" = 65534 ] || echo "uid $uid"
+    [ "$(readlink /proc/$1/ns/mnt)" != "$(readlink /proc/self/ns/mnt)" ] || echo "host mount namespace"
+    [ ! -e /proc/$1/root/bin/dsec ] && [ -e /proc/$1/root/dev/kvm ] || echo "root is not its jail ($(ls /proc/$1/root/ | tr '\n' ' '))"
+    grep -qs '^Seccomp:[[:space:]]*2' /proc/$1/task/*/status || echo "no seccomp filter"
 }
 DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off \
     --cgroup-name dsec-rig --ready-timeout 120 >>/tmp/node.log 2>&1 &
@@ -72,16 +84,34 @@ a=$(fn --lang python -c 'import random; print(random.getrandbits(64))' 2>&1)
 b=$(fn --lang python -c 'import random; print(random.getrandbits(64))' 2>&1)
 [ -n "$a" ] && [ "$a" != "$b" ] && ok fresh-entropy || bad fresh-entropy "'$a' vs '$b'"
 
+# SandboxFusion's POST /run_code on the node's HTTP entry point picks the VM image with our
+# `image` field: the call's kernel command line is the worker VM's.
+sf=$(timeout $T wget -q -O - --header 'Content-Type: application/json' \
+    --post-data '{"code":"print(\"dsec.fnworker\" in open(\"/proc/cmdline\").read())","language":"python","image":"fncall-vm"}' \
+    http://127.0.0.1:7080/run_code 2>&1)
+echo "$sf" | grep -q '"status":"Success"' && echo "$sf" | grep -q '"stdout":"True\\n"' && ok sandboxfusion-vm || bad sandboxfusion-vm "$sf"
+
+# memory_mib: a cgroup in the guest bounds the call; above the VM's size it is refused.
+out=$(fn --lang python --mem 64 -c 'x = bytearray(200 << 20); print("allocated")' 2>/tmp/fn.err); rc=$?
+[ $rc = 137 ] && [ "$out" != allocated ] && ok memory-limit || bad memory-limit "rc $rc out '$out': $(cat /tmp/fn.err)"
+out=$(fn --lang python --mem 300 -c 'x = bytearray(100 << 20); print("allocated")' 2>/tmp/fn.err); rc=$?
+[ $rc = 0 ] && [ "$out" = allocated ] && ok memory-within-limit || bad memory-within-limit "rc $rc out '$out': $(cat /tmp/fn.err)"
+fn --lang python --mem 1024 -c 'print(1)' >/dev/null 2>/tmp/fn.err; rc=$?
+[ $rc != 0 ] && grep -q "above the VM worker's 512 MiB" /tmp/fn.err && ok memory-above-vm-refused || bad memory-above-vm-refused "rc $rc: $(cat /tmp/fn.err)"
+
 # The probe sees a call's VM while it runs (so its 0 after a call means something).
 fn --lang python --timeout 30 -c 'import time; time.sleep(15); print("slept")' >/tmp/slow.out 2>&1 &
 slow=$!
-seen=0; i=0
+seen=0; i=0; jail_problem="no VMM seen"
 while [ $i -lt 150 ] && [ $seen = 0 ]; do
-    [ "$(restored_vmms)" -ge 1 ] && seen=1
+    for pid in $(restored_vmm_pids); do
+        seen=1; jail_problem=$(not_jailed $pid)
+    done
     sleep 0.1; i=$((i + 1))
 done
 wait $slow
 [ $seen = 1 ] && grep -q slept /tmp/slow.out && ok vm-seen-during-call || bad vm-seen-during-call "seen $seen, out '$(cat /tmp/slow.out)'"
+[ -z "$jail_problem" ] && ok vm-jailed || bad vm-jailed "$jail_problem"
 [ "$(restored_vmms)" = 0 ] && ok vm-gone-after-slow-call || bad vm-gone-after-slow-call "$(restored_vmms) restored dsec-vmm left"
 
 # A call that never ends: killed at its limit, its VM gone.

@@ -39,6 +39,7 @@ use crate::iam::{Iam, IamCache, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
 use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
+use crate::revocation::NodeRevocations;
 use crate::store::{EmbeddedStore, EtcdStore, PutBatcher, Store, StoreError};
 use crate::watcher::Watcher;
 
@@ -103,6 +104,8 @@ pub struct Shared {
     pub registry: NodeRegistry,
     pub placer: Arc<Placer>,
     pub nodes: NodeChannels,
+    /// Revoked node certificates, followed by a watch.
+    pub revocations: NodeRevocations,
     pub config: ApiConfig,
     /// The project of each sandbox this replica has seen (sandboxes never change project).
     projects: auth::ProjectCache,
@@ -127,6 +130,7 @@ impl Shared {
             audit_writer: PutBatcher::new(store.clone()),
             registry: NodeRegistry::new(store.clone()),
             nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
+            revocations: NodeRevocations::start(store.clone()),
             placer,
             store,
             config,

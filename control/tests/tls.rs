@@ -181,6 +181,11 @@ async fn heartbeat(
 /// Node `name`'s channel to `addr` with a fresh certificate of the cluster CA in `dir/ca`.
 async fn node_channel(dir: &Path, addr: SocketAddr, name: &str, cert_dir: &str) -> Channel {
     pki::issue_node(&dir.join("ca"), &dir.join(cert_dir), name).unwrap();
+    channel_with(dir, addr, cert_dir).await
+}
+
+/// A node's channel to `addr` with the certificate in `dir/cert_dir`.
+async fn channel_with(dir: &Path, addr: SocketAddr, cert_dir: &str) -> Channel {
     let tls = TlsDir::new(dir.join(cert_dir));
     connect(addr, Some(tls.client("node", APISERVER_NAME).unwrap()))
         .await
@@ -249,7 +254,7 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
     // Both replicas refuse n1's certificate once their watch has the revocation.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     for addr in [first, second] {
-        let n1 = node_channel_again(dir.path(), addr).await;
+        let n1 = channel_with(dir.path(), addr, "n1").await;
         loop {
             match heartbeat(n1.clone(), "n1", n1_lease).await {
                 Err(status) if status.code() == tonic::Code::PermissionDenied => {
@@ -313,14 +318,6 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     }
-}
-
-/// n1's original certificate (in `dir/n1`) on a new channel to `addr`.
-async fn node_channel_again(dir: &Path, addr: SocketAddr) -> Channel {
-    let tls = TlsDir::new(dir.join("n1"));
-    connect(addr, Some(tls.client("node", APISERVER_NAME).unwrap()))
-        .await
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

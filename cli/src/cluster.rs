@@ -162,6 +162,17 @@ pub enum NodeCommand {
         #[arg(long)]
         undo: bool,
     },
+    /// Revoke the node's certificate (the one it registered with, else all of its
+    /// certificates): it can no longer register or heartbeat and its sandboxes become lost
+    /// (--undo lifts every revocation of the node).
+    Revoke {
+        name: String,
+        /// SHA-256 of the certificate's DER in hex, instead of the one it registered with.
+        #[arg(long, value_name = "HEX")]
+        fingerprint: Option<String>,
+        #[arg(long)]
+        undo: bool,
+    },
 }
 
 #[derive(Debug)]
@@ -256,6 +267,23 @@ fn node_json(n: &NodeSummary) -> serde_json::Value {
         "capacity": quota_json(&n.capacity), "allocated": quota_json(&n.allocated),
         "backends": n.backends, "labels": n.labels, "heartbeat_unix_ms": n.heartbeat_unix_ms,
     })
+}
+
+fn revoked_json(r: &RevokedNode) -> serde_json::Value {
+    serde_json::json!({
+        "name": r.name, "revoked": true, "all_certificates": r.all_certificates,
+        "fingerprints": r.fingerprints, "revoked_unix_ms": r.revoked_unix_ms,
+        "revoked_by": r.revoked_by,
+    })
+}
+
+fn revoked_text(r: &RevokedNode) -> String {
+    let which = if r.all_certificates {
+        "every certificate".to_string()
+    } else {
+        format!("certificates {}", r.fingerprints.join(", "))
+    };
+    format!("{:<8} revoked: {which} (by {})", r.name, r.revoked_by)
 }
 
 /// Runs one cluster command against the apiserver at `endpoint`.
@@ -452,8 +480,13 @@ pub async fn run(endpoint: &str, command: ClusterCommand, json: bool) -> Result<
         }
         ClusterCommand::Node(command) => {
             let mut c = admin(endpoint, credentials).await?;
+            let mut revoked = Vec::new();
             let nodes = match command {
-                NodeCommand::Ls => c.list_nodes(ListNodesRequest {}).await?.into_inner().nodes,
+                NodeCommand::Ls => {
+                    let listed = c.list_nodes(ListNodesRequest {}).await?.into_inner();
+                    revoked = listed.revoked;
+                    listed.nodes
+                }
                 NodeCommand::Cordon { name, undo } => {
                     vec![c
                         .cordon_node(NodeAdminRequest { name, undo })
@@ -466,7 +499,36 @@ pub async fn run(endpoint: &str, command: ClusterCommand, json: bool) -> Result<
                         .await?
                         .into_inner()]
                 }
+                NodeCommand::Revoke {
+                    name,
+                    fingerprint,
+                    undo,
+                } => {
+                    let revoked = c
+                        .revoke_node(RevokeNodeRequest {
+                            name,
+                            fingerprint: fingerprint.unwrap_or_default(),
+                            undo,
+                        })
+                        .await?
+                        .into_inner();
+                    if json {
+                        println!("{}", revoked_json(&revoked));
+                    } else if undo {
+                        println!("node {}: revocations lifted", revoked.name);
+                    } else {
+                        println!("{}", revoked_text(&revoked));
+                    }
+                    return Ok(0);
+                }
             };
+            for r in &revoked {
+                if json {
+                    println!("{}", revoked_json(r));
+                } else {
+                    println!("{}", revoked_text(r));
+                }
+            }
             for n in &nodes {
                 if json {
                     println!("{}", node_json(n));

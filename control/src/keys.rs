@@ -91,3 +91,10 @@ pub fn lost(sandbox: &str) -> String {
 }
 
 pub const LOST: &str = "/dsec/lost/";
+
+/// Revoked certificates of a node (outlives its lease).
+pub fn revoked_node(name: &str) -> String {
+    format!("/dsec/revoked-nodes/{name}")
+}
+
+pub const REVOKED_NODES: &str = "/dsec/revoked-nodes/";

@@ -9,6 +9,7 @@ pub mod pki;
 pub mod placement;
 pub mod quota;
 pub mod resources;
+pub mod revocation;
 pub mod sim;
 pub use dsec_api::sandbox_id;
 pub mod store;

@@ -52,6 +52,10 @@ pub struct NodeRecord {
     pub images: BTreeSet<String>,
     pub labels: BTreeMap<String, String>,
     pub heartbeat_ms: u64,
+    /// SHA-256 of the certificate the node called with (TLS clusters): what `dsec control
+    /// node revoke` refuses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_sha256: Option<String>,
 }
 
 /// What operators set on a node.
@@ -162,6 +166,33 @@ impl NodeRegistry {
     /// Leaves cleanly: the record goes at once.
     pub async fn deregister(&self, lease: LeaseId) -> Result<(), PlacementError> {
         Ok(self.store.revoke_lease(lease).await?)
+    }
+
+    /// Ends node `name`'s registration at once (its lease revoked, so its record goes and
+    /// the watchers treat it as a vanished node), if it registered with the certificate
+    /// `cert_sha256` (None: whatever it registered with). Returns the record it ended.
+    pub async fn evict(
+        &self,
+        name: &str,
+        cert_sha256: Option<&str>,
+    ) -> Result<Option<NodeRecord>, PlacementError> {
+        let Some(kv) = self.store.get(&keys::node(name)).await? else {
+            return Ok(None);
+        };
+        let record: NodeRecord = from_json(&kv)?;
+        if cert_sha256.is_some() && record.cert_sha256.as_deref() != cert_sha256 {
+            return Ok(None);
+        }
+        match kv.lease {
+            Some(lease) => match self.store.revoke_lease(lease).await {
+                Ok(()) | Err(StoreError::LeaseNotFound(_)) => {}
+                Err(e) => return Err(e.into()),
+            },
+            None => {
+                self.store.delete(&kv.key).await?;
+            }
+        }
+        Ok(Some(record))
     }
 
     pub async fn set_admin(&self, name: &str, admin: NodeAdmin) -> Result<(), PlacementError> {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
+use dsec_api::v1::network_labels_server::{NetworkLabels, NetworkLabelsServer};
 use dsec_api::v1::sandboxes_server::{Sandboxes, SandboxesServer};
 use dsec_api::v1::*;
 use tonic::transport::{Channel, Endpoint};
@@ -264,6 +265,39 @@ impl Sandboxes for SimApi {
     }
 }
 
+/// Label-wide policy changes: the policy is recorded on each matching sandbox (not checked).
+#[tonic::async_trait]
+impl NetworkLabels for SimApi {
+    async fn set_network_policy_by_labels(
+        &self,
+        request: Request<SetNetworkPolicyByLabelsRequest>,
+    ) -> Result<Response<SetNetworkPolicyByLabelsResponse>, Status> {
+        let request = request.into_inner();
+        if request.labels.is_empty() {
+            return Err(Status::invalid_argument("name at least one label"));
+        }
+        let mut held = self.0.held.lock().unwrap_or_else(|e| e.into_inner());
+        let sandboxes = held
+            .sandboxes
+            .values_mut()
+            .filter(|s| {
+                request
+                    .labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(k) == Some(v))
+            })
+            .map(|s| {
+                s.network = request.network.clone();
+                s.clone()
+            })
+            .collect();
+        Ok(Response::new(SetNetworkPolicyByLabelsResponse {
+            sandboxes,
+            failed: Vec::new(),
+        }))
+    }
+}
+
 fn unsupported(call: &str) -> Status {
     Status::unimplemented(format!(
         "{call}: a sim node only creates, gets, lists and deletes"
@@ -351,6 +385,7 @@ pub async fn serve(
         });
         let server = tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(SimApi(node.clone())))
+            .add_service(NetworkLabelsServer::new(SimApi(node.clone())))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
         tasks.spawn(async move {
             let _ = server.await;

@@ -7,10 +7,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dsec_api::v1::network_labels_client::NetworkLabelsClient;
 use dsec_api::v1::sandboxes_client::SandboxesClient;
 use dsec_api::v1::*;
 use dsec_control::api::{self, ApiConfig};
 use dsec_control::iam::Iam;
+use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
 use dsec_control::sim::{self, SimCapacity};
@@ -36,6 +38,16 @@ async fn cluster(
     quota: Resources,
     per_node: u64,
 ) -> (Arc<dyn Store>, Client) {
+    let (store, client, _, _) = cluster_at(dir, quota, per_node).await;
+    (store, client)
+}
+
+/// [`cluster`], also handing back the apiserver's address and the admin's token.
+async fn cluster_at(
+    dir: &std::path::Path,
+    quota: Resources,
+    per_node: u64,
+) -> (Arc<dyn Store>, Client, SocketAddr, String) {
     let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir).unwrap());
     let token = api::init(store.clone(), "acme", "root")
         .await
@@ -81,6 +93,7 @@ async fn cluster(
     ));
 
     let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();
+    let admin_token = token.clone();
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
         .unwrap()
         .connect_lazy();
@@ -91,6 +104,8 @@ async fn cluster(
     (
         store,
         SandboxesClient::with_interceptor(channel, with_token),
+        listen,
+        admin_token,
     )
 }
 
@@ -112,6 +127,19 @@ async fn first_create(client: &mut Client) -> Sandbox {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("no sim node registered in 10 s");
+}
+
+/// Waits until the three sim nodes are registered and the watcher has seen them.
+async fn all_registered(store: &Arc<dyn Store>) {
+    let registry = NodeRegistry::new(store.clone());
+    for _ in 0..100 {
+        if registry.list().await.unwrap().len() == 3 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the sim nodes did not all register in 5 s");
 }
 
 async fn listed(client: &mut Client) -> Vec<Sandbox> {
@@ -188,6 +216,10 @@ async fn a_create_whose_reservation_fails_after_its_node_made_it_is_undone() {
     let each = Resources::sandbox(1, 64, 64);
     let (store, mut client) = cluster(dir.path(), Resources::new(3, 3, 192, 192), 10).await;
     let first = first_create(&mut client).await;
+    // A node registering later would have its sandboxes listed and charged by the watcher,
+    // which can charge the refused create's sandbox before its commit (README: "Create:
+    // node and reservation at once"): wait for all three first.
+    all_registered(&store).await;
     // Another replica takes the rest of the quota; this one's record still shows room.
     let other = Quotas::new(store.clone());
     let project = "acme/sim".parse().unwrap();
@@ -214,4 +246,101 @@ async fn a_create_whose_reservation_fails_after_its_node_made_it_is_undone() {
         vec![first.id],
         "the refused create's sandbox is still on its node"
     );
+}
+
+/// NetworkLabels through the apiserver: fanned out to every node, only the caller's
+/// project's sandboxes with the labels change, the answers merged in id order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_wide_policy_change_reaches_the_projects_sandboxes_on_every_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, mut client, listen, token) =
+        cluster_at(dir.path(), Resources::new(100, 100, 100_000, 100_000), 10).await;
+    Iam::new(store.clone())
+        .create_project(&"acme".parse().unwrap(), "other")
+        .await
+        .unwrap();
+    Quotas::new(store.clone())
+        .set_limit(
+            &"acme/other".parse().unwrap(),
+            Resources::new(100, 100, 100_000, 100_000),
+        )
+        .await
+        .unwrap();
+    first_create(&mut client).await;
+    all_registered(&store).await;
+    let labelled = |project: &str, team: &str| CreateSandboxRequest {
+        project: project.into(),
+        labels: [("team".to_string(), team.to_string())].into(),
+        ..small()
+    };
+    let mut team_a = Vec::new();
+    for _ in 0..6 {
+        team_a.push(
+            client
+                .create(labelled("acme/sim", "a"))
+                .await
+                .unwrap()
+                .into_inner(),
+        );
+        client.create(labelled("acme/sim", "b")).await.unwrap();
+        client.create(labelled("acme/other", "a")).await.unwrap();
+    }
+    let nodes: std::collections::BTreeSet<_> = team_a.iter().map(|s| s.node.clone()).collect();
+    assert!(nodes.len() > 1, "team a landed on one node: {nodes:?}");
+
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{listen}"))
+        .unwrap()
+        .connect_lazy();
+    let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();
+    let mut labels_client =
+        NetworkLabelsClient::with_interceptor(channel, move |mut r: tonic::Request<()>| {
+            r.metadata_mut().insert("authorization", bearer.clone());
+            r.metadata_mut()
+                .insert("x-dsec-project", "acme/sim".parse().unwrap());
+            Ok(r)
+        });
+    let policy = NetworkPolicy {
+        allow: vec!["10.0.0.0/8".into()],
+        ..Default::default()
+    };
+    let changed = labels_client
+        .set_network_policy_by_labels(SetNetworkPolicyByLabelsRequest {
+            // The project label is the apiserver's: naming another project changes nothing.
+            labels: [
+                ("team".to_string(), "a".to_string()),
+                (
+                    dsec_api::PROJECT_LABEL.to_string(),
+                    "acme/other".to_string(),
+                ),
+            ]
+            .into(),
+            network: Some(policy.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(changed.failed.is_empty(), "{:?}", changed.failed);
+    let mut expected: Vec<_> = team_a.iter().map(|s| s.id.clone()).collect();
+    expected.sort();
+    let ids: Vec<_> = changed.sandboxes.iter().map(|s| s.id.clone()).collect();
+    assert_eq!(ids, expected);
+    for sandbox in listed(&mut client).await {
+        let team = sandbox.labels.get("team").map(String::as_str);
+        let want = (team == Some("a")).then(|| policy.clone());
+        assert_eq!(sandbox.network, want, "{}", sandbox.id);
+    }
+
+    for labels in [
+        std::collections::HashMap::new(),
+        [(dsec_api::PROJECT_LABEL.to_string(), "acme/sim".to_string())].into(),
+    ] {
+        let status = labels_client
+            .set_network_policy_by_labels(SetNetworkPolicyByLabelsRequest {
+                labels,
+                network: Some(policy.clone()),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    }
 }

@@ -12,10 +12,14 @@ use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
 use dsec_api::tls::{client_with_ca, error_chain, TlsDir, APISERVER_NAME};
 use dsec_api::v1::admin_client::AdminClient;
-use dsec_api::v1::WhoAmIRequest;
+use dsec_api::v1::{ListNodesRequest, RevokeNodeRequest, WhoAmIRequest};
 use dsec_control::api::{self, ApiConfig};
+use dsec_control::iam::{Iam, PrincipalId};
 use dsec_control::pki;
+use dsec_control::quota::Quotas;
+use dsec_control::resources::Resources;
 use dsec_control::store::{EmbeddedStore, Store};
+use dsec_control::watcher::lost_sandbox;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 fn free_addr() -> SocketAddr {
@@ -25,9 +29,21 @@ fn free_addr() -> SocketAddr {
 
 /// An apiserver with TLS from a fresh CA in `dir/ca`; returns its address and admin token.
 async fn apiserver(dir: &Path) -> (SocketAddr, String) {
+    let (addr, token, _) = apiserver_with_store(dir).await;
+    (addr, token)
+}
+
+/// [`apiserver`], also handing back its store (another replica can serve from it).
+async fn apiserver_with_store(dir: &Path) -> (SocketAddr, String, Arc<dyn Store>) {
     pki::init(&dir.join("ca"), &[]).unwrap();
     let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(&dir.join("store")).unwrap());
     let token = api::init(store.clone(), "acme", "root").await.unwrap();
+    let addr = replica(dir, store.clone()).await;
+    (addr, token.secret, store)
+}
+
+/// One more apiserver replica on `store`, with the TLS files in `dir/ca`.
+async fn replica(dir: &Path, store: Arc<dyn Store>) -> SocketAddr {
     let listen = free_addr();
     let config = ApiConfig {
         listen,
@@ -37,7 +53,7 @@ async fn apiserver(dir: &Path) -> (SocketAddr, String) {
     tokio::spawn(async move { api::serve(store, config).await });
     for _ in 0..100 {
         if tokio::net::TcpStream::connect(listen).await.is_ok() {
-            return (listen, token.secret);
+            return listen;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -146,6 +162,162 @@ async fn nodes_need_a_certificate_of_the_cluster_ca() {
     let status = register(channel, "n3").await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unauthenticated);
     assert!(status.message().contains("node certificate"), "{status:?}");
+}
+
+async fn heartbeat(
+    channel: Channel,
+    name: &str,
+    lease_id: i64,
+) -> Result<pb::HeartbeatResponse, tonic::Status> {
+    RegistryClient::new(channel)
+        .heartbeat(pb::HeartbeatRequest {
+            lease_id,
+            node: Some(node_info(name)),
+        })
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// Node `name`'s channel to `addr` with a fresh certificate of the cluster CA in `dir/ca`.
+async fn node_channel(dir: &Path, addr: SocketAddr, name: &str, cert_dir: &str) -> Channel {
+    pki::issue_node(&dir.join("ca"), &dir.join(cert_dir), name).unwrap();
+    channel_with(dir, addr, cert_dir).await
+}
+
+/// A node's channel to `addr` with the certificate in `dir/cert_dir`.
+async fn channel_with(dir: &Path, addr: SocketAddr, cert_dir: &str) -> Channel {
+    let tls = TlsDir::new(dir.join(cert_dir));
+    connect(addr, Some(tls.client("node", APISERVER_NAME).unwrap()))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_node_certificate_is_refused_on_every_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, token, store) = apiserver_with_store(dir.path()).await;
+    let second = replica(dir.path(), store.clone()).await;
+    let n1 = node_channel(dir.path(), first, "n1", "n1").await;
+    let n2 = node_channel(dir.path(), second, "n2", "n2").await;
+    let n1_lease = register(n1.clone(), "n1").await.unwrap().lease_id;
+    let n2_lease = register(n2.clone(), "n2").await.unwrap().lease_id;
+    // A sandbox of n1's holds quota: revoked, it goes the way of a lost node's.
+    let project = "acme".parse().unwrap();
+    let quotas = Quotas::new(store.clone());
+    quotas
+        .reserve(
+            &project,
+            "n1",
+            "sb-n1-aaaaaaaaaaaa",
+            Resources::sandbox(1, 256, 1024),
+        )
+        .await
+        .unwrap();
+
+    let admin_channel = connect(
+        first,
+        Some(client_with_ca(&dir.path().join("ca/ca.pem")).unwrap()),
+    )
+    .await
+    .unwrap();
+    let mut admin =
+        AdminClient::with_interceptor(admin_channel.clone(), dsec_sdk_free_credentials(&token));
+    // Only a cluster admin revokes.
+    let iam = Iam::new(store.clone());
+    let user: PrincipalId = "user:eve".parse().unwrap();
+    iam.create_principal(user.clone(), "eve", false)
+        .await
+        .unwrap();
+    let eve = iam.issue_token(&user, "test", None).await.unwrap().secret;
+    let refused = AdminClient::with_interceptor(admin_channel, dsec_sdk_free_credentials(&eve))
+        .revoke_node(RevokeNodeRequest {
+            name: "n1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+
+    let revoked = admin
+        .revoke_node(RevokeNodeRequest {
+            name: "n1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // The certificate n1 registered with, not every certificate of the name.
+    assert!(!revoked.all_certificates);
+    assert_eq!(revoked.fingerprints.len(), 1);
+    assert_eq!(revoked.revoked_by, "user:root");
+
+    // Both replicas refuse n1's certificate once their watch has the revocation.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    for addr in [first, second] {
+        let n1 = channel_with(dir.path(), addr, "n1").await;
+        loop {
+            match heartbeat(n1.clone(), "n1", n1_lease).await {
+                Err(status) if status.code() == tonic::Code::PermissionDenied => {
+                    assert!(status.message().contains("revoked"), "{status:?}");
+                    assert!(
+                        status.message().contains("issue-node --name n1"),
+                        "{status:?}"
+                    );
+                    break;
+                }
+                other => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "n1 still heartbeats at {addr}: {other:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let status = register(n1, "n1").await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    }
+    // n2 is unaffected, on both replicas.
+    heartbeat(n2.clone(), "n2", n2_lease).await.unwrap();
+    let n2_first = node_channel(dir.path(), first, "n2", "n2-again").await;
+    heartbeat(n2_first, "n2", n2_lease).await.unwrap();
+
+    // n1's registration ended: it is not listed, its sandbox is lost and its quota back.
+    let listed = admin
+        .list_nodes(ListNodesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<_> = listed.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["n2"]);
+    assert_eq!(listed.revoked.len(), 1);
+    assert_eq!(listed.revoked[0].name, "n1");
+    for _ in 0..250 {
+        if quotas.get(&project).await.unwrap().used == Resources::ZERO {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(quotas.get(&project).await.unwrap().used, Resources::ZERO);
+    assert!(lost_sandbox(store.as_ref(), "sb-n1-aaaaaaaaaaaa")
+        .await
+        .unwrap()
+        .is_some());
+
+    // A new certificate for n1 (a re-issued key) is not the revoked one.
+    let renewed = node_channel(dir.path(), second, "n1", "n1-renewed").await;
+    register(renewed, "n1").await.unwrap();
+
+    // Bad input: a malformed fingerprint or node name.
+    for (name, fingerprint) in [("n1", "xyz"), ("Bad Name", "")] {
+        let status = admin
+            .revoke_node(RevokeNodeRequest {
+                name: name.into(),
+                fingerprint: fingerprint.into(),
+                undo: false,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

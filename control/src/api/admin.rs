@@ -13,6 +13,7 @@ use super::Shared;
 use crate::iam::{Action, Caller, IamError, PrincipalId, ProjectPath, TokenRecord};
 use crate::placement::{NodeAdmin, NodeRecord};
 use crate::resources::Resources;
+use crate::revocation::RevokedNode as RevokedNodeRecord;
 
 pub struct AdminApi(pub Arc<Shared>);
 
@@ -44,6 +45,16 @@ fn parse_project(text: &str) -> Result<ProjectPath, Status> {
 fn parse_principal(text: &str) -> Result<PrincipalId, Status> {
     text.parse()
         .map_err(|e: IamError| Status::invalid_argument(e.to_string()))
+}
+
+fn revoked_info(revoked: RevokedNodeRecord) -> RevokedNode {
+    RevokedNode {
+        name: revoked.node,
+        all_certificates: revoked.all_certificates,
+        fingerprints: revoked.fingerprints,
+        revoked_unix_ms: revoked.revoked_ms,
+        revoked_by: revoked.by,
+    }
 }
 
 fn node_summary(record: &NodeRecord, admin: NodeAdmin) -> NodeSummary {
@@ -385,9 +396,56 @@ impl Admin for AdminApi {
             .authorize_cluster(&bearer(request.metadata())?)
             .await?;
         let nodes = self.0.registry.list().await?;
+        let revoked = self.0.revocations.list().await?;
         Ok(Response::new(ListNodesResponse {
             nodes: nodes.iter().map(|(r, a)| node_summary(r, *a)).collect(),
+            revoked: revoked.into_iter().map(revoked_info).collect(),
         }))
+    }
+
+    async fn revoke_node(
+        &self,
+        request: Request<RevokeNodeRequest>,
+    ) -> Result<Response<RevokedNode>, Status> {
+        let (metadata, _, message) = request.into_parts();
+        let caller = self.0.iam.authorize_cluster(&bearer(&metadata)?).await?;
+        let name = message.name;
+        if message.undo {
+            if !self.0.revocations.lift(&name).await? {
+                return Err(Status::not_found(format!(
+                    "node {name:?} has no revoked certificate: see `dsec node ls`"
+                )));
+            }
+            tracing::info!(node = %name, by = %caller.principal, "node revocation lifted");
+            return Ok(Response::new(RevokedNode {
+                name,
+                ..Default::default()
+            }));
+        }
+        // The certificate named, else the one the node registered with, else all of them.
+        let fingerprint = match message.fingerprint.trim() {
+            "" => self
+                .0
+                .registry
+                .list()
+                .await?
+                .into_iter()
+                .find(|(record, _)| record.name == name)
+                .and_then(|(record, _)| record.cert_sha256),
+            named => Some(named.to_ascii_lowercase()),
+        };
+        let revoked = self
+            .0
+            .revocations
+            .revoke(&name, fingerprint.as_deref(), &caller.principal.to_string())
+            .await?;
+        // Its sandboxes go the way of a vanished node's: the watchers see the record deleted.
+        let evicted = self.0.registry.evict(&name, fingerprint.as_deref()).await?;
+        if evicted.is_some() {
+            self.0.placer.remove_node(&name);
+        }
+        tracing::info!(node = %name, by = %caller.principal, fingerprint = ?fingerprint, evicted = evicted.is_some(), "node certificate revoked");
+        Ok(Response::new(revoked_info(revoked)))
     }
 
     async fn cordon_node(

@@ -8,11 +8,13 @@
 //!   Create under an id naming it; List merges the nodes' lists of the project).
 //! - `runtime.rs`: Process, Files, Sessions, Ports, proxied to the node named by the id
 //!   (streams as streams).
+//! - `network.rs`: NetworkLabels (a label-wide policy change fanned out to the nodes).
 //! - `admin.rs`: projects, quotas, principals, roles, tokens, nodes.
 //! - `nodes.rs`: the node registry service, node channels, the watcher's inventory.
 
 mod admin;
 mod auth;
+mod network;
 mod nodes;
 mod runtime;
 mod sandboxes;
@@ -27,6 +29,7 @@ use std::time::Duration;
 use dsec_api::node::v1::registry_server::RegistryServer;
 use dsec_api::v1::admin_server::AdminServer;
 use dsec_api::v1::files_server::FilesServer;
+use dsec_api::v1::network_labels_server::NetworkLabelsServer;
 use dsec_api::v1::network_server::NetworkServer;
 use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
@@ -39,6 +42,7 @@ use crate::iam::{Iam, IamCache, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
 use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
+use crate::revocation::NodeRevocations;
 use crate::store::{EmbeddedStore, EtcdStore, PutBatcher, Store, StoreError};
 use crate::watcher::Watcher;
 
@@ -103,6 +107,8 @@ pub struct Shared {
     pub registry: NodeRegistry,
     pub placer: Arc<Placer>,
     pub nodes: NodeChannels,
+    /// Revoked node certificates, followed by a watch.
+    pub revocations: NodeRevocations,
     pub config: ApiConfig,
     /// The project of each sandbox this replica has seen (sandboxes never change project).
     projects: auth::ProjectCache,
@@ -127,6 +133,7 @@ impl Shared {
             audit_writer: PutBatcher::new(store.clone()),
             registry: NodeRegistry::new(store.clone()),
             nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
+            revocations: NodeRevocations::start(store.clone()),
             placer,
             store,
             config,
@@ -211,6 +218,9 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             PortsServer::new(runtime::PortsApi(shared.clone())).max_decoding_message_size(2 << 20),
         )
         .add_service(NetworkServer::new(runtime::NetworkApi(shared.clone())))
+        .add_service(NetworkLabelsServer::new(network::NetworkLabelsApi(
+            shared.clone(),
+        )))
         .add_service(AdminServer::new(admin::AdminApi(shared.clone())))
         .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())))
         .serve_with_incoming_shutdown(

@@ -18,6 +18,7 @@ use crate::now_ms;
 use crate::placement::{Backend, NodeRecord, PlacementError, Placer};
 use crate::quota::RunningSandbox;
 use crate::resources::Resources;
+use crate::revocation::fingerprint;
 use crate::store::StoreError;
 use crate::watcher::NodeInventory;
 
@@ -112,6 +113,7 @@ pub(super) fn record_of(info: Option<pb::NodeInfo>) -> Result<NodeRecord, Status
         name: info.name,
         address: info.address,
         heartbeat_ms: now_ms(),
+        cert_sha256: None,
     })
 }
 
@@ -136,10 +138,15 @@ pub struct RegistryApi(pub Arc<Shared>);
 impl RegistryApi {
     /// With TLS on, only a caller with a certificate from the cluster CA is a node (the
     /// handshake already refused certificates from other CAs; token holders have none), and
-    /// it may speak only for the node its certificate names.
-    fn check_node<T>(&self, request: &Request<T>, node: Option<&str>) -> Result<(), Status> {
+    /// it may speak only for the node its certificate names. Returns the certificate's
+    /// fingerprint (None without TLS).
+    fn check_certificate<T>(
+        &self,
+        request: &Request<T>,
+        node: Option<&str>,
+    ) -> Result<Option<String>, Status> {
         if self.0.config.tls.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let certs = request.peer_certs().unwrap_or_default();
         let Some(leaf) = certs.first() else {
@@ -153,8 +160,23 @@ impl RegistryApi {
                     "this certificate is not node {node}'s: issue one with `dsec control issue-node --name {node}`"
                 )))
             }
-            _ => Ok(()),
+            _ => Ok(Some(fingerprint(leaf.as_ref()))),
         }
+    }
+
+    /// [`check_certificate`](Self::check_certificate), then the revoked node list: a node
+    /// speaks for itself only with a certificate that was not revoked.
+    async fn check_node<T>(
+        &self,
+        request: &Request<T>,
+        node: &str,
+    ) -> Result<Option<String>, Status> {
+        let fingerprint = self.check_certificate(request, Some(node))?;
+        if let Err(revoked) = self.0.revocations.check(node, fingerprint.as_deref()).await {
+            tracing::warn!(%node, %revoked, "a revoked node was refused");
+            return Err(revoked.into());
+        }
+        Ok(fingerprint)
     }
 }
 
@@ -165,8 +187,11 @@ impl Registry for RegistryApi {
         request: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
         let name = request.get_ref().node.as_ref().map(|n| n.name.clone());
-        self.check_node(&request, Some(name.as_deref().unwrap_or_default()))?;
-        let record = record_of(request.into_inner().node)?;
+        let fingerprint = self
+            .check_node(&request, name.as_deref().unwrap_or_default())
+            .await?;
+        let mut record = record_of(request.into_inner().node)?;
+        record.cert_sha256 = fingerprint;
         let ttl = self.0.config.node_ttl;
         let lease = self.0.registry.register(&record, ttl).await?;
         self.0.placer.update_node(record.clone());
@@ -183,9 +208,12 @@ impl Registry for RegistryApi {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let name = request.get_ref().node.as_ref().map(|n| n.name.clone());
-        self.check_node(&request, Some(name.as_deref().unwrap_or_default()))?;
+        let fingerprint = self
+            .check_node(&request, name.as_deref().unwrap_or_default())
+            .await?;
         let request = request.into_inner();
-        let record = record_of(request.node)?;
+        let mut record = record_of(request.node)?;
+        record.cert_sha256 = fingerprint;
         match self.0.registry.heartbeat(request.lease_id, &record).await {
             Ok(()) => {}
             Err(PlacementError::Store(StoreError::LeaseNotFound(_))) => {
@@ -208,7 +236,7 @@ impl Registry for RegistryApi {
         &self,
         request: Request<pb::DeregisterRequest>,
     ) -> Result<Response<pb::DeregisterResponse>, Status> {
-        self.check_node(&request, None)?;
+        self.check_certificate(&request, None)?;
         match self
             .0
             .registry

@@ -18,6 +18,7 @@ fn node(name: &str, slots: u64) -> NodeRecord {
         images: BTreeSet::new(),
         labels: BTreeMap::new(),
         heartbeat_ms: now_ms(),
+        cert_sha256: None,
     }
 }
 

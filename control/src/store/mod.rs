@@ -8,6 +8,7 @@
 mod batch;
 mod embedded;
 mod etcd;
+mod mirror;
 
 #[cfg(test)]
 mod conformance;
@@ -17,6 +18,7 @@ use std::time::Duration;
 pub use batch::PutBatcher;
 pub use embedded::EmbeddedStore;
 pub use etcd::EtcdStore;
+pub(crate) use mirror::Mirror;
 use tokio::sync::mpsc;
 
 /// A store-wide, strictly increasing write counter (etcd's revision).

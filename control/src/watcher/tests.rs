@@ -42,6 +42,7 @@ fn record(name: &str) -> NodeRecord {
         images: Default::default(),
         labels: BTreeMap::new(),
         heartbeat_ms: now_ms(),
+        cert_sha256: None,
     }
 }
 

@@ -1,0 +1,317 @@
+//! Revoked node certificates: `/dsec/revoked-nodes/<name>` lists the SHA-256 fingerprints of
+//! the node's certificates that are no longer accepted, or says that none of the node's are
+//! (a node revoked before it ever showed one, or on a plaintext cluster). Every apiserver
+//! replica follows the list with a watch (as the authorization cache does) and checks it on
+//! each Register and Heartbeat; a revocation also ends the node's registration, so the
+//! watcher marks its sandboxes lost and returns their quota.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+
+use crate::keys;
+use crate::now_ms;
+use crate::sandbox_id::valid_node_name;
+use crate::store::{from_json, to_json, Compare, Mirror, Op, Store, StoreError, Txn};
+
+/// Fingerprints kept per node (older ones are dropped first; a node re-issued this often is
+/// better revoked as a whole).
+const MAX_FINGERPRINTS: usize = 64;
+/// Compare-and-swap attempts before giving up on a contended record.
+const ATTEMPTS: usize = 8;
+
+/// The revocation record of one node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokedNode {
+    pub node: String,
+    /// Every certificate of the node is refused (no fingerprint was known).
+    pub all_certificates: bool,
+    /// SHA-256 of the refused certificates' DER, lowercase hex.
+    pub fingerprints: Vec<String>,
+    pub revoked_ms: u64,
+    /// Who revoked it (a principal).
+    pub by: String,
+}
+
+impl RevokedNode {
+    /// Whether a caller showing the certificate `fingerprint` (None: no certificate, plaintext)
+    /// is refused.
+    pub fn refuses(&self, fingerprint: Option<&str>) -> bool {
+        self.all_certificates
+            || fingerprint.is_some_and(|f| self.fingerprints.iter().any(|r| r == f))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RevocationError {
+    #[error("the certificate of node {node} was revoked at {revoked_ms} ms after the epoch by {by}: issue a new one with `dsec control issue-node --name {node}` and restart the node with it")]
+    Revoked {
+        node: String,
+        revoked_ms: u64,
+        by: String,
+    },
+    #[error(
+        "node name {0:?} is invalid: 1-8 of a-z, 0-9 and '-', not starting or ending with '-'"
+    )]
+    BadNodeName(String),
+    #[error("fingerprint {0:?} is not a SHA-256 in hex (64 of 0-9, a-f)")]
+    BadFingerprint(String),
+    #[error("the revocation record of node {0} kept changing under concurrent writes: try again")]
+    Contended(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl RevocationError {
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            RevocationError::Revoked { .. } => tonic::Code::PermissionDenied,
+            RevocationError::BadNodeName(_) | RevocationError::BadFingerprint(_) => {
+                tonic::Code::InvalidArgument
+            }
+            RevocationError::Contended(_) => tonic::Code::Aborted,
+            RevocationError::Store(e) => crate::store_code(e),
+        }
+    }
+}
+
+impl From<RevocationError> for tonic::Status {
+    fn from(e: RevocationError) -> Self {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+/// The SHA-256 of a certificate's DER, lowercase hex.
+pub fn fingerprint(der: &[u8]) -> String {
+    sha2::Sha256::digest(der)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn check_fingerprint(text: &str) -> Result<(), RevocationError> {
+    if text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(())
+    } else {
+        Err(RevocationError::BadFingerprint(
+            text.chars().take(80).collect(),
+        ))
+    }
+}
+
+/// One replica's view of the revoked node list; dropping it stops its watch.
+pub struct NodeRevocations {
+    store: Arc<dyn Store>,
+    mirror: Arc<Mirror<RevokedNode>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for NodeRevocations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodeRevocations")
+    }
+}
+
+impl Drop for NodeRevocations {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl NodeRevocations {
+    /// Starts following the list (on the current tokio runtime).
+    pub fn start(store: Arc<dyn Store>) -> Self {
+        let mirror = Mirror::new(keys::REVOKED_NODES);
+        let task = tokio::spawn(mirror.clone().follow(store.clone()));
+        NodeRevocations {
+            store,
+            mirror,
+            task,
+        }
+    }
+
+    /// Whether the copy is current (tests wait for it).
+    pub fn is_current(&self) -> bool {
+        self.mirror.is_current()
+    }
+
+    /// The node's revocation record: from the copy while it is current, else from the store.
+    pub async fn get(&self, node: &str) -> Result<Option<RevokedNode>, RevocationError> {
+        let key = keys::revoked_node(node);
+        if self.mirror.is_current() {
+            return Ok(self.mirror.get(&key));
+        }
+        Ok(self
+            .store
+            .get(&key)
+            .await?
+            .as_ref()
+            .map(from_json)
+            .transpose()?)
+    }
+
+    /// Refuses node `node` showing the certificate `fingerprint` if it was revoked.
+    pub async fn check(
+        &self,
+        node: &str,
+        fingerprint: Option<&str>,
+    ) -> Result<(), RevocationError> {
+        match self.get(node).await? {
+            Some(revoked) if revoked.refuses(fingerprint) => Err(RevocationError::Revoked {
+                node: node.to_string(),
+                revoked_ms: revoked.revoked_ms,
+                by: revoked.by,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every revocation record, in node name order (from the store).
+    pub async fn list(&self) -> Result<Vec<RevokedNode>, RevocationError> {
+        let range = self.store.range(keys::REVOKED_NODES).await?;
+        Ok(range.kvs.iter().map(from_json).collect::<Result<_, _>>()?)
+    }
+
+    /// Adds the certificate `fingerprint` of `node` to the list, or (None) refuses all of
+    /// the node's certificates.
+    pub async fn revoke(
+        &self,
+        node: &str,
+        fingerprint: Option<&str>,
+        by: &str,
+    ) -> Result<RevokedNode, RevocationError> {
+        if !valid_node_name(node) {
+            return Err(RevocationError::BadNodeName(
+                node.chars().take(40).collect(),
+            ));
+        }
+        if let Some(fingerprint) = fingerprint {
+            check_fingerprint(fingerprint)?;
+        }
+        let key = keys::revoked_node(node);
+        for _ in 0..ATTEMPTS {
+            let read = self.store.get(&key).await?;
+            let mut record = match &read {
+                Some(kv) => from_json::<RevokedNode>(kv)?,
+                None => RevokedNode {
+                    node: node.to_string(),
+                    all_certificates: false,
+                    fingerprints: Vec::new(),
+                    revoked_ms: 0,
+                    by: String::new(),
+                },
+            };
+            match fingerprint {
+                None => record.all_certificates = true,
+                Some(f) if !record.fingerprints.iter().any(|r| r == f) => {
+                    record.fingerprints.push(f.to_string());
+                    let excess = record.fingerprints.len().saturating_sub(MAX_FINGERPRINTS);
+                    record.fingerprints.drain(..excess);
+                }
+                Some(_) => {}
+            }
+            record.revoked_ms = now_ms();
+            record.by = by.to_string();
+            let outcome = self
+                .store
+                .txn(
+                    Txn::default()
+                        .when(Compare::as_read(&key, read.as_ref()))
+                        .then(Op::put(key.clone(), to_json(&record))),
+                )
+                .await?;
+            if outcome.succeeded {
+                return Ok(record);
+            }
+        }
+        Err(RevocationError::Contended(node.to_string()))
+    }
+
+    /// Lifts every revocation of `node`; whether there was one.
+    pub async fn lift(&self, node: &str) -> Result<bool, RevocationError> {
+        if !valid_node_name(node) {
+            return Err(RevocationError::BadNodeName(
+                node.chars().take(40).collect(),
+            ));
+        }
+        Ok(self.store.delete(&keys::revoked_node(node)).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_refuses_its_fingerprints_or_everything() {
+        let mut record = RevokedNode {
+            node: "n1".into(),
+            all_certificates: false,
+            fingerprints: vec!["a".repeat(64)],
+            revoked_ms: 1,
+            by: "user:root".into(),
+        };
+        assert!(record.refuses(Some(&"a".repeat(64))));
+        assert!(!record.refuses(Some(&"b".repeat(64))));
+        assert!(!record.refuses(None));
+        record.all_certificates = true;
+        assert!(record.refuses(None));
+        assert!(record.refuses(Some(&"b".repeat(64))));
+    }
+
+    #[test]
+    fn fingerprints_are_sha256_hex() {
+        assert_eq!(fingerprint(b"").len(), 64);
+        assert!(check_fingerprint(&fingerprint(b"x")).is_ok());
+        assert!(check_fingerprint("AB").is_err());
+        assert!(check_fingerprint(&"A".repeat(64)).is_err());
+    }
+
+    crate::testing::on_both_stores!(revocations_accumulate_and_lift);
+
+    async fn revocations_accumulate_and_lift(store: Arc<dyn Store>) {
+        let revocations = NodeRevocations::start(store.clone());
+        let (one, two) = ("1".repeat(64), "2".repeat(64));
+        revocations
+            .revoke("n1", Some(&one), "user:a")
+            .await
+            .unwrap();
+        let record = revocations
+            .revoke("n1", Some(&two), "user:b")
+            .await
+            .unwrap();
+        assert_eq!(record.fingerprints, vec![one.clone(), two.clone()]);
+        assert!(!record.all_certificates);
+        assert!(revocations.check("n1", Some(&one)).await.is_err());
+        assert!(revocations.check("n1", Some(&"3".repeat(64))).await.is_ok());
+        assert!(revocations.check("n2", Some(&one)).await.is_ok());
+        let status: tonic::Status = revocations
+            .check("n1", Some(&two))
+            .await
+            .unwrap_err()
+            .into();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(
+            status.message().contains("issue-node --name n1"),
+            "{status:?}"
+        );
+        assert!(revocations.revoke("Bad!", None, "user:a").await.is_err());
+        assert!(revocations
+            .revoke("n1", Some("zz"), "user:a")
+            .await
+            .is_err());
+        revocations.revoke("n1", None, "user:a").await.unwrap();
+        assert!(revocations.check("n1", None).await.is_err());
+        assert_eq!(revocations.list().await.unwrap().len(), 1);
+        assert!(revocations.lift("n1").await.unwrap());
+        // The copy follows the store within the watch's delivery time.
+        for _ in 0..100 {
+            if revocations.is_current() && revocations.check("n1", None).await.is_ok() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the lifted revocation still refuses n1");
+    }
+}

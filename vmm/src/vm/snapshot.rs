@@ -124,6 +124,14 @@ impl Vm {
     /// VMM's own bitmap are reset here, while the guest is paused, so the next diff holds
     /// exactly the pages written after this instant.
     fn capture(&self, dest: &Path, diff: bool) -> Result<Captured, VmError> {
+        if !self.vcpus.iter().all(VcpuHandle::is_paused) {
+            return Err(VmError::NotPaused);
+        }
+        // A VM restored with `--paused` asks its vCPU threads to park as they start; on a
+        // busy host they may not have got there yet.
+        for vcpu in &self.vcpus {
+            vcpu.pause(std::time::Duration::from_secs(5))?;
+        }
         if !self.vcpus.iter().all(VcpuHandle::is_parked) {
             return Err(VmError::NotPaused);
         }

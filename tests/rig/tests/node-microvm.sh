@@ -16,7 +16,7 @@ for f in /bin/dsec /bin/dsec-vmm $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/bus
     [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
 done
 DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http 127.0.0.1:7080 \
-    --cgroup-name dsec-rig >/tmp/node.log 2>&1 &
+    --cgroup-name dsec-rig --vmm-pool 0 >/tmp/node.log 2>&1 &
 daemon=$!
 i=0
 until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
@@ -29,7 +29,8 @@ out=$(timeout $T dsec exec $id -- sh -c 'cat /proc/1/comm; exit 3'); rc=$?
 # In a microVM the agent is the initramfs's /init (a container's PID 1 is named dsec-agent).
 [ "$rc" = 3 ] && [ "$out" = init ] && ok exec || bad exec "rc $rc, out '$out'"
 
-# The VMM runs jailed: the process running the VM (PID 1 of its own PID namespace) is
+# The VMM runs jailed (the prewarmed VMM pool is off in this suite, so the only VMM is the
+# sandbox's; node-templates covers the pool): the process running the VM (PID 1 of its own PID namespace) is
 # uid 65534 in its own mount namespace and sees its kernel (a booted VM) or its template
 # snapshot (a VM restored from the image's template) but no other host file.
 seen=0; jailed=0
@@ -108,7 +109,7 @@ done
 # The daemon dies hard; its jailed VMMs keep running and a new daemon adopts them.
 kill -9 $daemon; wait $daemon 2>/dev/null
 DSEC_LOG=info dsec up --state-dir /tmp/node --default-backend microvm --metrics off --http 127.0.0.1:7080 \
-    --cgroup-name dsec-rig >/tmp/node2.log 2>&1 &
+    --cgroup-name dsec-rig --vmm-pool 0 >/tmp/node2.log 2>&1 &
 daemon=$!
 i=0
 until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done

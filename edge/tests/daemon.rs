@@ -330,3 +330,20 @@ pub fn remove_cgroup_named(dir: &Path, name: &str, depth: u32) -> std::io::Resul
     }
     Ok(())
 }
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A network policy allowing `allow` (rules or named policies).
+pub fn policy(allow: &[&str]) -> dsec_sdk::NetworkPolicy {
+    dsec_sdk::NetworkPolicy {
+        allow: allow.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}

@@ -9,6 +9,7 @@
 //! fncall image (`images/fncall/build.sh`).
 
 mod daemon;
+use daemon::{free_port, policy};
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
@@ -171,21 +172,6 @@ impl Drop for TestNet {
             .status();
         let _ = std::fs::remove_dir_all(format!("/run/dsec-net/{}", self.bridge));
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn policy(allow: &[&str]) -> NetworkPolicy {
-    NetworkPolicy {
-        allow: allow.iter().map(|s| s.to_string()).collect(),
-        ..NetworkPolicy::default()
     }
 }
 

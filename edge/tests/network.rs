@@ -8,6 +8,7 @@
 //! drop, also when a test fails. Needs root, `ip`, `nft`, `conntrack` and busybox.
 
 mod daemon;
+use daemon::{free_port, policy};
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
@@ -334,21 +335,6 @@ impl Drop for Internet {
             .status();
         let _ = std::fs::remove_dir_all(format!("/run/dsec-net/{}", self.bridge));
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn policy(allow: &[&str]) -> NetworkPolicy {
-    NetworkPolicy {
-        allow: allow.iter().map(|s| s.to_string()).collect(),
-        ..NetworkPolicy::default()
     }
 }
 

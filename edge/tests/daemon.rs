@@ -212,7 +212,12 @@ impl Daemon {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.state.with_extension("log")).unwrap_or_default()
+        std::fs::read_to_string(self.log_file()).unwrap_or_default()
+    }
+
+    /// The daemon's log (it outlives [`Self::stop`]).
+    pub fn log_file(&self) -> PathBuf {
+        self.state.with_extension("log")
     }
 
     /// `curl` against the HTTP entry point: (HTTP status, body).

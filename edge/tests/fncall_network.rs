@@ -140,9 +140,20 @@ impl TestNet {
 
     /// Addresses of the pool taken.
     fn slots(&self) -> usize {
+        self.holders().len()
+    }
+
+    /// Each taken address with the directory holding it (for failure messages).
+    fn holders(&self) -> Vec<(String, std::path::PathBuf)> {
         std::fs::read_dir(format!("/run/dsec-net/{}", self.bridge))
-            .map(|d| d.count())
-            .unwrap_or(0)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| {
+                let holder = std::fs::read_link(e.path()).unwrap_or_default();
+                (e.file_name().to_string_lossy().into_owned(), holder)
+            })
+            .collect()
     }
 }
 
@@ -231,7 +242,12 @@ async fn networked_calls_reach_only_what_their_policy_allows() {
     let service_port = service.local_addr().unwrap().port();
     let args = net.daemon_args(api_port);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (mut daemon, client) = Daemon::start("fn-net", &args).await;
+    let (mut daemon, client) = Daemon::start_with_env(
+        "fn-net",
+        &args,
+        &[("RUST_LOG", "info,dsec_edge::daemon::fncall=debug")],
+    )
+    .await;
     std::net::TcpStream::connect((net.gateway(), api_port)).expect("the API listens");
     let (host, gateway, uplink) = (net.host, net.gateway(), net.uplink);
     let targets = [
@@ -310,13 +326,26 @@ async fn networked_calls_reach_only_what_their_policy_allows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let client = daemon.restart().await;
-    assert_eq!(net.slots(), 0, "the dead worker's address is still taken");
+    assert_eq!(
+        net.slots(),
+        0,
+        "the dead worker's address is still taken: {:?}\n{}",
+        net.holders(),
+        daemon.log()
+    );
     let got = reached(&client, false, Some(policy(&[&rule])), &targets).await;
     assert_eq!(got, set(&[(host, 8080)]), "allow rule after a restart");
     assert_eq!(net.slots(), 1);
+    let log_file = daemon.log_file();
     daemon.stop(client).await;
     // A clean stop frees the workers' addresses and removes bridge and table.
-    assert_eq!(net.slots(), 0, "addresses left after a clean stop");
+    assert_eq!(
+        net.slots(),
+        0,
+        "addresses left after a clean stop: {:?}\n{}",
+        net.holders(),
+        std::fs::read_to_string(&log_file).unwrap_or_default()
+    );
     assert!(
         !std::path::Path::new("/sys/class/net")
             .join(&net.bridge)

@@ -343,12 +343,26 @@ mod tests {
     use super::*;
 
     /// A process whose command line names `dir` (as a pooled VMM's names its directory).
+    /// Returns once the child has exec'd: before that its command line is still ours and a
+    /// sweep would not see it.
     fn naming(dir: &Path) -> std::process::Child {
-        std::process::Command::new("sh")
+        let mut child = std::process::Command::new("sh")
             .args(["-c", "sleep 30; true"])
             .arg(dir.join("pool-x/api.sock"))
             .spawn()
-            .unwrap()
+            .unwrap();
+        let needle = dir.display().to_string();
+        for _ in 0..500 {
+            let cmdline =
+                std::fs::read(format!("/proc/{}/cmdline", child.id())).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&needle) {
+                return child;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the test child never exec'd");
     }
 
     #[test]

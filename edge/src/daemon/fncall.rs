@@ -124,6 +124,17 @@ fn release_recorded(edge: &EdgeConfig) {
         crate::net::release(&entry.path());
         let _ = std::fs::remove_dir_all(entry.path());
     }
+    // A worker killed between taking its address and recording it left a slot naming a
+    // directory that is gone now.
+    if let Some(net) = &edge.network {
+        let freed = net.free_orphan_slots();
+        if freed > 0 {
+            tracing::info!(
+                freed,
+                "freed address slots of workers that died while taking them"
+            );
+        }
+    }
 }
 
 /// Where networked workers' links are recorded (one directory each, what `net::release`

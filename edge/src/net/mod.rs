@@ -443,6 +443,24 @@ impl Network {
         Ok(())
     }
 
+    /// Frees the address slots whose holder's directory is gone: a holder that died between
+    /// taking its slot and recording it there leaves nothing [`release`] can find. Blocking.
+    pub fn free_orphan_slots(&self) -> usize {
+        let mut freed = 0;
+        for entry in std::fs::read_dir(&self.slots)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            let orphan = std::fs::read_link(&path).is_ok_and(|holder| !holder.exists());
+            if orphan && std::fs::remove_file(&path).is_ok() {
+                freed += 1;
+            }
+        }
+        freed
+    }
+
     /// The directory of the sandbox holding `addr`, from its address slot.
     pub fn sandbox_dir(&self, addr: Ipv4Addr) -> Option<PathBuf> {
         std::fs::read_link(self.slots.join(addr.to_string())).ok()

@@ -362,8 +362,8 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         name: "net-growth",
         title: "network setup time with sandboxes held on the node".into(),
         method: format!(
-            "{} create+delete at each level of held sandboxes (each held one has a veth, a \
-             chain and two sets); setup_us from the daemon's log",
+            "{} create+delete at each level of held sandboxes (each held one has a veth and a \
+             few elements in the node's sets); setup_us from the daemon's log",
             o.samples
         ),
         metrics: vec![

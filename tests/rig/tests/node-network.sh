@@ -128,9 +128,9 @@ i=0
 while [ "$(ls /sys/class/net | grep -c '^dst')" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 taps=$(ls /sys/class/net | grep -c '^dst')
 slots=$(ls /run/dsec-net/dsec0 | wc -l)
-chains=$(nft list table inet dsec0 | grep -c 'chain sb_')
+chains=$(nft list set inet dsec0 sandboxes | grep -c 'elements =')
 ports=$(nft list set bridge dsec0 ports | grep -c 'dst')
-[ "$taps$slots$chains$ports" = 0000 ] && ok nothing-left || bad nothing-left "$taps taps, $slots slots, $chains chains, $ports port elements"
+[ "$taps$slots$chains$ports" = 0000 ] && ok nothing-left || bad nothing-left "$taps taps, $slots slots, $chains sandboxes in the table, $ports port elements"
 
 kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
 [ "$(cat /proc/sys/net/ipv4/ip_forward)" = "$forward_before" ] && [ ! -e /sys/class/net/dsec0 ] \

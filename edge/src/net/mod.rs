@@ -30,8 +30,9 @@ use std::time::Instant;
 
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
 pub use tap::{
-    attach_microvm, mark_snapshot_net_device, prepare_microvm, prepare_restore, restore_override,
-    snapshot_has_net_device, template_net_device, TapPlan,
+    abandon_tap, attach_microvm, mark_if_networked, mark_snapshot_net_device, prepare_microvm,
+    prepare_restore, prepare_resume, restore_override, snapshot_has_net_device,
+    template_net_device, TapPlan,
 };
 
 /// File in the sandbox directory naming its address, table and pool slot.
@@ -374,16 +375,32 @@ impl Network {
         let bridge = &self.bridge;
         // Rules and links in parallel: until the map entry exists the bridge drops the
         // sandbox's packets anyway.
-        let rules = std::thread::spawn(move || nft::apply(rules));
+        let rules = std::thread::spawn(move || {
+            let started = Instant::now();
+            (nft::apply(rules), started.elapsed())
+        });
+        let started = Instant::now();
         let host = link::Rtnl::open().and_then(|mut rtnl| {
             rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
             rtnl.isolate_and_up(link::index_of(&veth)?)
         });
+        let host_us = started.elapsed().as_micros() as u64;
         let inside =
             host.and_then(|()| link::configure_inside(&netns, addr, self.pool.1, self.gateway));
-        let rules = rules
-            .join()
-            .unwrap_or_else(|_| Err(NetError::Setup("the nft thread panicked".into())));
+        let links_us = started.elapsed().as_micros() as u64;
+        let (rules, rules_took) = rules.join().unwrap_or_else(|_| {
+            (
+                Err(NetError::Setup("the nft thread panicked".into())),
+                Default::default(),
+            )
+        });
+        // Where a create's network setup goes (the benchmark reads these).
+        tracing::debug!(
+            rules_us = rules_took.as_micros() as u64,
+            host_links_us = host_us,
+            links_us,
+            "network setup parts"
+        );
         inside.and(rules)?;
         Ok(addr)
     }

@@ -287,23 +287,25 @@ impl Internet {
             .collect()
     }
 
-    /// Sandboxes' sets in the table (allow, deny and resolved addresses).
-    fn sets(&self) -> usize {
-        let table = sh(&format!("nft list table inet {}", self.bridge));
-        table.matches("\tset ").count()
+    /// Elements of each of the table's sets (all of them a sandbox's), by set name.
+    fn elements(&self) -> std::collections::BTreeMap<String, usize> {
+        let table: serde_json::Value =
+            serde_json::from_str(&sh(&format!("nft -j list table inet {}", self.bridge))).unwrap();
+        table["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|item| {
+                let set = &item["set"];
+                let name = set["name"].as_str()?.to_string();
+                Some((name, set["elem"].as_array().map_or(0, Vec::len)))
+            })
+            .collect()
     }
 
-    /// Sandbox chains and map entries in the table.
-    fn rules(&self) -> (usize, String) {
-        let table = sh(&format!("nft list table inet {}", self.bridge));
-        let chains = table.matches("chain sb_").count();
-        let map = table
-            .split("map sandboxes")
-            .nth(1)
-            .and_then(|m| m.split('}').next())
-            .unwrap_or("")
-            .to_string();
-        (chains, map)
+    /// Elements of sandboxes left in the table.
+    fn sandbox_elements(&self) -> usize {
+        self.elements().values().sum()
     }
 
     fn slots(&self) -> usize {
@@ -688,10 +690,12 @@ async fn create_delete_and_adoption_leak_nothing() {
     }
     assert_eq!(net.veths(), Vec::<String>::new(), "veths left");
     assert_eq!(net.slots(), 0, "addresses left");
-    let (chains, map) = net.rules();
-    assert_eq!(chains, 0, "sandbox chains left");
-    assert_eq!(net.sets(), 0, "sandbox sets left");
-    assert!(!map.contains(&net.pool_prefix), "map entries left: {map}");
+    assert_eq!(
+        net.sandbox_elements(),
+        0,
+        "elements left: {:?}",
+        net.elements()
+    );
     // "network attached setup_us=N added_us=M" (tracing's colours stripped).
     let log = daemon.log();
     let field = |name: &str| -> Vec<u64> {
@@ -747,9 +751,15 @@ async fn create_delete_and_adoption_leak_nothing() {
     assert_eq!(ids, vec![kept.clone()]);
     assert_eq!(net.veths().len(), 1, "the lost sandbox's veth is left");
     assert_eq!(net.slots(), 1);
-    assert_eq!(net.rules().0, 1);
-    // Its allow, deny and one set of resolved addresses; the proxy knows its names again.
-    assert_eq!(net.sets(), 3);
+    // Its membership, counter, allow elements and one domain-rule combination; the proxy
+    // knows its names again.
+    let elements = net.elements();
+    assert_eq!(
+        (elements["sandboxes"], elements["denied"], elements["spec0"]),
+        (1, 1, 1),
+        "{elements:?}"
+    );
+    assert!(elements["allow"] > 0, "{elements:?}");
     assert_eq!(
         lookup(&client, &kept, "mirror.test").await,
         Some(vec![net.mirror])
@@ -758,7 +768,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     assert!(!reaches(&client, &kept, net.mirror, 8081).await);
     client.delete(&kept).await.unwrap();
     assert_eq!(net.veths(), Vec::<String>::new());
-    assert_eq!((net.slots(), net.rules().0, net.sets()), (0, 0, 0));
+    assert_eq!((net.slots(), net.sandbox_elements()), (0, 0));
     daemon.stop(client).await;
 }
 
@@ -849,13 +859,13 @@ async fn dns_proxy_answers_only_allowed_names() {
     assert!(code == 0 && page.contains("hello-mirror"), "{code}: {page}");
     // By name and port only.
     assert!(!reaches(&client, &open, net.mirror, 8081).await);
-    let set = sh(&format!(
-        "nft list set inet {} dns0_{:08x}",
-        net.bridge,
-        u32::from(address_of(&client, &open).await)
-    ));
+    let set = sh(&format!("nft list set inet {} dns0", net.bridge));
     assert!(
-        set.contains(&net.mirror.to_string()) && set.contains("expires"),
+        set.contains(&format!(
+            "{} . {} timeout",
+            address_of(&client, &open).await,
+            net.mirror
+        )) && set.contains("expires"),
         "{set}"
     );
 

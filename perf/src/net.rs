@@ -160,13 +160,24 @@ fn request(network: NetworkPolicy) -> CreateSandboxRequest {
 /// The `setup_us` and `added_us` of the "network attached" lines of the daemon's log, in
 /// order.
 fn setup_times(log: &Path) -> Vec<(f64, f64)> {
+    logged_fields(log, "network attached", ["setup_us", "added_us"])
+}
+
+/// The `rules_us` (nft transaction) and `links_us` (veth, address, route) of the "network
+/// setup parts" lines, in order (one per create, as the "network attached" lines).
+fn setup_parts(log: &Path) -> Vec<(f64, f64)> {
+    logged_fields(log, "network setup parts", ["rules_us", "links_us"])
+}
+
+/// Two numeric fields of the daemon's log lines holding `message`, in order.
+fn logged_fields(log: &Path, message: &str, names: [&str; 2]) -> Vec<(f64, f64)> {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let field = |line: &str, name: &str| -> Option<f64> {
         let v = line.split(&format!("{name}=")).nth(1)?;
         v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
     };
     text.lines()
-        .filter(|l| l.contains("network attached"))
+        .filter(|l| l.contains(message))
         .map(|l| {
             // tracing's colours stripped.
             let plain: String = l
@@ -174,8 +185,8 @@ fn setup_times(log: &Path) -> Vec<(f64, f64)> {
                 .map(|p| p.split_once('m').map_or(p, |(_, rest)| rest))
                 .collect();
             (
-                field(&plain, "setup_us").unwrap_or(f64::NAN),
-                field(&plain, "added_us").unwrap_or(f64::NAN),
+                field(&plain, names[0]).unwrap_or(f64::NAN),
+                field(&plain, names[1]).unwrap_or(f64::NAN),
             )
         })
         .collect()
@@ -255,7 +266,10 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
     let tag = format!("{}", std::process::id() % 100_000);
     let host = TestHost::start(&tag)?;
     // The daemon logs each create's network setup time at debug level.
-    std::env::set_var("DSEC_LOG", "info,dsec_edge::backend::container=debug");
+    std::env::set_var(
+        "DSEC_LOG",
+        "info,dsec_edge::backend::container=debug,dsec_edge::net=debug",
+    );
     let bridge = format!("dp{tag}");
     let net_dir = o.workdir.join("net");
     let plain_dir = o.workdir.join("plain");
@@ -278,6 +292,11 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
     // overhead (~80 MiB): 1,000 of them need more than the default ratio's budget.
     if let Some(ratio) = memory_overcommit_for(most) {
         net_args.extend(["--overcommit-memory".to_string(), ratio.to_string()]);
+    }
+    // Each sandbox reserves its pid limit (512) of the node's pid budget (default 8 x
+    // pid_max, 262,144 here: 512 sandboxes); held ones run a handful of processes.
+    if most * 512 > 200_000 {
+        net_args.extend(["--pids".to_string(), (most * 1024).to_string()]);
     }
     let mut with_net = Edge::start_named(
         &o.edge,
@@ -362,12 +381,14 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
         name: "net-growth",
         title: "network setup time with sandboxes held on the node".into(),
         method: format!(
-            "{} create+delete at each level of held sandboxes (each held one has a veth, a \
-             chain and two sets); setup_us from the daemon's log",
+            "{} create+delete at each level of held sandboxes (each held one has a veth and a \
+             few elements in the node's sets); setup_us from the daemon's log",
             o.samples
         ),
         metrics: vec![
             metric("setup_ms", "network setup", "ms"),
+            detail("rules_ms", "its nft transaction", "ms"),
+            detail("links_ms", "its veth, address and route", "ms"),
             detail("create_ms", "create latency", "ms"),
         ],
         contenders: o
@@ -402,6 +423,7 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
             break;
         }
         let before = setup_times(&with_net.log).len();
+        let parts_before = setup_parts(&with_net.log).len();
         let mut creates = Vec::new();
         for i in 0..o.samples {
             creates.push((
@@ -410,14 +432,28 @@ async fn bench_async(o: &NetOpts) -> Result<NetResults, String> {
             ));
         }
         let times = setup_times(&with_net.log);
-        let mut k = before;
+        let parts = setup_parts(&with_net.log);
+        let (mut k, mut p) = (before, parts_before);
         let name = format!("held-{level}");
         for (i, r) in creates {
             growth.samples.push(match r {
                 Ok(ms) => {
                     let s = times.get(k).map_or(f64::NAN, |t| t.0 / 1e3);
+                    let (rules, links) = parts
+                        .get(p)
+                        .map_or((f64::NAN, f64::NAN), |t| (t.0 / 1e3, t.1 / 1e3));
                     k += 1;
-                    sample(&name, i, &[("setup_ms", s), ("create_ms", ms)])
+                    p += 1;
+                    sample(
+                        &name,
+                        i,
+                        &[
+                            ("setup_ms", s),
+                            ("rules_ms", rules),
+                            ("links_ms", links),
+                            ("create_ms", ms),
+                        ],
+                    )
                 }
                 Err(e) => failed(&name, i, e),
             });

@@ -613,7 +613,8 @@ pub async fn resume_microvm(
     let dir = MicroVmDir::new(&handle.dir);
     let poolable = handle.snapshot_dir.is_some()
         && !handle.dir.join("upper.ext4").exists()
-        && crate::net::jail_netns(&handle.dir).is_none();
+        && crate::net::jail_netns(&handle.dir).is_none()
+        && crate::net::address(&handle.dir).is_none();
     if let Some(pooled) = config
         .vmm_pool
         .as_ref()
@@ -633,9 +634,14 @@ pub async fn resume_microvm(
     }
     let mut options = SpawnOptions::find(config.vmm_bin.as_deref())?;
     options.cgroup_procs = cgroup_procs;
-    let mut launch = VmmLaunch::restore(RestoreLaunch::new(snapshot));
+    // A networked sandbox's tap went with its ended VMM: a new one for the same address.
+    let tap = crate::net::prepare_resume(config, &handle.dir).await?;
+    let mut restore = RestoreLaunch::new(snapshot);
+    restore.overrides.net = tap.as_ref().map(crate::net::restore_override);
+    let mut launch = VmmLaunch::restore(restore);
     if let (Some(jail), Some(snapshots)) = (&config.jail, &handle.snapshot_dir) {
         let mut jailed = jail.launch(&handle.id, snapshots);
+        jailed.netns = tap.as_ref().map(|t| t.netns.clone());
         // A sandbox once taken by a pooled VMM keeps that VMM's jail root in its record.
         if let Some(root) = &handle.jail_root {
             jailed.root = root.clone();
@@ -645,10 +651,24 @@ pub async fn resume_microvm(
     // The ended VMM's sockets: the wait must not find the old vsock path.
     let _ = std::fs::remove_file(dir.vsock());
     let _ = std::fs::remove_file(dir.api_sock());
-    let vm = MicroVm::spawn(&options, &dir, launch)?
-        .with_hostname(&handle.id)
-        .ready(timeout)
-        .await?;
+    let started = match MicroVm::spawn(&options, &dir, launch) {
+        Ok(vm) => vm.with_hostname(&handle.id).ready(timeout).await,
+        Err(err) => Err(err),
+    };
+    let vm = match (started, &tap) {
+        (Ok(vm), Some(tap)) => match crate::net::attach_microvm(config, tap, vm.agent()).await {
+            Ok(()) => vm,
+            Err(err) => {
+                crate::net::abandon_tap(tap);
+                return Err(err);
+            }
+        },
+        (Ok(vm), None) => vm,
+        (Err(err), tap) => {
+            tap.iter().for_each(crate::net::abandon_tap);
+            return Err(err);
+        }
+    };
     let agent = vm.agent().clone();
     Ok(Resumed {
         pid: vm.detach(),

@@ -59,6 +59,7 @@ impl Node {
             ..SnapshotOrigin::of(&record, self.on_disk_image(&record.image))
         };
         origin.write(&path)?;
+        crate::net::mark_if_networked(&record.handle.dir, &path)?;
         entry.event(&format!(
             "snapshot written to {} ({} pages, guest paused {:.1} ms)",
             path.display(),
@@ -152,7 +153,8 @@ impl Node {
                 allow_internet: parent.allow_internet,
                 allow: parent.allow.clone(),
                 deny: parent.deny.clone(),
-                network: Default::default(),
+                // The parent's policy, on a tap and address of the child's own.
+                network: super::network::recorded_policy(self, &parent),
                 request_id: String::new(),
                 public_ports: parent.public_ports.clone(),
                 cold: false,

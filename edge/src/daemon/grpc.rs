@@ -378,6 +378,18 @@ fn take_snapshot_shape(req: &mut CreateSandboxRequest) -> Result<Option<PathBuf>
     req.memory_mib = origin.pick("memory_mib", req.memory_mib, origin.memory_mib)?;
     req.disk_mib = origin.pick("disk_mib", req.disk_mib, origin.disk_mib)?;
     req.pids_limit = origin.pick("pids_limit", req.pids_limit, origin.pids_limit)?;
+    // The source's network policy, unless the Create gives one of its own.
+    if req
+        .network
+        .as_ref()
+        .is_none_or(|n| *n == NetworkPolicy::default())
+    {
+        req.network = Some(NetworkPolicy {
+            allow_internet: origin.allow_internet,
+            allow: origin.allow,
+            deny: origin.deny,
+        });
+    }
     Ok(Some(dir))
 }
 

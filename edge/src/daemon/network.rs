@@ -91,7 +91,7 @@ impl Node {
             let addr: Option<Ipv4Addr> = crate::net::address(&record.handle.dir);
             let Some(addr) = addr else {
                 return Err(NodeError::FailedPrecondition(format!(
-                    "sandbox {id} has no network interface (a forked, named-restored or resumed microVM has none, nor has a sandbox created before this node had a sandbox network): create a new one"
+                    "sandbox {id} has no network interface (a sandbox created before this node had a sandbox network, or restored from a snapshot of one, has none): create a new one"
                 )));
             };
             tokio::task::spawn_blocking(move || net.set_policy(addr, &policy))

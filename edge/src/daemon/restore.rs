@@ -34,6 +34,13 @@ pub struct SnapshotOrigin {
     /// A diff snapshot: only the pages changed since the one before, not restorable alone.
     #[serde(default)]
     pub diff: bool,
+    /// The source's network policy as written: a restore whose Create gives none gets it.
+    #[serde(default)]
+    pub allow_internet: bool,
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub deny: Vec<String>,
 }
 
 impl SnapshotOrigin {
@@ -47,6 +54,9 @@ impl SnapshotOrigin {
             pids_limit: record.pids_limit,
             on_disk,
             diff: false,
+            allow_internet: record.allow_internet,
+            allow: record.allow.clone(),
+            deny: record.deny.clone(),
         }
     }
 
@@ -171,6 +181,9 @@ mod tests {
             pids_limit: 512,
             on_disk: false,
             diff: false,
+            allow_internet: false,
+            allow: vec!["tcp:10.1.2.3:443".into()],
+            deny: Vec::new(),
         }
     }
 

@@ -34,10 +34,11 @@ pub(super) const MAX_LOG_LINES: u32 = 30;
 /// Resolved names remembered per sandbox (to keep them open across a policy change).
 pub(super) const MAX_REMEMBERED: usize = 1024;
 
-/// A name the proxy resolved for a sandbox, open until `until`.
+/// A name the proxy resolved for a sandbox, open in the node's set `dns<set>` until `until`.
 #[derive(Clone, Debug)]
 pub(super) struct Resolved {
     pub name: String,
+    pub set: usize,
     pub addr: Ipv4Addr,
     pub until: Instant,
 }
@@ -189,7 +190,7 @@ async fn answer(net: &Network, from: SocketAddr, datagram: &[u8]) -> Option<Vec<
         return None;
     };
     let policy = net.policy_of(*from.ip());
-    let (Some(policy), [question]) = (policy, query.queries.as_slice()) else {
+    let (Some((policy, generation)), [question]) = (policy, query.queries.as_slice()) else {
         net.log_refusal(
             *from.ip(),
             "network: DNS query refused: not exactly one question",
@@ -253,14 +254,29 @@ async fn answer(net: &Network, from: SocketAddr, datagram: &[u8]) -> Option<Vec<
             return reply_to(&query, ResponseCode::ServFail).to_vec().ok();
         }
         let now = Instant::now();
-        net.remember(
+        let stale = net.remember(
             addr,
-            opened.iter().map(|(_, ip, ttl)| Resolved {
-                name: name.clone(),
-                addr: *ip,
-                until: now + Duration::from_secs(u64::from(*ttl)),
-            }),
+            generation,
+            opened
+                .iter()
+                .map(|(set, ip, ttl)| Resolved {
+                    name: name.clone(),
+                    set: *set,
+                    addr: *ip,
+                    until: now + Duration::from_secs(u64::from(*ttl)),
+                })
+                .collect(),
         );
+        if !stale.is_empty() {
+            // Each alone: one may have timed out already.
+            let cmds = nft::remove_resolved(&table, addr, &stale);
+            let _ = tokio::task::spawn_blocking(move || {
+                for cmd in cmds {
+                    let _ = nft::apply(vec![cmd]);
+                }
+            })
+            .await;
+        }
     }
     reply.to_vec().ok()
 }

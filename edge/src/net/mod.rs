@@ -19,19 +19,20 @@ mod link;
 mod nft;
 mod tap;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
 pub use tap::{
-    attach_microvm, mark_snapshot_net_device, prepare_microvm, prepare_restore, restore_override,
-    snapshot_has_net_device, template_net_device, TapPlan,
+    abandon_tap, attach_microvm, mark_if_networked, mark_snapshot_net_device, prepare_microvm,
+    prepare_restore, prepare_resume, restore_override, snapshot_has_net_device,
+    template_net_device, TapPlan,
 };
 
 /// File in the sandbox directory naming its address, table and pool slot.
@@ -87,8 +88,11 @@ pub struct Network {
     /// Where the DNS proxy forwards the names it answers.
     pub resolver: Option<SocketAddr>,
     slots: PathBuf,
-    /// Each sandbox's policy and the names the proxy resolved for it, by address.
+    /// Each sandbox's policy, its elements and the names the proxy resolved for it, by
+    /// address.
     sandboxes: Mutex<HashMap<Ipv4Addr, Named>>,
+    /// Held through a policy change (computed from, then written over, a sandbox's elements).
+    changing: Mutex<()>,
     /// The proxy's sockets until [`Network::serve_dns`] takes them.
     dns_socket: Mutex<Option<dns::Sockets>>,
 }
@@ -97,6 +101,11 @@ pub struct Network {
 #[derive(Debug, Default)]
 struct Named {
     policy: Policy,
+    /// The policy's elements in the node's sets (what a change or a release removes).
+    entries: BTreeSet<nft::Entry>,
+    /// Bumped by each policy change: an answer resolved under an older policy is not kept.
+    generation: u64,
+    /// In the node's `dns<k>` sets, until they time out.
     resolved: Vec<dns::Resolved>,
     /// Refused queries written to its event log in the current minute, and since when.
     logged: (u32, Option<Instant>),
@@ -110,9 +119,6 @@ struct Held {
     table: String,
     addr: Ipv4Addr,
     slot: PathBuf,
-    /// Its sets of resolved addresses (one per protocol/port combination of domain rules).
-    #[serde(default)]
-    dns_sets: usize,
     /// A microVM's network namespace while its VMM starts (see `tap.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     netns: Option<PathBuf>,
@@ -121,6 +127,18 @@ struct Held {
 /// The bridge's own address: the pool's first.
 fn gateway_of(pool: (Ipv4Addr, u8)) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(pool.0) + 1)
+}
+
+/// The networks this process runs, so that [`release`] (which has only a sandbox's
+/// directory) finds the elements a sandbox holds.
+static NETWORKS: Mutex<Vec<Weak<Network>>> = Mutex::new(Vec::new());
+
+fn running(table: &str) -> Option<Arc<Network>> {
+    let networks = NETWORKS.lock().unwrap_or_else(|e| e.into_inner());
+    networks
+        .iter()
+        .filter_map(Weak::upgrade)
+        .find(|n| n.bridge == table)
 }
 
 fn veth_name(addr: Ipv4Addr) -> String {
@@ -179,7 +197,7 @@ impl Network {
                 tracing::warn!(%bridge, pool = %format!("{}/{}", pool.0, pool.1), %gateway, %err, "sandbox network up; rules through the nft program, a process per change (install libnftables1 for faster creates)")
             }
         }
-        Ok(Arc::new(Self {
+        let network = Arc::new(Self {
             bridge: bridge.clone(),
             pool,
             gateway,
@@ -190,8 +208,13 @@ impl Network {
                 .map(|ip| SocketAddr::from((ip, 53))),
             slots,
             sandboxes: Mutex::default(),
+            changing: Mutex::default(),
             dns_socket: Mutex::new(Some(dns_socket)),
-        }))
+        });
+        let mut networks = NETWORKS.lock().unwrap_or_else(|e| e.into_inner());
+        networks.retain(|n| n.strong_count() > 0);
+        networks.push(Arc::downgrade(&network));
+        Ok(network)
     }
 
     /// Starts the DNS proxy on the runtime this is called on (once; later calls do nothing).
@@ -206,47 +229,53 @@ impl Network {
         }
     }
 
-    /// The policy of the sandbox at `addr`, if one is there.
-    fn policy_of(&self, addr: Ipv4Addr) -> Option<Policy> {
+    /// The policy of the sandbox at `addr` and its generation, if one is there.
+    fn policy_of(&self, addr: Ipv4Addr) -> Option<(Policy, u64)> {
         let sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        sandboxes.get(&addr).map(|n| n.policy.clone())
+        sandboxes
+            .get(&addr)
+            .map(|n| (n.policy.clone(), n.generation))
     }
 
-    /// Sets the policy the DNS proxy applies to `addr`; returns the old policy and the
-    /// names resolved under it that have not timed out.
-    fn set_names(&self, addr: Ipv4Addr, policy: &Policy) -> (Policy, Vec<dns::Resolved>) {
+    /// Records names the proxy resolved for `addr` under the policy of `generation`, and
+    /// already added to the node's sets. Returns the (set, address) elements to remove
+    /// again: those of a policy changed meanwhile, and the oldest beyond
+    /// [`dns::MAX_REMEMBERED`] (what is not remembered could not be removed on release).
+    fn remember(
+        &self,
+        addr: Ipv4Addr,
+        generation: u64,
+        resolved: Vec<dns::Resolved>,
+    ) -> Vec<(usize, Ipv4Addr)> {
         let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        let named = sandboxes.entry(addr).or_default();
-        let old = std::mem::replace(&mut named.policy, policy.clone());
-        let now = Instant::now();
-        named.resolved.retain(|r| r.until > now);
-        (old, named.resolved.clone())
-    }
-
-    /// Records in the sandbox's directory (found through its address slot) how many sets
-    /// of resolved addresses it has, for [`release`].
-    fn record_dns_sets(&self, addr: Ipv4Addr, count: usize) {
-        let Some(dir) = self.sandbox_dir(addr) else {
-            return;
+        let key = |r: &dns::Resolved| (r.set, r.addr);
+        let Some(named) = sandboxes.get_mut(&addr) else {
+            return resolved.iter().map(key).collect();
         };
-        if let Some(mut held) = held(&dir) {
-            held.dns_sets = count;
-            if let Err(err) = write_held(&dir, &held) {
-                tracing::warn!(%err, %addr, "cannot record the sandbox's DNS sets");
-            }
+        if named.generation != generation {
+            let kept: BTreeSet<_> = named.resolved.iter().map(key).collect();
+            return resolved
+                .iter()
+                .map(key)
+                .filter(|k| !kept.contains(k))
+                .collect();
         }
-    }
-
-    /// Records names the proxy resolved for `addr` (the newest [`dns::MAX_REMEMBERED`]).
-    fn remember(&self, addr: Ipv4Addr, resolved: impl Iterator<Item = dns::Resolved>) {
-        let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(named) = sandboxes.get_mut(&addr) {
-            let now = Instant::now();
-            named.resolved.retain(|r| r.until > now);
-            named.resolved.extend(resolved);
-            let excess = named.resolved.len().saturating_sub(dns::MAX_REMEMBERED);
-            named.resolved.drain(..excess);
-        }
+        let now = Instant::now();
+        named.resolved.retain(|r| {
+            r.until > now
+                && !resolved
+                    .iter()
+                    .any(|n| n.name == r.name && key(n) == key(r))
+        });
+        named.resolved.extend(resolved);
+        let excess = named.resolved.len().saturating_sub(dns::MAX_REMEMBERED);
+        let evicted: Vec<dns::Resolved> = named.resolved.drain(..excess).collect();
+        let kept: BTreeSet<_> = named.resolved.iter().map(key).collect();
+        evicted
+            .iter()
+            .map(key)
+            .filter(|k| !kept.contains(k))
+            .collect()
     }
 
     /// Writes a line about the sandbox at `addr` to its event log (found through its
@@ -283,10 +312,10 @@ impl Network {
         crate::daemon::record::append_event(&dir, line);
     }
 
-    /// The proxy forgets the sandbox at `addr`.
-    fn forget(&self, addr: Ipv4Addr) {
+    /// Forgets the sandbox at `addr`: what it had in the node's sets.
+    fn forget(&self, addr: Ipv4Addr) -> Option<Named> {
         let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        sandboxes.remove(&addr);
+        sandboxes.remove(&addr)
     }
 
     /// Resolves a policy as written (named policies expanded) and checks that it compiles.
@@ -298,22 +327,34 @@ impl Network {
     }
 
     /// Takes an address for `sandbox_dir` (recorded there) and makes it the DNS proxy's
-    /// with `policy`; returns it and the nft commands of its chain and sets.
+    /// with `policy`; returns it and the nft commands of its elements.
     fn claim(
         &self,
         sandbox_dir: &Path,
         policy: &Policy,
     ) -> Result<(Ipv4Addr, Vec<serde_json::Value>), NetError> {
-        let (allow, deny) = (
-            policy::compile(&policy.allow)?,
-            policy::compile(&policy.deny)?,
+        let entries = nft::entries(
+            &policy::compile(&policy.allow)?,
+            &policy::compile(&policy.deny)?,
+            &policy.domain_specs(),
         );
-        let domains = policy.domain_specs();
-        let addr = self.allocate(sandbox_dir, domains.len())?;
-        // A sandbox that had this address before may have left its names.
-        self.forget(addr);
-        self.set_names(addr, policy);
-        let rules = nft::add_sandbox(&self.bridge, addr, &allow, &deny, &domains);
+        let addr = self.allocate(sandbox_dir)?;
+        // A sandbox that had this address before and whose release failed left elements.
+        if let Some(stale) = self.forget(addr) {
+            remove_elements(&self.bridge, addr, Some(stale));
+        }
+        let rules = nft::add_sandbox(&self.bridge, addr, &entries);
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                addr,
+                Named {
+                    policy: policy.clone(),
+                    entries,
+                    ..Named::default()
+                },
+            );
         Ok((addr, rules))
     }
 
@@ -334,58 +375,114 @@ impl Network {
         let bridge = &self.bridge;
         // Rules and links in parallel: until the map entry exists the bridge drops the
         // sandbox's packets anyway.
-        let rules = std::thread::spawn(move || nft::apply(rules));
+        let rules = std::thread::spawn(move || {
+            let started = Instant::now();
+            (nft::apply(rules), started.elapsed())
+        });
+        let started = Instant::now();
         let host = link::Rtnl::open().and_then(|mut rtnl| {
             rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
             rtnl.isolate_and_up(link::index_of(&veth)?)
         });
+        let host_us = started.elapsed().as_micros() as u64;
         let inside =
             host.and_then(|()| link::configure_inside(&netns, addr, self.pool.1, self.gateway));
-        let rules = rules
-            .join()
-            .unwrap_or_else(|_| Err(NetError::Setup("the nft thread panicked".into())));
+        let links_us = started.elapsed().as_micros() as u64;
+        let (rules, rules_took) = rules.join().unwrap_or_else(|_| {
+            (
+                Err(NetError::Setup("the nft thread panicked".into())),
+                Default::default(),
+            )
+        });
+        // Where a create's network setup goes (the benchmark reads these).
+        tracing::debug!(
+            rules_us = rules_took.as_micros() as u64,
+            host_links_us = host_us,
+            links_us,
+            "network setup parts"
+        );
         inside.and(rules)?;
         Ok(addr)
     }
 
     /// Replaces a running sandbox's policy: new connections see it at once; connections it
     /// now denies are cut (the next packet the sandbox sends is rejected with a reset, and
-    /// their conntrack entries go, so replies are dropped). Blocking.
+    /// their conntrack entries go, so replies are dropped). One transaction of the elements
+    /// that differ. Blocking.
     pub fn set_policy(&self, addr: Ipv4Addr, policy: &Policy) -> Result<(), NetError> {
-        let (allow, deny) = (
-            policy::compile(&policy.allow)?,
-            policy::compile(&policy.deny)?,
+        let entries = nft::entries(
+            &policy::compile(&policy.allow)?,
+            &policy::compile(&policy.deny)?,
+            &policy.domain_specs(),
         );
-        let domains = policy.domain_specs();
-        let (old, resolved) = self.set_names(addr, policy);
-        let old_sets = old.domain_specs().len();
-        let mut cmds = nft::replace_policy(&self.bridge, addr, &allow, &deny, &domains, old_sets);
-        // Names resolved before stay open as long as the new policy allows them.
+        let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        let mut kept = Vec::new();
-        for resolved in resolved {
-            let left = resolved
-                .until
-                .saturating_duration_since(now)
-                .as_secs()
-                .max(1);
-            for (k, _) in policy.domain_verdict(&resolved.name) {
-                kept.push((k, resolved.addr, left.min(u64::from(u32::MAX)) as u32));
+        let old = {
+            let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            let named = sandboxes.entry(addr).or_default();
+            named.resolved.retain(|r| r.until > now);
+            Named {
+                policy: std::mem::replace(&mut named.policy, policy.clone()),
+                entries: std::mem::replace(&mut named.entries, entries.clone()),
+                generation: named.generation,
+                resolved: std::mem::take(&mut named.resolved),
+                ..Named::default()
             }
+        };
+        // Names resolved before stay open as long as the new policy allows them (in the
+        // sets of the new policy's combinations).
+        let kept: Vec<dns::Resolved> = old
+            .resolved
+            .iter()
+            .flat_map(|r| {
+                policy
+                    .domain_verdict(&r.name)
+                    .into_iter()
+                    .map(|(set, _)| dns::Resolved { set, ..r.clone() })
+            })
+            .collect();
+        let old_keys: BTreeSet<(usize, Ipv4Addr)> =
+            old.resolved.iter().map(|r| (r.set, r.addr)).collect();
+        let mut new_keys: BTreeMap<(usize, Ipv4Addr), Instant> = BTreeMap::new();
+        for r in &kept {
+            let until = new_keys.entry((r.set, r.addr)).or_insert(r.until);
+            *until = (*until).max(r.until);
         }
-        cmds.extend(nft::add_resolved(&self.bridge, addr, &kept));
-        // Recorded first with the larger count: a release in between deletes what exists.
-        self.record_dns_sets(addr, old_sets.max(domains.len()));
-        let applied = nft::apply(cmds);
-        self.record_dns_sets(
-            addr,
-            if applied.is_ok() {
-                domains.len()
-            } else {
-                old_sets
-            },
-        );
-        applied?;
+        let gone: Vec<(usize, Ipv4Addr)> = old_keys
+            .iter()
+            .filter(|k| !new_keys.contains_key(k))
+            .copied()
+            .collect();
+        let added: Vec<(usize, Ipv4Addr, u32)> = new_keys
+            .iter()
+            .filter(|(k, _)| !old_keys.contains(k))
+            .map(|((set, ip), until)| {
+                let left = until.saturating_duration_since(now).as_secs().max(1);
+                (*set, *ip, left.min(u64::from(u32::MAX)) as u32)
+            })
+            .collect();
+        let mut cmds = nft::change_policy(&self.bridge, addr, &old.entries, &entries);
+        cmds.extend(nft::add_resolved(&self.bridge, addr, &added));
+        let removals = nft::remove_resolved(&self.bridge, addr, &gone);
+        let mut applied = nft::apply(cmds.iter().cloned().chain(removals.clone()).collect());
+        if applied.is_err() && !removals.is_empty() {
+            // A resolved address that timed out meanwhile cannot be deleted: each alone.
+            for removal in removals {
+                let _ = nft::apply(vec![removal]);
+            }
+            applied = nft::apply(cmds);
+        }
+        let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        let named = sandboxes.entry(addr).or_default();
+        named.generation += 1;
+        if let Err(err) = applied {
+            named.policy = old.policy;
+            named.entries = old.entries;
+            named.resolved = old.resolved;
+            return Err(err);
+        }
+        named.resolved = kept;
+        drop(sandboxes);
         flush_conntrack(addr);
         Ok(())
     }
@@ -395,19 +492,23 @@ impl Network {
     pub fn adopt(&self, live: &[(Ipv4Addr, Policy)]) -> Result<(), NetError> {
         let mut cmds = nft::base_table(&self.bridge, &self.bridge, self.pool);
         for (addr, policy) in live {
-            let (allow, deny) = (
-                policy::compile(&policy.allow)?,
-                policy::compile(&policy.deny)?,
-            );
-            self.set_names(*addr, policy);
-            self.record_dns_sets(*addr, policy.domain_specs().len());
-            cmds.extend(nft::add_sandbox(
-                &self.bridge,
-                *addr,
-                &allow,
-                &deny,
+            let entries = nft::entries(
+                &policy::compile(&policy.allow)?,
+                &policy::compile(&policy.deny)?,
                 &policy.domain_specs(),
-            ));
+            );
+            cmds.extend(nft::add_sandbox(&self.bridge, *addr, &entries));
+            self.sandboxes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(
+                    *addr,
+                    Named {
+                        policy: policy.clone(),
+                        entries,
+                        ..Named::default()
+                    },
+                );
         }
         nft::apply(cmds)?;
         let keep: Vec<String> = live
@@ -485,7 +586,7 @@ impl Network {
 
     /// Takes a free address of the pool for `sandbox_dir` (a symlink `<slots>/<addr>` ->
     /// the directory; one whose directory is gone is free again) and records it there.
-    fn allocate(&self, sandbox_dir: &Path, dns_sets: usize) -> Result<Ipv4Addr, NetError> {
+    fn allocate(&self, sandbox_dir: &Path) -> Result<Ipv4Addr, NetError> {
         let first = u32::from(self.pool.0) + 2;
         let count = (1u32 << (32 - self.pool.1)) - 3;
         let start = random_u32() % count;
@@ -498,7 +599,6 @@ impl Network {
                         table: self.bridge.clone(),
                         addr,
                         slot: slot.clone(),
-                        dns_sets,
                         netns: None,
                     };
                     if let Err(e) = write_held(sandbox_dir, &held) {
@@ -551,14 +651,8 @@ pub fn release(sandbox_dir: &Path) {
     let Some(held) = held(sandbox_dir) else {
         return;
     };
-    let cmds = nft::remove_sandbox(&held.table, held.addr, held.dns_sets);
-    if let Err(err) = nft::apply(cmds.clone()) {
-        // One transaction fails as a whole (a part already gone): then each part alone.
-        tracing::debug!(%err, addr = %held.addr, "sandbox rules partly gone");
-        for cmd in cmds {
-            let _ = nft::apply(vec![cmd]);
-        }
-    }
+    let named = running(&held.table).and_then(|n| n.forget(held.addr));
+    remove_elements(&held.table, held.addr, named);
     for link in [veth_name(held.addr), tap::tap_name(held.addr)] {
         if Path::new("/sys/class/net").join(&link).exists() {
             let _ = ip_batch(&format!("link del {link}\n"), None);
@@ -572,6 +666,28 @@ pub fn release(sandbox_dir: &Path) {
         let _ = std::fs::remove_file(&held.slot);
     }
     let _ = std::fs::remove_file(sandbox_dir.join(RECORD));
+}
+
+/// Removes a sandbox's elements from the node's sets: what `named` says it has (a node that
+/// does not know it, after a restart, rewrote the table without it), or its membership only.
+fn remove_elements(table: &str, addr: Ipv4Addr, named: Option<Named>) {
+    let named = named.unwrap_or_default();
+    let mut cmds = nft::remove_sandbox(table, addr, &named.entries);
+    let resolved: BTreeSet<(usize, Ipv4Addr)> =
+        named.resolved.iter().map(|r| (r.set, r.addr)).collect();
+    cmds.extend(nft::remove_resolved(
+        table,
+        addr,
+        &resolved.into_iter().collect::<Vec<_>>(),
+    ));
+    if let Err(err) = nft::apply(cmds.clone()) {
+        // One transaction fails as a whole (a part already gone, a resolved address timed
+        // out): then each part alone.
+        tracing::debug!(%err, %addr, "sandbox elements partly gone");
+        for cmd in cmds {
+            let _ = nft::apply(vec![cmd]);
+        }
+    }
 }
 
 /// Deletes the connection tracking entries of connections the address opened.

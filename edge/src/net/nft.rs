@@ -1,15 +1,19 @@
 //! The node's nftables table (`inet <bridge>`), written as nftables JSON through libnftables
 //! in this process (`libnft.rs`; `nft -j -f -` where the library is missing), one atomic
-//! transaction per call. Layout:
+//! transaction per call. Every rule and set is node-wide; a sandbox is only elements keyed
+//! by its address, so a create's transaction costs the same however many sandboxes the
+//! node holds (per-sandbox chains made each transaction slower as the table grew). Layout:
 //!
 //! - `forward`: from the bridge, traffic to the pool (other sandboxes) and IPv6 are dropped,
-//!   then `ip saddr vmap @sandboxes` jumps to the sandbox's own chain; unknown sources are
-//!   dropped. Towards the bridge only replies (ct established/related) pass.
-//! - `sb_<addr hex>`: deny set -> reject, allow set -> accept, then the addresses the DNS
-//!   proxy resolved for its domain rules (`dns<k>_<addr hex>`, one set per protocol/port
-//!   combination, elements that time out with the answers' TTLs; a connection they opened is
-//!   marked and kept when its address times out), else reject (counted). Every packet a
-//!   sandbox sends is checked, so a policy change applies to open connections too.
+//!   the rest goes to `policy`. Towards the bridge only replies (ct established/related) pass.
+//! - `policy`: sources not in `sandboxes` are dropped; then `deny` -> reject, `allow` ->
+//!   accept (both `saddr . daddr . proto . dport` intervals), connections a resolved domain
+//!   opened (ct mark) -> accept, and per domain-rule combination k: `dns<k>` (`saddr .
+//!   resolved address`, elements that time out with the answers' TTLs) with `spec<k>`
+//!   (`saddr . proto . dport`: the combination's protocols and ports for that sandbox) ->
+//!   mark and accept; else reject. Rejections count in the sandbox's element of `denied`
+//!   (a set with a counter per element). Every packet a sandbox sends is checked, so a policy
+//!   change applies to open connections too.
 //! - `input`: nothing from the bridge reaches the node itself (API, metrics, entry point)
 //!   but the DNS proxy (UDP and TCP 53 on the bridge address).
 //! - `postrouting` (nat): the pool is masqueraded behind the node's uplink.
@@ -19,30 +23,86 @@
 //! gateway's MAC. Frames from a tap (`dst*` ports) pass only as IPv4 or ARP whose port,
 //! source MAC and source address are in `ports` (one element per sandbox, added with it).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
-use super::policy::{DomainSpec, Element, Proto};
+use super::policy::{DomainSpec, Element, MAX_DOMAIN_SPECS};
 use super::NetError;
 
 const FAMILY: &str = "inet";
 
-fn chain_name(addr: Ipv4Addr) -> String {
-    format!("sb_{:08x}", u32::from(addr))
-}
-
-fn set_name(kind: &str, addr: Ipv4Addr) -> String {
-    format!("{kind}_{:08x}", u32::from(addr))
-}
-
 /// The conntrack mark bit of connections a resolved domain let through.
 const DNS_MARK: u32 = 0x0040_0000;
 
-fn dns_set_name(k: usize, addr: Ipv4Addr) -> String {
-    format!("dns{k}_{:08x}", u32::from(addr))
+/// The chain every packet from a sandbox goes through.
+const POLICY_CHAIN: &str = "policy";
+
+fn dns_set(k: usize) -> String {
+    format!("dns{k}")
+}
+
+fn spec_set(k: usize) -> String {
+    format!("spec{k}")
+}
+
+/// One element a sandbox's policy puts in the node's sets (with the sandbox's address in
+/// front).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Entry {
+    Allow(Element),
+    Deny(Element),
+    /// Domain-rule combination k: protocols and ports its resolved addresses open.
+    Spec(usize, (u8, u8), (u16, u16)),
+}
+
+impl Entry {
+    fn set(&self) -> String {
+        match self {
+            Entry::Allow(_) => "allow".into(),
+            Entry::Deny(_) => "deny".into(),
+            Entry::Spec(k, ..) => spec_set(*k),
+        }
+    }
+
+    fn elem(&self, addr: Ipv4Addr) -> Value {
+        match self {
+            Entry::Allow(e) | Entry::Deny(e) => json!({"concat": [
+                addr.to_string(),
+                {"range": [Ipv4Addr::from(e.addrs.0).to_string(), Ipv4Addr::from(e.addrs.1).to_string()]},
+                {"range": [e.protos.0, e.protos.1]},
+                {"range": [e.ports.0, e.ports.1]},
+            ]}),
+            Entry::Spec(_, protos, ports) => json!({"concat": [
+                addr.to_string(),
+                {"range": [protos.0, protos.1]},
+                {"range": [ports.0, ports.1]},
+            ]}),
+        }
+    }
+}
+
+/// A compiled policy's elements.
+pub(super) fn entries(
+    allow: &[Element],
+    deny: &[Element],
+    domains: &[DomainSpec],
+) -> BTreeSet<Entry> {
+    let mut out: BTreeSet<Entry> = allow.iter().copied().map(Entry::Allow).collect();
+    out.extend(deny.iter().copied().map(Entry::Deny));
+    for (k, (proto, ports)) in domains.iter().enumerate() {
+        let protos = match proto {
+            Some(p) => vec![(p.number(), p.number())],
+            // Ports without a protocol mean TCP and UDP; neither means every protocol.
+            None if *ports != (0, 65535) => vec![(6, 6), (17, 17)],
+            None => vec![(0, 255)],
+        };
+        out.extend(protos.into_iter().map(|p| Entry::Spec(k, p, *ports)));
+    }
+    out
 }
 
 fn ct_mark() -> Value {
@@ -77,42 +137,15 @@ fn dport() -> Value {
     json!({"payload": {"protocol": "th", "field": "dport"}})
 }
 
-fn policy_key() -> Value {
-    json!({"concat": [ip("daddr"), meta("l4proto"), dport()]})
+fn in_set(key: Vec<Value>, set: &str) -> Value {
+    is(json!({"concat": key}), json!(format!("@{set}")))
 }
 
-/// What a domain rule's protocol and ports match.
-fn spec_match(spec: &DomainSpec) -> Vec<Value> {
-    let (proto, ports) = *spec;
-    let mut out = Vec::new();
-    let name = |p: Proto| match p {
-        Proto::Tcp => "tcp",
-        Proto::Udp => "udp",
-        Proto::Icmp => "icmp",
-    };
-    match proto {
-        Some(p) => out.push(is(meta("l4proto"), json!(name(p)))),
-        None if ports != (0, 65535) => {
-            out.push(is(meta("l4proto"), json!({"set": ["tcp", "udp"]})))
-        }
-        None => {}
-    }
-    if ports != (0, 65535) {
-        out.push(is(dport(), json!({"range": [ports.0, ports.1]})));
-    }
-    out
+/// `saddr . daddr . proto . dport`, the key of `allow` and `deny`.
+fn policy_key() -> Vec<Value> {
+    vec![ip("saddr"), ip("daddr"), meta("l4proto"), dport()]
 }
 
-fn element(e: &Element) -> Value {
-    json!({"concat": [
-        {"range": [Ipv4Addr::from(e.addrs.0).to_string(), Ipv4Addr::from(e.addrs.1).to_string()]},
-        {"range": [e.protos.0, e.protos.1]},
-        {"range": [e.ports.0, e.ports.1]},
-    ]})
-}
-
-/// The whole table with no sandboxes in it, replacing whatever was there (atomically: the
-/// old rules hold until the new ones do).
 /// The `bridge` family table: frames from taps pass only from their own MAC and address.
 fn port_table(table: &str) -> Vec<Value> {
     let t = json!({"family": "bridge", "name": table});
@@ -164,6 +197,116 @@ fn port_element(table: &str, addr: Ipv4Addr) -> Value {
         "elem": [{"concat": [super::tap::tap_name(addr), super::tap::mac_of(addr), addr.to_string()]}]})
 }
 
+/// The node-wide sets: membership, denied counters, policies, domain rules' resolved
+/// addresses and their protocols and ports.
+fn sets(table: &str) -> Vec<Value> {
+    let set = |name: &str, kind: Value, extra: Value| {
+        let mut set = json!({"family": FAMILY, "table": table, "name": name, "type": kind});
+        if let (Some(set), Some(extra)) = (set.as_object_mut(), extra.as_object()) {
+            set.extend(extra.clone());
+        }
+        json!({"add": {"set": set}})
+    };
+    let interval = json!({"flags": ["interval"]});
+    let mut out = vec![
+        set("sandboxes", json!("ipv4_addr"), json!({})),
+        // A lookup that finds an element counts the packet in the element's counter.
+        set(
+            "denied",
+            json!("ipv4_addr"),
+            json!({"stmt": [{"counter": null}]}),
+        ),
+        set(
+            "allow",
+            json!(["ipv4_addr", "ipv4_addr", "inet_proto", "inet_service"]),
+            interval.clone(),
+        ),
+        set(
+            "deny",
+            json!(["ipv4_addr", "ipv4_addr", "inet_proto", "inet_service"]),
+            interval.clone(),
+        ),
+    ];
+    for k in 0..MAX_DOMAIN_SPECS {
+        out.push(set(
+            &dns_set(k),
+            json!(["ipv4_addr", "ipv4_addr"]),
+            json!({"flags": ["timeout"]}),
+        ));
+        out.push(set(
+            &spec_set(k),
+            json!(["ipv4_addr", "inet_proto", "inet_service"]),
+            interval.clone(),
+        ));
+    }
+    out
+}
+
+/// The `policy` chain's rules (see the module's comment).
+fn policy_rules(table: &str) -> Vec<Value> {
+    let chain = POLICY_CHAIN;
+    let counted = || is(ip("saddr"), json!("@denied"));
+    // A reset ends the sandbox's side of a TCP connection at once (also one that a policy
+    // change just denied); the rest get "administratively prohibited". The counting lookup
+    // comes last, so only packets the rule rejects are counted.
+    let reject = |mut tcp: Vec<Value>| {
+        let mut other = tcp.clone();
+        tcp.extend([
+            is(meta("l4proto"), json!("tcp")),
+            counted(),
+            json!({"reject": {"type": "tcp reset"}}),
+        ]);
+        other.extend([
+            counted(),
+            json!({"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
+        ]);
+        [rule(table, chain, tcp), rule(table, chain, other)]
+    };
+    let mut out = vec![
+        json!({"add": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
+        rule(
+            table,
+            chain,
+            vec![
+                is_not(ip("saddr"), json!("@sandboxes")),
+                json!({"drop": null}),
+            ],
+        ),
+    ];
+    out.extend(reject(vec![in_set(policy_key(), "deny")]));
+    out.push(rule(
+        table,
+        chain,
+        vec![in_set(policy_key(), "allow"), json!({"accept": null})],
+    ));
+    // A connection to a resolved address lives on when the address times out.
+    out.push(rule(
+        table,
+        chain,
+        vec![
+            is(json!({"&": [ct_mark(), DNS_MARK]}), json!(DNS_MARK)),
+            json!({"accept": null}),
+        ],
+    ));
+    for k in 0..MAX_DOMAIN_SPECS {
+        out.push(rule(
+            table,
+            chain,
+            vec![
+                in_set(vec![ip("saddr"), ip("daddr")], &dns_set(k)),
+                in_set(vec![ip("saddr"), meta("l4proto"), dport()], &spec_set(k)),
+                json!({"mangle": {"key": ct_mark(), "value": {"|": [ct_mark(), DNS_MARK]}}}),
+                json!({"accept": null}),
+            ],
+        ));
+    }
+    out.extend(reject(Vec::new()));
+    out.push(rule(table, chain, vec![json!({"drop": null})]));
+    out
+}
+
+/// The whole table with no sandboxes in it, replacing whatever was there (atomically: the
+/// old rules hold until the new ones do).
 pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec<Value> {
     let t = json!({"family": FAMILY, "name": table});
     let gateway = super::gateway_of(pool);
@@ -185,8 +328,10 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
         json!({"add": {"table": t}}),
         json!({"delete": {"table": t}}),
         json!({"add": {"table": t}}),
-        json!({"add": {"map": {"family": FAMILY, "table": table, "name": "sandboxes",
-            "type": "ipv4_addr", "map": "verdict"}}}),
+    ]);
+    cmds.extend(sets(table));
+    cmds.extend(policy_rules(table));
+    cmds.extend([
         base_chain("forward", "filter", "forward", 0),
         on_bridge(
             "forward",
@@ -205,7 +350,7 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
         on_bridge(
             "forward",
             "iifname",
-            vec![json!({"vmap": {"key": ip("saddr"), "data": "@sandboxes"}})],
+            vec![json!({"jump": {"target": POLICY_CHAIN}})],
         ),
         on_bridge("forward", "iifname", vec![drop.clone()]),
         on_bridge(
@@ -241,128 +386,56 @@ pub(super) fn base_table(table: &str, bridge: &str, pool: (Ipv4Addr, u8)) -> Vec
     cmds
 }
 
-fn set_elements(op: &str, table: &str, name: &str, elements: &[Element]) -> Option<Value> {
-    (!elements.is_empty()).then(|| {
-        json!({op: {"element": {"family": FAMILY, "table": table, "name": name,
-            "elem": elements.iter().map(element).collect::<Vec<_>>()}}})
-    })
-}
-
-/// A sandbox's chain, its allow, deny and resolved-address sets, and its entry in the
-/// `sandboxes` map.
-pub(super) fn add_sandbox(
+/// One command per set: `op` ("add" or "delete") the sandbox's `entries`.
+fn entry_cmds<'a>(
+    op: &str,
     table: &str,
     addr: Ipv4Addr,
-    allow: &[Element],
-    deny: &[Element],
-    domains: &[DomainSpec],
+    entries: impl Iterator<Item = &'a Entry>,
 ) -> Vec<Value> {
-    let chain = chain_name(addr);
-    let mut cmds = replace_policy(table, addr, allow, deny, domains, 0);
-    cmds.push(
-        json!({"add": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
-        "elem": [[addr.to_string(), {"jump": {"target": chain}}]]}}}),
-    );
+    let mut by_set: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for entry in entries {
+        by_set
+            .entry(entry.set())
+            .or_default()
+            .push(entry.elem(addr));
+    }
+    by_set
+        .into_iter()
+        .map(|(name, elem)| {
+            json!({op: {"element": {"family": FAMILY, "table": table, "name": name, "elem": elem}}})
+        })
+        .collect()
+}
+
+fn own_element(op: &str, table: &str, set: &str, addr: Ipv4Addr) -> Value {
+    json!({op: {"element": {"family": FAMILY, "table": table, "name": set,
+        "elem": [addr.to_string()]}}})
+}
+
+/// A sandbox's elements: its policy's, its denied counter, its tap's port and (last, what
+/// lets its packets in) its membership.
+pub(super) fn add_sandbox(table: &str, addr: Ipv4Addr, policy: &BTreeSet<Entry>) -> Vec<Value> {
+    let mut cmds = entry_cmds("add", table, addr, policy.iter());
+    cmds.push(own_element("add", table, "denied", addr));
     cmds.push(json!({"add": {"element": port_element(table, addr)}}));
+    cmds.push(own_element("add", table, "sandboxes", addr));
     cmds
 }
 
-/// A sandbox's chain and sets, (re)written: emptied first, so that a policy change or a
-/// sandbox that had this address before leaves nothing of its own (resolved addresses the
-/// new policy still allows are added back by the caller, in the same transaction). The
-/// sandbox had `old_dns_sets` sets of resolved addresses; it gets one per domain spec.
-pub(super) fn replace_policy(
+/// Turns a sandbox's policy elements from `old` into `new` (only what differs).
+pub(super) fn change_policy(
     table: &str,
     addr: Ipv4Addr,
-    allow: &[Element],
-    deny: &[Element],
-    domains: &[DomainSpec],
-    old_dns_sets: usize,
+    old: &BTreeSet<Entry>,
+    new: &BTreeSet<Entry>,
 ) -> Vec<Value> {
-    let chain = chain_name(addr);
-    let (allow_set, deny_set) = (set_name("allow", addr), set_name("deny", addr));
-    let mut cmds = Vec::new();
-    // Flushed after "add": whatever a sandbox that had this address left (a release that
-    // failed) must not become this one's policy.
-    for name in [&allow_set, &deny_set] {
-        cmds.push(
-            json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
-            "type": ["ipv4_addr", "inet_proto", "inet_service"], "flags": ["interval"]}}}),
-        );
-        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
-    }
-    // Only as many as needed: every set costs a few ms in each create's transaction.
-    for k in 0..domains.len() {
-        let name = dns_set_name(k, addr);
-        cmds.push(
-            json!({"add": {"set": {"family": FAMILY, "table": table, "name": name,
-            "type": "ipv4_addr", "flags": ["timeout"]}}}),
-        );
-        cmds.push(json!({"flush": {"set": {"family": FAMILY, "table": table, "name": name}}}));
-    }
-    cmds.extend(set_elements("add", table, &allow_set, allow));
-    cmds.extend(set_elements("add", table, &deny_set, deny));
-    cmds.push(json!({"add": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
-    cmds.push(json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}));
-    // Once the chain no longer names them.
-    for k in domains.len()..old_dns_sets {
-        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": dns_set_name(k, addr)}}}));
-    }
-    let reject = |set: Option<&str>| {
-        let mut tcp = Vec::new();
-        let mut other = Vec::new();
-        if let Some(set) = set {
-            tcp.push(is(policy_key(), json!(format!("@{set}"))));
-            other.push(is(policy_key(), json!(format!("@{set}"))));
-        }
-        // A reset ends the sandbox's side of a TCP connection at once (also one that a
-        // policy change just denied); the rest get "administratively prohibited".
-        tcp.extend([
-            is(meta("l4proto"), json!("tcp")),
-            json!({"counter": null}),
-            json!({"reject": {"type": "tcp reset"}}),
-        ]);
-        other.extend([
-            json!({"counter": null}),
-            json!({"reject": {"type": "icmpx", "expr": "admin-prohibited"}}),
-        ]);
-        [rule(table, &chain, tcp), rule(table, &chain, other)]
-    };
-    cmds.extend(reject(Some(&deny_set)));
-    cmds.push(rule(
-        table,
-        &chain,
-        vec![
-            is(policy_key(), json!(format!("@{allow_set}"))),
-            json!({"accept": null}),
-        ],
-    ));
-    if !domains.is_empty() {
-        // A connection to a resolved address lives on when the address times out.
-        cmds.push(rule(
-            table,
-            &chain,
-            vec![
-                is(json!({"&": [ct_mark(), DNS_MARK]}), json!(DNS_MARK)),
-                json!({"accept": null}),
-            ],
-        ));
-    }
-    for (k, spec) in domains.iter().enumerate() {
-        let mut expr = vec![is(
-            ip("daddr"),
-            json!(format!("@{}", dns_set_name(k, addr))),
-        )];
-        expr.extend(spec_match(spec));
-        expr.push(json!({"mangle": {"key": ct_mark(), "value": {"|": [ct_mark(), DNS_MARK]}}}));
-        expr.push(json!({"accept": null}));
-        cmds.push(rule(table, &chain, expr));
-    }
-    cmds.extend(reject(None));
+    let mut cmds = entry_cmds("delete", table, addr, old.difference(new));
+    cmds.extend(entry_cmds("add", table, addr, new.difference(old)));
     cmds
 }
 
-/// Addresses the DNS proxy resolved: (set index, address, seconds until they time out).
+/// Addresses the DNS proxy resolved: (combination, address, seconds until they time out).
 pub(super) fn add_resolved(
     table: &str,
     addr: Ipv4Addr,
@@ -371,30 +444,38 @@ pub(super) fn add_resolved(
     resolved
         .iter()
         .map(|(k, ip, timeout)| {
-            json!({"add": {"element": {"family": FAMILY, "table": table,
-                "name": dns_set_name(*k, addr),
-                "elem": [{"elem": {"val": ip.to_string(), "timeout": timeout}}]}}})
+            json!({"add": {"element": {"family": FAMILY, "table": table, "name": dns_set(*k),
+                "elem": [{"elem": {"val": {"concat": [addr.to_string(), ip.to_string()]},
+                    "timeout": timeout}}]}}})
         })
         .collect()
 }
 
-/// Removes a sandbox's map entry, chain and sets (in this order: each command of the list
-/// may also be applied on its own).
-pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr, dns_sets: usize) -> Vec<Value> {
-    let chain = chain_name(addr);
+/// Removes resolved addresses, one command each (one that timed out meanwhile is gone
+/// already, and its delete fails: the caller applies them one by one when the whole fails).
+pub(super) fn remove_resolved(
+    table: &str,
+    addr: Ipv4Addr,
+    resolved: &[(usize, Ipv4Addr)],
+) -> Vec<Value> {
+    resolved
+        .iter()
+        .map(|(k, ip)| {
+            json!({"delete": {"element": {"family": FAMILY, "table": table, "name": dns_set(*k),
+                "elem": [{"concat": [addr.to_string(), ip.to_string()]}]}}})
+        })
+        .collect()
+}
+
+/// Removes a sandbox's elements, its membership first (each command of the list may also be
+/// applied on its own).
+pub(super) fn remove_sandbox(table: &str, addr: Ipv4Addr, policy: &BTreeSet<Entry>) -> Vec<Value> {
     let mut cmds = vec![
-        json!({"delete": {"element": {"family": FAMILY, "table": table, "name": "sandboxes",
-            "elem": [addr.to_string()]}}}),
-        json!({"flush": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
-        json!({"delete": {"chain": {"family": FAMILY, "table": table, "name": chain}}}),
+        own_element("delete", table, "sandboxes", addr),
+        own_element("delete", table, "denied", addr),
         json!({"delete": {"element": port_element(table, addr)}}),
     ];
-    for kind in ["allow", "deny"] {
-        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": set_name(kind, addr)}}}));
-    }
-    for k in 0..dns_sets {
-        cmds.push(json!({"delete": {"set": {"family": FAMILY, "table": table, "name": dns_set_name(k, addr)}}}));
-    }
+    cmds.extend(entry_cmds("delete", table, addr, policy.iter()));
     cmds
 }
 
@@ -409,9 +490,9 @@ pub(super) fn delete_table(table: &str) -> Vec<Value> {
     cmds
 }
 
-/// Packets each sandbox's chain rejected, by sandbox address (from the chains' counters).
+/// Packets each sandbox's policy rejected, by sandbox address (the counters of `denied`).
 pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetError> {
-    let list = json!({"nftables": [{"list": {"table": {"family": FAMILY, "name": table}}}]});
+    let list = json!({"nftables": [{"list": {"set": {"family": FAMILY, "table": table, "name": "denied"}}}]});
     let output = match super::libnft::run(&list.to_string()) {
         Some(result) => result
             .map_err(|detail| NetError::Tool {
@@ -421,7 +502,7 @@ pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetErr
             .into_bytes(),
         None => {
             Command::new("nft")
-                .args(["-j", "list", "table", FAMILY, table])
+                .args(["-j", "list", "set", FAMILY, table, "denied"])
                 .stderr(Stdio::null())
                 .output()
                 .map_err(|e| NetError::Tool {
@@ -433,26 +514,21 @@ pub(super) fn denied_packets(table: &str) -> Result<Vec<(Ipv4Addr, u64)>, NetErr
     };
     let listing: Value = serde_json::from_slice(&output).map_err(|e| NetError::Tool {
         tool: "nft",
-        detail: format!("unreadable listing of table {table}: {e}"),
+        detail: format!("unreadable listing of set {table} denied: {e}"),
     })?;
-    let mut denied: std::collections::BTreeMap<Ipv4Addr, u64> = Default::default();
+    let mut denied = Vec::new();
     for item in listing["nftables"].as_array().into_iter().flatten() {
-        let rule = &item["rule"];
-        let Some(addr) = rule["chain"]
-            .as_str()
-            .and_then(|c| c.strip_prefix("sb_"))
-            .and_then(|hex| u32::from_str_radix(hex, 16).ok())
-            .map(Ipv4Addr::from)
-        else {
-            continue;
-        };
-        for expr in rule["expr"].as_array().into_iter().flatten() {
-            if let Some(packets) = expr["counter"]["packets"].as_u64() {
-                *denied.entry(addr).or_default() += packets;
+        for elem in item["set"]["elem"].as_array().into_iter().flatten() {
+            let elem = &elem["elem"];
+            if let (Some(addr), Some(packets)) = (
+                elem["val"].as_str().and_then(|a| a.parse().ok()),
+                elem["counter"]["packets"].as_u64(),
+            ) {
+                denied.push((addr, packets));
             }
         }
     }
-    Ok(denied.into_iter().collect())
+    Ok(denied)
 }
 
 /// Runs one transaction: in this process through libnftables, or through `nft -j -f -`

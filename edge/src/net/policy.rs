@@ -18,8 +18,8 @@ pub const MAX_RULES: usize = 4096;
 pub const MAX_ELEMENTS: usize = 65536;
 /// Longest rule or policy name accepted.
 pub const MAX_RULE_LEN: usize = 128;
-/// Distinct protocol/port combinations among a policy's domain rules: each has its own
-/// nftables set of resolved addresses, and every sandbox has this many (empty) sets.
+/// Distinct protocol/port combinations among a policy's domain rules: the node's table has
+/// this many sets of resolved addresses (and rules that look them up).
 pub const MAX_DOMAIN_SPECS: usize = 8;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

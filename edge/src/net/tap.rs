@@ -58,6 +58,32 @@ impl Network {
         })
     }
 
+    /// A new tap for a sandbox that keeps its address, rules and policy (a resume: its tap
+    /// went with its ended VMM): a fresh namespace for its VMM, recorded first. Blocking.
+    pub fn resume_tap(&self, sandbox_dir: &Path) -> Result<TapPlan, NetError> {
+        let mut held = super::held(sandbox_dir)
+            .ok_or_else(|| NetError::Setup("the sandbox has no address record".into()))?;
+        let addr = held.addr;
+        let netns = PathBuf::from(format!(
+            "{}.netns",
+            self.slots.join(addr.to_string()).display()
+        ));
+        held.netns = Some(netns.clone());
+        super::write_held(sandbox_dir, &held)?;
+        // A tap left by the ended VMM (a descriptor still open somewhere) would clash.
+        let tap = tap_name(addr);
+        if Path::new("/sys/class/net").join(&tap).exists() {
+            ip_batch(&format!("link del {tap}\n"), None)?;
+        }
+        new_netns(&netns)?;
+        Ok(TapPlan {
+            addr,
+            tap,
+            mac: mac_of(addr),
+            netns,
+        })
+    }
+
     /// Once the VMM has opened its tap: moves it onto the bridge (an isolated port, like a
     /// container's veth) and drops the namespace. Blocking.
     pub fn attach_tap(&self, plan: &TapPlan) -> Result<(), NetError> {
@@ -217,6 +243,40 @@ pub fn mark_snapshot_net_device(snapshot: &Path) -> crate::error::Result<()> {
 /// Whether `snapshot`'s VM has a network device (its restore needs a tap of its own).
 pub fn snapshot_has_net_device(snapshot: &Path) -> bool {
     snapshot.join(SNAPSHOT_NET_MARKER).is_file()
+}
+
+/// The microVM backend's hook before a resume (pause to disk -> resume): a new tap for the
+/// sandbox's address when it has one (its rules and policy stayed in the table).
+pub async fn prepare_resume(
+    config: &crate::backend::EdgeConfig,
+    sandbox_dir: &Path,
+) -> crate::error::Result<Option<TapPlan>> {
+    let Some(network) = config.network.clone() else {
+        return Ok(None);
+    };
+    if super::address(sandbox_dir).is_none() || config.jail.is_none() {
+        return Ok(None);
+    }
+    let dir = sandbox_dir.to_path_buf();
+    let plan = tokio::task::spawn_blocking(move || network.resume_tap(&dir))
+        .await
+        .map_err(|e| NetError::Setup(format!("network setup task failed: {e}")))??;
+    Ok(Some(plan))
+}
+
+/// Drops the namespace of a tap whose VMM did not start (the tap went with it).
+pub fn abandon_tap(plan: &TapPlan) {
+    remove_netns(&plan.netns);
+}
+
+/// Marks `snapshot` (a directory the VMM just wrote) as having a network device when the
+/// sandbox in `sandbox_dir` has one (an address on this node's network), so that a fork
+/// child or a named restore of it gets a tap of its own.
+pub fn mark_if_networked(sandbox_dir: &Path, snapshot: &Path) -> crate::error::Result<()> {
+    if super::address(sandbox_dir).is_some() {
+        mark_snapshot_net_device(snapshot)?;
+    }
+    Ok(())
 }
 
 /// The microVM backend's hook before a restore: a tap (address, rules, namespace) when

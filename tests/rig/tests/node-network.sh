@@ -5,7 +5,8 @@
 # `--net-bridge dsec0`. A booted microVM gets a tap on the bridge and reaches nothing; with a
 # policy, the test host by port only; never the node's API or HTTP entry point, even with
 # --internet; a guest that takes another sandbox's address sends nothing; two template
-# creates get their own tap, address, MAC, route and resolver, and their policy; taps,
+# creates get their own tap, address, MAC, route and resolver, and their policy; so do a
+# fork child and a named restore (the source's policy) and a resumed sandbox (its own); taps,
 # namespaces and rules are gone after delete, and ip_forward is put back when the daemon stops.
 # Expects in L1: /bin/dsec, /bin/dsec-vmm, iproute2 at /usr/sbin/ip, nft and conntrack in
 # /usr/sbin, DSEC_HOME=/dsec holding kernel/vmlinux and images/busybox/initramfs.cpio.
@@ -123,14 +124,42 @@ taps=$(ls /sys/class/net | grep -c '^dst')
 if grep -q 'rules through libnftables' /tmp/node.log; then echo "  rules through libnftables"
 else echo "  rules through the nft program (libnftables not found)"; fi
 
-for s in $a $b $c $d; do timeout $T dsec rm $s >/dev/null 2>&1; done
+# Fork, named restore and resume (pause to disk): each gets a tap of its own through the
+# restore's net override and the agent's refresh. A fork child and a restore: a new address
+# and MAC with the source's policy; a resumed sandbox: its own address and policy again.
+e=$(timeout $T dsec fork $c 2>/tmp/fork.err | head -1)
+ae=$(addr_of $e)
+case $ae in 10.77.0.*) [ "$ae" != "$ac" ] && [ "$(mac_of $e)" = "$(mac_for $ae)" ] \
+    && [ "$(reach $e '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $e '192.168.77.2 9090')" ] \
+    && [ "$(reach $c '192.168.77.2 8080')" = web-ok ] && ok fork-own-network \
+    || bad fork-own-network "$e: $ae $(mac_of $e), 8080 '$(reach $e '192.168.77.2 8080')', 9090 '$(reach $e '192.168.77.2 9090')'";;
+    *) bad fork-own-network "child '$e' has '$ae': $(cat /tmp/fork.err; tail -5 /tmp/node.log)";; esac
+timeout $T dsec net set $e tcp:192.168.77.2:9090 >/dev/null
+[ "$(reach $e '192.168.77.2 9090')" = web-ok ] && [ -z "$(reach $e '192.168.77.2 8080')" ] \
+    && [ "$(reach $c '192.168.77.2 8080')" = web-ok ] && ok fork-policy-changes-alone \
+    || bad fork-policy-changes-alone "child 9090 '$(reach $e '192.168.77.2 9090')', parent 8080 '$(reach $c '192.168.77.2 8080')'"
+snap=$(timeout $T dsec snapshot $c 2>/tmp/snap.err)
+f=$(timeout $T dsec restore $snap 2>/tmp/create.err)
+af=$(addr_of $f)
+case $af in 10.77.0.*) [ "$af" != "$ac" ] && [ "$af" != "$ae" ] && [ "$(mac_of $f)" = "$(mac_for $af)" ] \
+    && [ "$(reach $f '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $f '192.168.77.2 9090')" ] \
+    && ok restore-own-network \
+    || bad restore-own-network "$f: $af $(mac_of $f), 8080 '$(reach $f '192.168.77.2 8080')', 9090 '$(reach $f '192.168.77.2 9090')'";;
+    *) bad restore-own-network "restored '$f' has '$af': $(cat /tmp/snap.err /tmp/create.err; tail -5 /tmp/node.log)";; esac
+timeout $T dsec pause $d >/dev/null || bad pause "refused"
+timeout $T dsec resume $d >/dev/null || bad resume "refused: $(tail -5 /tmp/node.log)"
+[ "$(addr_of $d)" = "$ad" ] && [ "$(basename "$(readlink /sys/class/net/$(printf 'dst%02x%02x%02x%02x' $(echo $ad | tr . ' '))/master)")" = dsec0 ] \
+    && [ "$(reach $d '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $d '192.168.77.2 9090')" ] \
+    && ok resume-keeps-network || bad resume-keeps-network "$d: '$(addr_of $d)' (was $ad), taps $(ls /sys/class/net | grep dst), 8080 '$(reach $d '192.168.77.2 8080')'"
+
+for s in $a $b $c $d $e $f; do timeout $T dsec rm $s >/dev/null 2>&1; done
 i=0
 while [ "$(ls /sys/class/net | grep -c '^dst')" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done
 taps=$(ls /sys/class/net | grep -c '^dst')
 slots=$(ls /run/dsec-net/dsec0 | wc -l)
-chains=$(nft list table inet dsec0 | grep -c 'chain sb_')
+chains=$(nft list set inet dsec0 sandboxes | grep -c 'elements =')
 ports=$(nft list set bridge dsec0 ports | grep -c 'dst')
-[ "$taps$slots$chains$ports" = 0000 ] && ok nothing-left || bad nothing-left "$taps taps, $slots slots, $chains chains, $ports port elements"
+[ "$taps$slots$chains$ports" = 0000 ] && ok nothing-left || bad nothing-left "$taps taps, $slots slots, $chains sandboxes in the table, $ports port elements"
 
 kill $daemon 2>/dev/null; wait $daemon 2>/dev/null
 [ "$(cat /proc/sys/net/ipv4/ip_forward)" = "$forward_before" ] && [ ! -e /sys/class/net/dsec0 ] \

@@ -90,6 +90,7 @@ async fn cluster_at(
         first,
         capacity,
         vec![listen.to_string()],
+        None,
     ));
 
     let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();

@@ -160,15 +160,20 @@ pub async fn init(store: Arc<dyn Store>, org: &str, admin: &str) -> Result<Issue
 /// Serves the apiserver until SIGINT/SIGTERM.
 pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), String> {
     // Read the TLS files first: a missing or wrong file stops the start with its name.
-    let server_tls = match &config.tls {
-        Some(tls) => Some(tls.server("apiserver", true).map_err(|e| e.to_string())?),
-        None => None,
-    };
     if let Some(tls) = &config.tls {
         tls.client("apiserver", dsec_api::tls::APISERVER_NAME)
             .map_err(|e| e.to_string())?;
     }
     let shared = Shared::new(store.clone(), config.clone());
+    // Client certificates are optional (token holders show none); a node's is checked
+    // against the revoked list in the handshake.
+    let acceptor = match &config.tls {
+        Some(tls) => Some(
+            tls.acceptor("apiserver", true, shared.revocations.handshake_check())
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
     let watcher = Watcher::new(
         store,
         Arc::new(nodes::ListInventory(shared.nodes.clone())),
@@ -179,7 +184,7 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let bound = listener.local_addr().unwrap_or(config.listen);
-    let tls_note = if server_tls.is_some() {
+    let tls_note = if acceptor.is_some() {
         "tls"
     } else {
         "plaintext"
@@ -194,13 +199,7 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             _ = term.recv() => {}
         }
     };
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = server_tls {
-        server = server
-            .tls_config(tls)
-            .map_err(|e| format!("TLS: {}", dsec_api::tls::error_chain(&e)))?;
-    }
-    server
+    let router = tonic::transport::Server::builder()
         .add_service(SandboxesServer::new(sandboxes::SandboxesApi(
             shared.clone(),
         )))
@@ -222,11 +221,21 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             shared.clone(),
         )))
         .add_service(AdminServer::new(admin::AdminApi(shared.clone())))
-        .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await
-        .map_err(|e| format!("API server: {e}"))
+        .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())));
+    match acceptor {
+        Some(acceptor) => {
+            router
+                .serve_with_incoming_shutdown(dsec_api::tls::accept(listener, acceptor), shutdown)
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    shutdown,
+                )
+                .await
+        }
+    }
+    .map_err(|e| format!("API server: {e}"))
 }

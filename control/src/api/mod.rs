@@ -20,6 +20,7 @@ mod runtime;
 mod sandboxes;
 #[cfg(test)]
 mod tests;
+mod unreserved;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -112,6 +113,8 @@ pub struct Shared {
     pub config: ApiConfig,
     /// The project of each sandbox this replica has seen (sandboxes never change project).
     projects: auth::ProjectCache,
+    /// Sandboxes nodes report without a reservation, charged from their heartbeats.
+    pub unreserved: unreserved::UnreservedCheck,
 }
 
 impl std::fmt::Debug for Shared {
@@ -138,6 +141,7 @@ impl Shared {
             store,
             config,
             projects: auth::ProjectCache::default(),
+            unreserved: unreserved::UnreservedCheck::default(),
         })
     }
 }

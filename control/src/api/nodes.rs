@@ -211,7 +211,12 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
-        let request = request.into_inner();
+        let mut request = request.into_inner();
+        let running = request
+            .node
+            .as_mut()
+            .map(|node| std::mem::take(&mut node.running))
+            .unwrap_or_default();
         let mut record = record_of(request.node)?;
         record.cert_sha256 = fingerprint;
         match self.0.registry.heartbeat(request.lease_id, &record).await {
@@ -224,6 +229,9 @@ impl Registry for RegistryApi {
             }
             Err(e) => return Err(e.into()),
         }
+        self.0
+            .unreserved
+            .heartbeat(&self.0.quotas, &record.name, running_of(&running));
         let admin = self.0.placer.admin(&record.name).unwrap_or_default();
         self.0.placer.update_node(record);
         Ok(Response::new(pb::HeartbeatResponse {
@@ -248,6 +256,21 @@ impl Registry for RegistryApi {
         }
         Ok(Response::new(pb::DeregisterResponse {}))
     }
+}
+
+/// The sandboxes a heartbeat lists that an apiserver made (they carry a project).
+fn running_of(running: &[pb::RunningSandbox]) -> Vec<RunningSandbox> {
+    running
+        .iter()
+        .filter_map(|sandbox| {
+            let project = sandbox.project.parse().ok()?;
+            Some(RunningSandbox {
+                sandbox: sandbox.id.clone(),
+                project,
+                resources: resources_of(sandbox.resources),
+            })
+        })
+        .collect()
 }
 
 /// What a node runs, from its own List: the sandboxes an apiserver made (they carry their

@@ -32,7 +32,9 @@ const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct NodeChannels {
     placer: Arc<Placer>,
     tls: Option<TlsDir>,
-    channels: Arc<Mutex<HashMap<(String, String), Channel>>>,
+    /// By node name: the address the channel goes to and the channel (a node that comes back
+    /// at another address gets a new one). Looked up by `&str`: no allocation per call.
+    channels: Arc<Mutex<HashMap<String, (String, Channel)>>>,
 }
 
 impl NodeChannels {
@@ -46,10 +48,11 @@ impl NodeChannels {
 
     /// The channel to node `node` at `address`.
     pub fn to_address(&self, node: &str, address: &str) -> Result<Channel, Status> {
-        let key = (node.to_string(), address.to_string());
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(channel) = channels.get(&key) {
-            return Ok(channel.clone());
+        if let Some((known, channel)) = channels.get(node) {
+            if known == address {
+                return Ok(channel.clone());
+            }
         }
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
@@ -65,7 +68,7 @@ impl NodeChannels {
             })?;
         }
         let channel = endpoint.connect_lazy();
-        channels.insert(key, channel.clone());
+        channels.insert(node.to_string(), (address.to_string(), channel.clone()));
         Ok(channel)
     }
 

@@ -358,6 +358,22 @@ async fn keep_registered(node: Arc<SimNode>, control: Vec<String>, tls: Option<T
     }
 }
 
+/// The first of `count` consecutive free ports on loopback, for `count` sim nodes (tests).
+pub fn free_loopback_ports(count: u16) -> SocketAddr {
+    loop {
+        let base = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("bind a loopback port");
+        let fits = base.port() < 65000;
+        if fits
+            && (0..count)
+                .all(|i| std::net::TcpListener::bind(("127.0.0.1", base.port() + i)).is_ok())
+        {
+            return base;
+        }
+    }
+}
+
 /// Node `name`'s TLS directory under the cluster CA's `ca_dir`: `sim-nodes/<name>`, its
 /// certificate issued on first use.
 fn sim_node_tls(ca_dir: &Path, name: &str) -> Result<TlsDir, String> {

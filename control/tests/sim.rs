@@ -70,14 +70,7 @@ async fn cluster_at(
     };
     tokio::spawn(api::serve(store.clone(), config));
     // Three sim nodes on consecutive ports.
-    let first = loop {
-        let base = free_addr();
-        let free =
-            (0..3).all(|i| std::net::TcpListener::bind(("127.0.0.1", base.port() + i)).is_ok());
-        if free && base.port() < 65000 {
-            break base;
-        }
-    };
+    let first = sim::free_loopback_ports(3);
     let capacity = SimCapacity {
         sandboxes: per_node,
         vcpus: 100,

@@ -395,8 +395,8 @@ struct ClusterArgs {
     /// target/release/dsec.
     #[arg(long)]
     dsec: Option<PathBuf>,
-    /// The apiserver binary (`dsec-control`, run as `PATH up ...`). Default: `dsec-control`
-    /// beside the `dsec` binary, else `dsec control up`.
+    /// The apiserver binary (`dsec-control`, run as `PATH up ...`). Default: `dsec control
+    /// up` (a `dsec-control` beside it may be stale: `cargo build -p dsec-cli` leaves it).
     #[arg(long, value_name = "PATH")]
     apiserver: Option<PathBuf>,
     /// Simulated nodes.
@@ -430,13 +430,9 @@ fn cluster_cmd(a: ClusterArgs) -> Result<(), String> {
         .dsec
         .clone()
         .unwrap_or_else(|| default_beside_or_release(&root, "dsec"));
-    let apiserver = a.apiserver.clone().or_else(|| {
-        let beside = dsec.with_file_name("dsec-control");
-        beside.is_file().then_some(beside)
-    });
     let opts = cluster::ClusterOpts {
         dsec,
-        apiserver,
+        apiserver: a.apiserver.clone(),
         workdir: workdir.clone(),
         nodes: a.nodes,
         creates: a.creates,

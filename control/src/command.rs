@@ -105,6 +105,10 @@ pub enum ControlCommand {
         /// Sandboxes each node admits.
         #[arg(long, default_value_t = 1000)]
         sandboxes: u64,
+        /// The cluster's TLS directory from `init` (ca.pem, ca.key): each sim node gets its
+        /// own certificate (under DIR/sim-nodes/) and uses mTLS as a real node does.
+        #[arg(long, value_name = "DIR")]
+        tls_dir: Option<PathBuf>,
     },
     /// Issue node NAME's certificate from the cluster CA: writes node.pem, node.key and
     /// ca.pem into --out, the node's `dsec up --tls-dir`.
@@ -193,6 +197,7 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 first,
                 control,
                 sandboxes,
+                tls_dir,
             } => {
                 let capacity = crate::sim::SimCapacity {
                     sandboxes,
@@ -206,7 +211,7 @@ pub fn run(command: ControlCommand) -> ExitCode {
                     .filter(|a| !a.is_empty())
                     .map(str::to_string)
                     .collect();
-                crate::sim::serve(&prefix, count, first, capacity, control).await
+                crate::sim::serve(&prefix, count, first, capacity, control, tls_dir).await
             }
             ControlCommand::IssueNode { tls_dir, name, out } => {
                 pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;

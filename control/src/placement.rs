@@ -448,7 +448,8 @@ impl Placer {
     ) -> Result<Ticket<'_>, PlacementError> {
         let mut guard = self.lock();
         let state = &mut *guard;
-        let mut fit: Vec<(&String, f64, bool)> = Vec::new();
+        // Sized once: growing it node by node cost a few reallocations per create.
+        let mut fit: Vec<(&String, f64, bool)> = Vec::with_capacity(state.nodes.len());
         let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
         for (name, node) in &state.nodes {
             if exclude.contains(name) {

@@ -377,19 +377,31 @@ impl Quotas {
             }
         }
         for sandbox in running {
-            for attempt in 0..CAS_ATTEMPTS {
-                let key = keys::reservation(node, &sandbox.sandbox);
-                if self.store.get(&key).await?.is_some() {
-                    break;
-                }
-                if self.charge_existing(node, sandbox).await? {
-                    report.charged.push(sandbox.clone());
-                    break;
-                }
-                back_off(attempt).await;
+            if self.charge_if_unreserved(node, sandbox).await? {
+                report.charged.push(sandbox.clone());
             }
         }
         Ok(report)
+    }
+
+    /// Charges a sandbox `node` runs if it holds no reservation (past any limit: it exists);
+    /// whether it was charged here.
+    pub async fn charge_if_unreserved(
+        &self,
+        node: &str,
+        sandbox: &RunningSandbox,
+    ) -> QuotaResult<bool> {
+        let key = keys::reservation(node, &sandbox.sandbox);
+        for attempt in 0..CAS_ATTEMPTS {
+            if self.store.get(&key).await?.is_some() {
+                return Ok(false);
+            }
+            if self.charge_existing(node, sandbox).await? {
+                return Ok(true);
+            }
+            back_off(attempt).await;
+        }
+        Ok(false)
     }
 }
 

@@ -2,7 +2,8 @@
 //! the node's certificates that are no longer accepted, or says that none of the node's are
 //! (a node revoked before it ever showed one, or on a plaintext cluster). Every apiserver
 //! replica follows the list with a watch (as the authorization cache does) and checks it on
-//! each Register and Heartbeat; a revocation also ends the node's registration, so the
+//! each TLS handshake (a revoked certificate gets no connection) and on each Register and
+//! Heartbeat (a connection made before the revocation); a revocation also ends the node's registration, so the
 //! watcher marks its sandboxes lost and returns their quota.
 
 use std::sync::Arc;
@@ -167,6 +168,38 @@ impl NodeRevocations {
             }),
             _ => Ok(()),
         }
+    }
+
+    /// The handshake check of the apiserver's TLS port: a certificate the copy lists as
+    /// revoked (its fingerprint, or every certificate of a node it names) gets no connection.
+    /// While the copy is not current the handshake lets it through and Register/Heartbeat
+    /// (which then read the store) refuse it.
+    pub fn handshake_check(&self) -> dsec_api::tls::ClientCheck {
+        let mirror = self.mirror.clone();
+        Arc::new(move |cert| {
+            let Some(revoked) = mirror.under(keys::REVOKED_NODES) else {
+                return Ok(());
+            };
+            if revoked.is_empty() {
+                return Ok(());
+            }
+            let shown = fingerprint(cert);
+            let refused = revoked.iter().find(|record| {
+                record.fingerprints.contains(&shown)
+                    || record.all_certificates
+                        && dsec_api::tls::certificate_names(
+                            cert,
+                            &dsec_api::tls::node_server_name(&record.node),
+                        )
+            });
+            match refused {
+                Some(record) => {
+                    tracing::warn!(node = %record.node, fingerprint = %shown, "refused a revoked node certificate in the TLS handshake");
+                    Err(dsec_api::tls::CertificateError::Revoked)
+                }
+                None => Ok(()),
+            }
+        })
     }
 
     /// Every revocation record, in node name order (from the store).

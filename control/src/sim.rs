@@ -2,15 +2,19 @@
 //! node API (`dsec.v1.Sandboxes` on its own port, `dsec.node.v1.Registry` towards the
 //! apiservers: register, heartbeat with its allocation and sandboxes, deregister) and admits
 //! creates against a fake capacity, starting nothing. The other runtime services are absent
-//! (UNIMPLEMENTED): a sim node only makes, lists, gets and deletes records.
+//! (UNIMPLEMENTED): a sim node only makes, lists, gets and deletes records. With the
+//! cluster's TLS each sim node gets its own certificate from the CA and serves its API as a
+//! real node does (only apiservers' certificates let in).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
+use dsec_api::tls::{TlsDir, APISERVER_NAME};
 use dsec_api::v1::network_labels_server::{NetworkLabels, NetworkLabelsServer};
 use dsec_api::v1::sandboxes_server::{Sandboxes, SandboxesServer};
 use dsec_api::v1::*;
@@ -305,18 +309,23 @@ fn unsupported(call: &str) -> Status {
 }
 
 /// Registers `node` with the apiservers and heartbeats until the task is dropped.
-async fn keep_registered(node: Arc<SimNode>, control: Vec<String>) {
+async fn keep_registered(node: Arc<SimNode>, control: Vec<String>, tls: Option<TlsDir>) {
     let mut next = 0usize;
     loop {
         let address = &control[next % control.len()];
         next += 1;
         let result: Result<(), String> = async {
-            let channel: Channel = Endpoint::from_shared(format!("http://{address}"))
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
                 .map_err(|e| e.to_string())?
-                .timeout(Duration::from_secs(5))
-                .connect()
-                .await
-                .map_err(|e| e.to_string())?;
+                .timeout(Duration::from_secs(5));
+            if let Some(tls) = &tls {
+                let config = tls
+                    .client("node", APISERVER_NAME)
+                    .map_err(|e| e.to_string())?;
+                endpoint = endpoint.tls_config(config).map_err(|e| e.to_string())?;
+            }
+            let channel: Channel = endpoint.connect().await.map_err(|e| e.to_string())?;
             let mut client = RegistryClient::new(channel);
             let lease = client
                 .register(pb::RegisterRequest {
@@ -349,14 +358,42 @@ async fn keep_registered(node: Arc<SimNode>, control: Vec<String>) {
     }
 }
 
+/// The first of `count` consecutive free ports on loopback, for `count` sim nodes (tests).
+pub fn free_loopback_ports(count: u16) -> SocketAddr {
+    loop {
+        let base = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("bind a loopback port");
+        let fits = base.port() < 65000;
+        if fits
+            && (0..count)
+                .all(|i| std::net::TcpListener::bind(("127.0.0.1", base.port() + i)).is_ok())
+        {
+            return base;
+        }
+    }
+}
+
+/// Node `name`'s TLS directory under the cluster CA's `ca_dir`: `sim-nodes/<name>`, its
+/// certificate issued on first use.
+fn sim_node_tls(ca_dir: &Path, name: &str) -> Result<TlsDir, String> {
+    let dir = ca_dir.join("sim-nodes").join(name);
+    if !dir.join("node.pem").exists() {
+        crate::pki::issue_node(ca_dir, &dir, name).map_err(|e| format!("sim node {name}: {e}"))?;
+    }
+    Ok(TlsDir::new(dir))
+}
+
 /// Serves `count` sim nodes named `<prefix><i>` on consecutive ports from `first` and keeps
-/// them registered with `control`, until SIGINT/SIGTERM.
+/// them registered with `control`, until SIGINT/SIGTERM. `tls`: the cluster CA's directory
+/// (`ca.pem`, `ca.key`), for mTLS as real nodes use it.
 pub async fn serve(
     prefix: &str,
     count: usize,
     first: SocketAddr,
     capacity: SimCapacity,
     control: Vec<String>,
+    tls: Option<PathBuf>,
 ) -> Result<(), String> {
     if control.is_empty() {
         return Err("sim nodes need --control ADDR[,ADDR]".into());
@@ -383,14 +420,33 @@ pub async fn serve(
             capacity,
             held: Mutex::default(),
         });
-        let server = tonic::transport::Server::builder()
+        let node_tls = match &tls {
+            Some(ca_dir) => Some(sim_node_tls(ca_dir, &node.name)?),
+            None => None,
+        };
+        let router = tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(SimApi(node.clone())))
-            .add_service(NetworkLabelsServer::new(SimApi(node.clone())))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
-        tasks.spawn(async move {
-            let _ = server.await;
-        });
-        tasks.spawn(keep_registered(node, control.clone()));
+            .add_service(NetworkLabelsServer::new(SimApi(node.clone())));
+        match &node_tls {
+            Some(node_tls) => {
+                let acceptor = node_tls.node_acceptor().map_err(|e| e.to_string())?;
+                tasks.spawn(async move {
+                    let _ = router
+                        .serve_with_incoming(dsec_api::tls::accept(listener, acceptor))
+                        .await;
+                });
+            }
+            None => {
+                tasks.spawn(async move {
+                    let _ = router
+                        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+                            listener,
+                        ))
+                        .await;
+                });
+            }
+        }
+        tasks.spawn(keep_registered(node, control.clone(), node_tls));
     }
     println!(
         "{count} sim nodes on {first} and the {} ports after it",

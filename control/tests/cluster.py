@@ -465,16 +465,16 @@ def check_transport_security(cluster):
                             "XDG_CONFIG_HOME": str(cluster.dir)})
     assert r.returncode != 0 and "DSEC_CA_FILE" in r.stderr, r.stderr
 
-    # A node's TCP API takes only holders of a cluster certificate (the apiservers): the CA
-    # alone is not enough, a cluster certificate is.
+    # A node's TCP API takes only apiservers: the CA alone is not enough, nor another node's
+    # certificate of the same CA; the apiservers' certificate is.
     with open(cluster.ca, "rb") as f:
         ca = f.read()
 
-    def node_list(cert_dir=None):
+    def node_list(cert_dir=None, role="node"):
         key = cert = None
         if cert_dir:
-            key = (cert_dir / "node.key").read_bytes()
-            cert = (cert_dir / "node.pem").read_bytes()
+            key = (cert_dir / f"{role}.key").read_bytes()
+            cert = (cert_dir / f"{role}.pem").read_bytes()
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                              certificate_chain=cert)
         with grpc.secure_channel(cluster.node_addr["n1"], creds, options=[
@@ -486,7 +486,12 @@ def check_transport_security(cluster):
         raise AssertionError("a node answered a caller without a cluster certificate")
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.UNAVAILABLE, e
-    assert len(node_list(cluster.dir / "n2-tls").sandboxes) >= 1
+    try:
+        node_list(cluster.dir / "n2-tls")
+        raise AssertionError("node n1 answered node n2's certificate")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+    assert len(node_list(cluster.tls, role="apiserver").sandboxes) >= 1
     with grpc.insecure_channel(cluster.node_addr["n1"]) as ch:
         try:
             rpc.SandboxesStub(ch).List(pb.ListSandboxesRequest(), timeout=5)
@@ -509,8 +514,8 @@ def check_transport_security(cluster):
     p = cluster.procs.pop("n4")
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=10)
-    print("TLS: plaintext and CA-less callers refused, node mTLS enforced, foreign node "
-          "certificate refused")
+    print("TLS: plaintext and CA-less callers refused, node mTLS enforced (apiservers only), "
+          "foreign node certificate refused")
 
 
 def on_node(sandboxes):

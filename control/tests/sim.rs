@@ -70,14 +70,7 @@ async fn cluster_at(
     };
     tokio::spawn(api::serve(store.clone(), config));
     // Three sim nodes on consecutive ports.
-    let first = loop {
-        let base = free_addr();
-        let free =
-            (0..3).all(|i| std::net::TcpListener::bind(("127.0.0.1", base.port() + i)).is_ok());
-        if free && base.port() < 65000 {
-            break base;
-        }
-    };
+    let first = sim::free_loopback_ports(3);
     let capacity = SimCapacity {
         sandboxes: per_node,
         vcpus: 100,
@@ -90,6 +83,7 @@ async fn cluster_at(
         first,
         capacity,
         vec![listen.to_string()],
+        None,
     ));
 
     let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();
@@ -343,4 +337,61 @@ async fn a_label_wide_policy_change_reaches_the_projects_sandboxes_on_every_node
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     }
+}
+
+/// An apiserver killed between its node's create and the reservation's commit (the create
+/// goes to the node while the reservation commits) leaves a sandbox without a reservation:
+/// the node's heartbeats get it charged within a few seconds, not at the watcher's full
+/// reconcile a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_its_node_runs_without_a_reservation_is_charged_from_heartbeats() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, mut client) = cluster(dir.path(), Resources::new(10, 10, 1000, 1000), 10).await;
+    first_create(&mut client).await;
+    all_registered(&store).await;
+    // What the cut-off create left: the sandbox on node s1, made with the id and project the
+    // apiserver gave it, and no reservation.
+    let nodes = NodeRegistry::new(store.clone()).list().await.unwrap();
+    let (s1, _) = nodes.iter().find(|(n, _)| n.name == "s1").unwrap();
+    let id = dsec_api::sandbox_id::SandboxId::new("s1")
+        .unwrap()
+        .to_string();
+    SandboxesClient::connect(format!("http://{}", s1.address))
+        .await
+        .unwrap()
+        .create(CreateSandboxRequest {
+            sandbox_id: id.clone(),
+            labels: [(dsec_api::PROJECT_LABEL.to_string(), "acme/sim".to_string())].into(),
+            vcpus: 1,
+            ..small()
+        })
+        .await
+        .unwrap();
+    let quotas = Quotas::new(store.clone());
+    let project = "acme/sim".parse().unwrap();
+    let started = std::time::Instant::now();
+    // Heartbeats every second here (node TTL 3 s); the grace is 2 s.
+    while quotas.get(&project).await.unwrap().used.sandboxes < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the unreserved sandbox {id} was not charged from the heartbeats"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let used = quotas.get(&project).await.unwrap().used;
+    assert_eq!(used, Resources::new(2, 2, 128, 128), "{used:?}");
+    assert!(store
+        .get(&format!("/dsec/reservations/s1/{id}"))
+        .await
+        .unwrap()
+        .is_some());
+    // Its delete through the apiserver returns the charge.
+    client
+        .delete(DeleteSandboxRequest { sandbox_id: id })
+        .await
+        .unwrap();
+    assert_eq!(
+        quotas.get(&project).await.unwrap().used,
+        Resources::sandbox(1, 64, 64)
+    );
 }

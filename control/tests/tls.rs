@@ -12,12 +12,17 @@ use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
 use dsec_api::tls::{client_with_ca, error_chain, TlsDir, APISERVER_NAME};
 use dsec_api::v1::admin_client::AdminClient;
-use dsec_api::v1::{ListNodesRequest, RevokeNodeRequest, WhoAmIRequest};
+use dsec_api::v1::sandboxes_client::SandboxesClient;
+use dsec_api::v1::{
+    CreateSandboxRequest, ListNodesRequest, ListSandboxesRequest, RevokeNodeRequest, WhoAmIRequest,
+};
 use dsec_control::api::{self, ApiConfig};
 use dsec_control::iam::{Iam, PrincipalId};
 use dsec_control::pki;
+use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
+use dsec_control::sim;
 use dsec_control::store::{EmbeddedStore, Store};
 use dsec_control::watcher::lost_sandbox;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
@@ -81,6 +86,18 @@ async fn refused_as_unknown_issuer(addr: SocketAddr, tls: ClientTlsConfig) {
     );
 }
 
+/// A refusal in the TLS handshake as the client sees it: one of the server's `alerts`, or a
+/// closed or reset connection (TLS 1.3: the alert can race the client's first request).
+fn assert_refused_in_handshake(why: &str, alerts: &[&str]) {
+    assert!(
+        alerts.iter().any(|alert| why.contains(alert))
+            || why.contains("closed")
+            || why.contains("broken pipe")
+            || why.contains("reset"),
+        "unexpected refusal: {why}"
+    );
+}
+
 fn node_info(name: &str) -> pb::NodeInfo {
     pb::NodeInfo {
         name: name.into(),
@@ -140,14 +157,7 @@ async fn nodes_need_a_certificate_of_the_cluster_ca() {
             format!("{}: {}", status.message(), error_chain(&status))
         }
     };
-    assert!(
-        refused.contains("UnknownCA")
-            || refused.contains("certificate")
-            || refused.contains("connection closed")
-            // TLS 1.3: the server's alert can race the client's first request on the wire.
-            || refused.contains("broken pipe"),
-        "unexpected refusal: {refused}"
-    );
+    assert_refused_in_handshake(&refused, &["UnknownCA", "certificate"]);
 
     // A node trusting only its own CA refuses the apiserver: it is not who it says.
     refused_as_unknown_issuer(addr, foreign.client("node", APISERVER_NAME).unwrap()).await;
@@ -192,6 +202,32 @@ async fn channel_with(dir: &Path, addr: SocketAddr, cert_dir: &str) -> Channel {
         .unwrap()
 }
 
+/// A new connection of node `name` with the certificate in `dir/cert_dir`: Ok(why) when the
+/// apiserver refused it before any call was answered (the handshake), Err(what answered).
+async fn refused_in_handshake(
+    dir: &Path,
+    addr: SocketAddr,
+    name: &str,
+    lease_id: i64,
+) -> Result<String, String> {
+    let tls = TlsDir::new(dir.join(name));
+    let channel = match connect(addr, Some(tls.client("node", APISERVER_NAME).unwrap())).await {
+        Err(why) => return Ok(why),
+        Ok(channel) => channel,
+    };
+    match heartbeat(channel, name, lease_id).await {
+        Ok(answer) => Err(format!("{answer:?}")),
+        // An answer of the registry (the status it sets carries a message of its own).
+        Err(status)
+            if status.code() == tonic::Code::PermissionDenied
+                || status.code() == tonic::Code::NotFound =>
+        {
+            Err(format!("{status:?}"))
+        }
+        Err(status) => Ok(format!("{}: {}", status.message(), error_chain(&status))),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_node_certificate_is_refused_on_every_replica() {
     let dir = tempfile::tempdir().unwrap();
@@ -201,6 +237,11 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
     let n2 = node_channel(dir.path(), second, "n2", "n2").await;
     let n1_lease = register(n1.clone(), "n1").await.unwrap().lease_id;
     let n2_lease = register(n2.clone(), "n2").await.unwrap().lease_id;
+    // n1's connection to the second replica, made (and answered) before the revocation.
+    let n1_at_second = channel_with(dir.path(), second, "n1").await;
+    heartbeat(n1_at_second.clone(), "n1", n1_lease)
+        .await
+        .unwrap();
     // A sandbox of n1's holds quota: revoked, it goes the way of a lost node's.
     let project = "acme".parse().unwrap();
     let quotas = Quotas::new(store.clone());
@@ -251,10 +292,10 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
     assert_eq!(revoked.fingerprints.len(), 1);
     assert_eq!(revoked.revoked_by, "user:root");
 
-    // Both replicas refuse n1's certificate once their watch has the revocation.
+    // Both replicas refuse n1's certificate once their watch has the revocation: a
+    // connection made before it on Register and Heartbeat, a new one in the TLS handshake.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    for addr in [first, second] {
-        let n1 = channel_with(dir.path(), addr, "n1").await;
+    for (addr, n1) in [(first, n1.clone()), (second, n1_at_second.clone())] {
         loop {
             match heartbeat(n1.clone(), "n1", n1_lease).await {
                 Err(status) if status.code() == tonic::Code::PermissionDenied => {
@@ -274,6 +315,20 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
         }
         let status = register(n1, "n1").await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        loop {
+            let refused = refused_in_handshake(dir.path(), addr, "n1", n1_lease).await;
+            match refused {
+                Ok(why) => {
+                    assert_refused_in_handshake(&why, &["CertificateRevoked"]);
+                    break;
+                }
+                Err(answer) => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "a new connection with n1's revoked certificate got an answer at {addr}: {answer}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
     // n2 is unaffected, on both replicas.
     heartbeat(n2.clone(), "n2", n2_lease).await.unwrap();
@@ -318,6 +373,96 @@ async fn a_revoked_node_certificate_is_refused_on_every_replica() {
             .unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_certificate_cannot_call_another_nodes_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let (addr, token, store) = apiserver_with_store(dir.path()).await;
+    // Two sim nodes with certificates of the cluster CA, serving their API as a node does.
+    let first = sim::free_loopback_ports(2);
+    let second = SocketAddr::new(first.ip(), first.port() + 1);
+    let capacity = sim::SimCapacity {
+        sandboxes: 10,
+        vcpus: 40,
+        memory_mib: 40_960,
+        disk_mib: 81_920,
+    };
+    tokio::spawn(sim::serve(
+        "n",
+        2,
+        first,
+        capacity,
+        vec![addr.to_string()],
+        Some(dir.path().join("ca")),
+    ));
+    let registry = NodeRegistry::new(store);
+    for _ in 0..250 {
+        if registry.list().await.unwrap().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        registry.list().await.unwrap().len(),
+        2,
+        "sim nodes did not register"
+    );
+
+    // The apiserver reaches the nodes (its certificate is an apiserver's).
+    let client_tls = client_with_ca(&dir.path().join("ca/ca.pem")).unwrap();
+    let channel = connect(addr, Some(client_tls)).await.unwrap();
+    let mut sandboxes =
+        SandboxesClient::with_interceptor(channel, dsec_sdk_free_credentials(&token));
+    let created = sandboxes
+        .create(CreateSandboxRequest {
+            project: "acme".into(),
+            image: "busybox".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(created.id.starts_with("sb-n"), "{created:?}");
+
+    // The apiserver's own certificate, shown to node n1 directly, is let in...
+    let list = |channel: Channel| async move {
+        SandboxesClient::new(channel)
+            .list(ListSandboxesRequest::default())
+            .await
+    };
+    let ca = TlsDir::new(dir.path().join("ca"));
+    let as_apiserver = connect(
+        second,
+        Some(ca.client("apiserver", "n1.node.dsec").unwrap()),
+    )
+    .await
+    .unwrap();
+    list(as_apiserver).await.unwrap();
+    // ...node n0's certificate (same CA) is refused in n1's handshake: no call answered.
+    let n0 = TlsDir::new(dir.path().join("ca/sim-nodes/n0"));
+    let refused = match connect(second, Some(n0.client("node", "n1.node.dsec").unwrap())).await {
+        Err(why) => why,
+        Ok(channel) => {
+            let status = list(channel)
+                .await
+                .expect_err("node n0's certificate called node n1's API");
+            format!("{}: {}", status.message(), error_chain(&status))
+        }
+    };
+    assert_refused_in_handshake(&refused, &["BadCertificate"]);
+    // A caller without a certificate is refused too.
+    let no_cert = ClientTlsConfig::new()
+        .ca_certificate(ca.ca().unwrap())
+        .domain_name("n1.node.dsec");
+    let anonymous = match connect(second, Some(no_cert)).await {
+        Err(_) => true,
+        Ok(channel) => list(channel).await.is_err(),
+    };
+    assert!(
+        anonymous,
+        "a caller without a certificate called node n1's API"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,6 +22,8 @@ use crate::stats::Summary;
 #[derive(Debug, Clone)]
 pub struct ClusterOpts {
     pub dsec: PathBuf,
+    /// `dsec-control` to run the apiservers with (None: `dsec control up`).
+    pub apiserver: Option<PathBuf>,
     pub workdir: PathBuf,
     pub nodes: usize,
     pub creates: usize,
@@ -227,21 +229,30 @@ fn start_plane(
     let mut api_pids = Vec::new();
     for i in 0..replicas {
         let addr = format!("127.0.0.1:{}", free_port());
-        api_pids.push(procs.spawn(
-            &format!("api{i}"),
-            &dir.join(format!("api{i}.log")),
-            &o.dsec,
-            &[
-                "control".into(),
-                "up".into(),
-                "--etcd".into(),
-                url.clone(),
-                "--listen".into(),
-                addr.clone(),
-                "--node-ttl".into(),
-                "10".into(),
-            ],
-        )?);
+        let (program, subcommand) = match &o.apiserver {
+            Some(apiserver) => (apiserver, vec![]),
+            None => (&o.dsec, vec!["control".to_string()]),
+        };
+        api_pids.push(
+            procs.spawn(
+                &format!("api{i}"),
+                &dir.join(format!("api{i}.log")),
+                program,
+                &[
+                    subcommand,
+                    vec![
+                        "up".into(),
+                        "--etcd".into(),
+                        url.clone(),
+                        "--listen".into(),
+                        addr.clone(),
+                        "--node-ttl".into(),
+                        "10".into(),
+                    ],
+                ]
+                .concat(),
+            )?,
+        );
         api.push(addr);
     }
     let endpoint = format!("http://{}", api[0]);
@@ -594,6 +605,8 @@ pub fn run(o: &ClusterOpts) -> Result<(String, Value), String> {
         "options": {
             "nodes": o.nodes, "creates": o.creates, "clients": o.clients, "rounds": o.rounds,
             "replicas": o.replicas, "real_samples": o.real_samples,
+            "apiserver": o.apiserver.as_ref().map(|p| p.display().to_string())
+                .unwrap_or_else(|| format!("{} control", o.dsec.display())),
         },
         "summary": summaries,
         "placement": placements,

@@ -395,6 +395,10 @@ struct ClusterArgs {
     /// target/release/dsec.
     #[arg(long)]
     dsec: Option<PathBuf>,
+    /// The apiserver binary (`dsec-control`, run as `PATH up ...`). Default: `dsec control
+    /// up` (a `dsec-control` beside it may be stale: `cargo build -p dsec-cli` leaves it).
+    #[arg(long, value_name = "PATH")]
+    apiserver: Option<PathBuf>,
     /// Simulated nodes.
     #[arg(long, default_value_t = 160)]
     nodes: usize,
@@ -422,11 +426,13 @@ struct ClusterArgs {
 fn cluster_cmd(a: ClusterArgs) -> Result<(), String> {
     let root = repo_root();
     let workdir = std::env::temp_dir().join(format!("dsec-perf-cluster-{}", std::process::id()));
+    let dsec = a
+        .dsec
+        .clone()
+        .unwrap_or_else(|| default_beside_or_release(&root, "dsec"));
     let opts = cluster::ClusterOpts {
-        dsec: a
-            .dsec
-            .clone()
-            .unwrap_or_else(|| default_beside_or_release(&root, "dsec")),
+        dsec,
+        apiserver: a.apiserver.clone(),
         workdir: workdir.clone(),
         nodes: a.nodes,
         creates: a.creates,

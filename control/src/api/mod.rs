@@ -20,6 +20,7 @@ mod runtime;
 mod sandboxes;
 #[cfg(test)]
 mod tests;
+mod unreserved;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -112,6 +113,8 @@ pub struct Shared {
     pub config: ApiConfig,
     /// The project of each sandbox this replica has seen (sandboxes never change project).
     projects: auth::ProjectCache,
+    /// Sandboxes nodes report without a reservation, charged from their heartbeats.
+    pub unreserved: unreserved::UnreservedCheck,
 }
 
 impl std::fmt::Debug for Shared {
@@ -138,6 +141,7 @@ impl Shared {
             store,
             config,
             projects: auth::ProjectCache::default(),
+            unreserved: unreserved::UnreservedCheck::default(),
         })
     }
 }
@@ -160,15 +164,20 @@ pub async fn init(store: Arc<dyn Store>, org: &str, admin: &str) -> Result<Issue
 /// Serves the apiserver until SIGINT/SIGTERM.
 pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), String> {
     // Read the TLS files first: a missing or wrong file stops the start with its name.
-    let server_tls = match &config.tls {
-        Some(tls) => Some(tls.server("apiserver", true).map_err(|e| e.to_string())?),
-        None => None,
-    };
     if let Some(tls) = &config.tls {
         tls.client("apiserver", dsec_api::tls::APISERVER_NAME)
             .map_err(|e| e.to_string())?;
     }
     let shared = Shared::new(store.clone(), config.clone());
+    // Client certificates are optional (token holders show none); a node's is checked
+    // against the revoked list in the handshake.
+    let acceptor = match &config.tls {
+        Some(tls) => Some(
+            tls.acceptor("apiserver", true, shared.revocations.handshake_check())
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
     let watcher = Watcher::new(
         store,
         Arc::new(nodes::ListInventory(shared.nodes.clone())),
@@ -179,7 +188,7 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let bound = listener.local_addr().unwrap_or(config.listen);
-    let tls_note = if server_tls.is_some() {
+    let tls_note = if acceptor.is_some() {
         "tls"
     } else {
         "plaintext"
@@ -194,13 +203,7 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             _ = term.recv() => {}
         }
     };
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = server_tls {
-        server = server
-            .tls_config(tls)
-            .map_err(|e| format!("TLS: {}", dsec_api::tls::error_chain(&e)))?;
-    }
-    server
+    let router = tonic::transport::Server::builder()
         .add_service(SandboxesServer::new(sandboxes::SandboxesApi(
             shared.clone(),
         )))
@@ -222,11 +225,21 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
             shared.clone(),
         )))
         .add_service(AdminServer::new(admin::AdminApi(shared.clone())))
-        .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await
-        .map_err(|e| format!("API server: {e}"))
+        .add_service(RegistryServer::new(nodes::RegistryApi(shared.clone())));
+    match acceptor {
+        Some(acceptor) => {
+            router
+                .serve_with_incoming_shutdown(dsec_api::tls::accept(listener, acceptor), shutdown)
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    shutdown,
+                )
+                .await
+        }
+    }
+    .map_err(|e| format!("API server: {e}"))
 }

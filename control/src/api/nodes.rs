@@ -32,7 +32,9 @@ const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct NodeChannels {
     placer: Arc<Placer>,
     tls: Option<TlsDir>,
-    channels: Arc<Mutex<HashMap<(String, String), Channel>>>,
+    /// By node name: the address the channel goes to and the channel (a node that comes back
+    /// at another address gets a new one). Looked up by `&str`: no allocation per call.
+    channels: Arc<Mutex<HashMap<String, (String, Channel)>>>,
 }
 
 impl NodeChannels {
@@ -46,10 +48,11 @@ impl NodeChannels {
 
     /// The channel to node `node` at `address`.
     pub fn to_address(&self, node: &str, address: &str) -> Result<Channel, Status> {
-        let key = (node.to_string(), address.to_string());
         let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(channel) = channels.get(&key) {
-            return Ok(channel.clone());
+        if let Some((known, channel)) = channels.get(node) {
+            if known == address {
+                return Ok(channel.clone());
+            }
         }
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
@@ -65,7 +68,7 @@ impl NodeChannels {
             })?;
         }
         let channel = endpoint.connect_lazy();
-        channels.insert(key, channel.clone());
+        channels.insert(node.to_string(), (address.to_string(), channel.clone()));
         Ok(channel)
     }
 
@@ -211,7 +214,12 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
-        let request = request.into_inner();
+        let mut request = request.into_inner();
+        let running = request
+            .node
+            .as_mut()
+            .map(|node| std::mem::take(&mut node.running))
+            .unwrap_or_default();
         let mut record = record_of(request.node)?;
         record.cert_sha256 = fingerprint;
         match self.0.registry.heartbeat(request.lease_id, &record).await {
@@ -224,6 +232,9 @@ impl Registry for RegistryApi {
             }
             Err(e) => return Err(e.into()),
         }
+        self.0
+            .unreserved
+            .heartbeat(&self.0.quotas, &record.name, running_of(&running));
         let admin = self.0.placer.admin(&record.name).unwrap_or_default();
         self.0.placer.update_node(record);
         Ok(Response::new(pb::HeartbeatResponse {
@@ -248,6 +259,21 @@ impl Registry for RegistryApi {
         }
         Ok(Response::new(pb::DeregisterResponse {}))
     }
+}
+
+/// The sandboxes a heartbeat lists that an apiserver made (they carry a project).
+fn running_of(running: &[pb::RunningSandbox]) -> Vec<RunningSandbox> {
+    running
+        .iter()
+        .filter_map(|sandbox| {
+            let project = sandbox.project.parse().ok()?;
+            Some(RunningSandbox {
+                sandbox: sandbox.id.clone(),
+                project,
+                resources: resources_of(sandbox.resources),
+            })
+        })
+        .collect()
 }
 
 /// What a node runs, from its own List: the sandboxes an apiserver made (they carry their

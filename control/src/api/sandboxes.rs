@@ -164,7 +164,10 @@ impl SandboxesApi {
         };
         tracing::debug!(sandbox = %id, overlapped, node_us = started.elapsed().as_micros() as u64, "node create answered");
         match created {
-            Ok(sandbox) => Attempt::Placed(sandbox),
+            Ok(sandbox) => {
+                shared.unreserved.reserved(node, &id);
+                Attempt::Placed(sandbox)
+            }
             Err(status) => {
                 if let Err(e) = shared.quotas.release(node, &id).await {
                     tracing::warn!(sandbox = %id, %e, "cannot return the quota of a failed create; the watcher will");

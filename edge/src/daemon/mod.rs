@@ -268,23 +268,31 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             .await
             .map_err(|e| EdgeError::io(format!("bind {addr}"), e))?;
         // Anyone who can reach the TCP address may call it: private ports need the token.
-        // With the cluster's TLS only holders of a cluster certificate (apiservers) can.
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = &config.tls {
-            let tls = tls
-                .server("node", false)
-                .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?;
-            builder = builder.tls_config(tls).map_err(|e| {
-                EdgeError::InvalidSpec(format!("TLS: {}", dsec_api::tls::error_chain(&e)))
-            })?;
-        }
-        tracing::info!(%addr, tls = config.tls.is_some(), "API on tcp");
-        let server = router(builder, true);
+        // With the cluster's TLS only apiservers can (their certificate's role is checked in
+        // the handshake: another node's certificate of the same CA is refused).
+        let acceptor = match &config.tls {
+            Some(tls) => Some(
+                tls.node_acceptor()
+                    .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?,
+            ),
+            None => None,
+        };
+        tracing::info!(%addr, tls = acceptor.is_some(), "API on tcp");
+        let server = router(tonic::transport::Server::builder(), true);
         tokio::spawn(async move {
-            if let Err(err) = server
-                .serve_with_incoming(TcpListenerStream::new(tcp))
-                .await
-            {
+            let served = match acceptor {
+                Some(acceptor) => {
+                    server
+                        .serve_with_incoming(dsec_api::tls::accept(tcp, acceptor))
+                        .await
+                }
+                None => {
+                    server
+                        .serve_with_incoming(TcpListenerStream::new(tcp))
+                        .await
+                }
+            };
+            if let Err(err) = served {
                 tracing::error!(%err, "TCP API server failed");
             }
         });

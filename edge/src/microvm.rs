@@ -407,10 +407,8 @@ impl StartingMicroVm {
         self
     }
 
-    /// Moves the running VMM (and, jailed, its forked child) into the cgroups whose
-    /// `cgroup.procs` files are given: a pooled VMM joins its sandbox's before it restores,
-    /// so everything the restore maps is charged there.
-    pub fn join_cgroups(&self, procs: &[PathBuf]) -> Result<()> {
+    /// The VMM's pid and its children's (a jailed VMM's forked child).
+    fn pids(&self) -> Vec<u32> {
         let mut pids = vec![self.process.pid];
         let children = format!("/proc/{0}/task/{0}/children", self.process.pid);
         if let Ok(text) = std::fs::read_to_string(&children) {
@@ -419,6 +417,14 @@ impl StartingMicroVm {
                     .filter_map(|p| p.parse::<u32>().ok()),
             );
         }
+        pids
+    }
+
+    /// Moves the running VMM (and, jailed, its forked child) into the cgroups whose
+    /// `cgroup.procs` files are given: a pooled VMM joins its sandbox's before it restores,
+    /// so everything the restore maps is charged there.
+    pub fn join_cgroups(&self, procs: &[PathBuf]) -> Result<()> {
+        let pids = self.pids();
         for file in procs {
             for pid in &pids {
                 std::fs::write(file, pid.to_string()).map_err(|e| {
@@ -432,14 +438,7 @@ impl StartingMicroVm {
     /// Sets the nice value of every thread of the VMM and of its children (a jailed VMM's
     /// forked child): a prewarmed VMM started at 19 runs its sandbox at `nice`.
     pub fn renice(&self, nice: i32) -> Result<()> {
-        let mut pids = vec![self.process.pid];
-        let children = format!("/proc/{0}/task/{0}/children", self.process.pid);
-        if let Ok(text) = std::fs::read_to_string(&children) {
-            pids.extend(
-                text.split_whitespace()
-                    .filter_map(|p| p.parse::<u32>().ok()),
-            );
-        }
+        let pids = self.pids();
         for pid in pids {
             let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
                 .map_err(|e| EdgeError::io(format!("list the threads of VMM pid {pid}"), e))?;

@@ -133,6 +133,17 @@ pub struct GuestIdentity {
     pub hostname: Option<String>,
     /// Its interface's address, default route and resolver (the sandbox's own).
     pub ipv4: Option<GuestIpv4>,
+    /// The sandbox's environment, which every later exec and session starts with.
+    pub env: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// What a refresh did.
+#[derive(Clone, Copy, Debug)]
+pub struct Refreshed {
+    /// How far the guest clock was off (guest minus host).
+    pub clock_skew: std::time::Duration,
+    /// The agent took the sandbox's env.
+    pub env_set: bool,
 }
 
 /// A guest interface's IPv4 setup.
@@ -202,6 +213,18 @@ impl AgentClient {
         entropy: Vec<u8>,
         identity: GuestIdentity,
     ) -> Result<std::time::Duration> {
+        self.refresh_identity(entropy, identity)
+            .await
+            .map(|r| r.clock_skew)
+    }
+
+    /// [`refresh`](Self::refresh), also saying whether the agent took `identity.env` (one
+    /// from before that field ignores it).
+    pub async fn refresh_identity(
+        &self,
+        entropy: Vec<u8>,
+        identity: GuestIdentity,
+    ) -> Result<Refreshed> {
         let realtime_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as i64)
@@ -218,12 +241,17 @@ impl AgentClient {
                     gateway: n.gateway.to_string(),
                     nameserver: n.nameserver.to_string(),
                 }),
+                env: identity.env.map(|vars| dsec_api::agent::v1::SandboxEnv {
+                    vars: vars.into_iter().collect(),
+                }),
             })
             .await
-            .map_err(|s| EdgeError::agent("refresh", s))?;
-        Ok(std::time::Duration::from_nanos(
-            response.into_inner().clock_skew_ns.unsigned_abs(),
-        ))
+            .map_err(|s| EdgeError::agent("refresh", s))?
+            .into_inner();
+        Ok(Refreshed {
+            clock_skew: std::time::Duration::from_nanos(response.clock_skew_ns.unsigned_abs()),
+            env_set: response.env_set,
+        })
     }
 
     pub async fn shutdown(&self) -> Result<()> {

@@ -16,6 +16,7 @@ pub mod paths;
 pub use backend::{parse_env, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 pub use client::{
     AgentAddr, AgentClient, CollectedExec, ExecOutcome, ExecSpec, GuestIdentity, GuestIpv4,
+    Refreshed,
 };
 pub use error::{EdgeError, Result};
 pub use kvm::KvmStatus;

@@ -11,7 +11,7 @@
 //! let dir = MicroVmDir::new(sandbox_dir);                 // the directory must exist
 //! let mut launch = VmmLaunch::boot(config);                // or ::restore(RestoreLaunch{..})
 //! launch.jail = Some(JailLaunch { expose: vec![snapshot_dir,rw], ..JailLaunch::new(root, uid, gid) });
-//! let vm = MicroVm::spawn(&SpawnOptions { vmm_bin, cgroup_procs }, &dir, launch)?
+//! let vm = MicroVm::spawn(&SpawnOptions { vmm_bin, cgroup_procs, nice: 0 }, &dir, launch)?
 //!     .ready(ready_timeout)                                // agent answers; a restore is refreshed
 //!     .await?;
 //! vm.agent();  vm.control().pause() (blocking) / control_call(vm.control().clone(), req).await
@@ -34,6 +34,7 @@
 //! The daemon's create, restore and fork (`backend/microvm.rs`) and `dsec vm` start every
 //! VMM this way.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -149,6 +150,10 @@ pub struct SpawnOptions {
     /// `cgroup.procs` files the VMM joins before it runs (a jailed VMM's child cannot
     /// start outside them).
     pub cgroup_procs: Vec<PathBuf>,
+    /// Nice value the VMM starts with (0: the daemon's). Prewarmed VMMs of the pool start at
+    /// 19 so that building their VM shells never takes CPU from running sandboxes; a taken
+    /// one is put back to 0 ([`StartingMicroVm::renice`]).
+    pub nice: i32,
 }
 
 impl SpawnOptions {
@@ -166,6 +171,7 @@ impl SpawnOptions {
         Ok(SpawnOptions {
             vmm_bin,
             cgroup_procs: Vec::new(),
+            nice: 0,
         })
     }
 }
@@ -225,6 +231,10 @@ pub struct StartingMicroVm {
     mac: Option<String>,
     /// The hostname a restored guest takes (its sandbox id); None keeps the snapshot's.
     hostname: Option<String>,
+    /// The sandbox's env the agent starts every exec with; None leaves the agent's.
+    env: Option<BTreeMap<String, String>>,
+    /// The agent took `env` (agents from before that refresh field ignore it).
+    env_set: bool,
     started: Instant,
 }
 
@@ -244,6 +254,7 @@ pub struct MicroVm {
     agent: AgentClient,
     ready_after: Duration,
     clock_skew: Option<Duration>,
+    env_in_guest: bool,
 }
 
 impl std::fmt::Debug for MicroVm {
@@ -276,17 +287,21 @@ impl MicroVm {
         // The VMM is in its cgroups before it runs.
         let cgroups = CgroupJoin::open(&options.cgroup_procs)?;
         let fds = cgroups.fds();
+        let nice = options.nice;
         let mut command = tokio::process::Command::new(&options.vmm_bin);
         command
             .args(launch.to_args())
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log_err);
-        // SAFETY: setsid and write (join_in_child) are async-signal-safe; the closure only
-        // reads `fds`, copied into it.
+        // SAFETY: setsid, setpriority and write (join_in_child) are async-signal-safe; the
+        // closure only reads `fds` and `nice`, copied into it.
         unsafe {
             command.pre_exec(move || {
                 nix::unistd::setsid().map_err(std::io::Error::from)?;
+                if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 if !join_in_child(&fds) {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -310,6 +325,8 @@ impl MicroVm {
             restored,
             mac,
             hostname: None,
+            env: None,
+            env_set: false,
             started: Instant::now(),
         })
     }
@@ -335,6 +352,12 @@ impl MicroVm {
     /// Spawn -> agent answering (and refreshed).
     pub fn ready_after(&self) -> Duration {
         self.ready_after
+    }
+
+    /// Its agent holds the sandbox's env (given [`with_env`](StartingMicroVm::with_env) and
+    /// taken by the agent), which it starts every exec and session with.
+    pub fn env_in_guest(&self) -> bool {
+        self.env_in_guest
     }
 
     /// How far a restored guest's clock was off before the refresh set it (None: booted).
@@ -384,10 +407,8 @@ impl StartingMicroVm {
         self
     }
 
-    /// Moves the running VMM (and, jailed, its forked child) into the cgroups whose
-    /// `cgroup.procs` files are given: a pooled VMM joins its sandbox's before it restores,
-    /// so everything the restore maps is charged there.
-    pub fn join_cgroups(&self, procs: &[PathBuf]) -> Result<()> {
+    /// The VMM's pid and its children's (a jailed VMM's forked child).
+    fn pids(&self) -> Vec<u32> {
         let mut pids = vec![self.process.pid];
         let children = format!("/proc/{0}/task/{0}/children", self.process.pid);
         if let Ok(text) = std::fs::read_to_string(&children) {
@@ -396,6 +417,14 @@ impl StartingMicroVm {
                     .filter_map(|p| p.parse::<u32>().ok()),
             );
         }
+        pids
+    }
+
+    /// Moves the running VMM (and, jailed, its forked child) into the cgroups whose
+    /// `cgroup.procs` files are given: a pooled VMM joins its sandbox's before it restores,
+    /// so everything the restore maps is charged there.
+    pub fn join_cgroups(&self, procs: &[PathBuf]) -> Result<()> {
+        let pids = self.pids();
         for file in procs {
             for pid in &pids {
                 std::fs::write(file, pid.to_string()).map_err(|e| {
@@ -406,10 +435,40 @@ impl StartingMicroVm {
         Ok(())
     }
 
+    /// Sets the nice value of every thread of the VMM and of its children (a jailed VMM's
+    /// forked child): a prewarmed VMM started at 19 runs its sandbox at `nice`.
+    pub fn renice(&self, nice: i32) -> Result<()> {
+        let pids = self.pids();
+        for pid in pids {
+            let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map_err(|e| EdgeError::io(format!("list the threads of VMM pid {pid}"), e))?;
+            for tid in tasks
+                .flatten()
+                .filter_map(|t| t.file_name().to_str()?.parse::<u32>().ok())
+            {
+                // SAFETY: a plain syscall on a thread id; the result is checked.
+                if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+                    return Err(EdgeError::io(
+                        format!("set the nice value of VMM thread {tid}"),
+                        std::io::Error::last_os_error(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The hostname a restored guest takes when it is refreshed (a sandbox's id: every
     /// sandbox from one template or snapshot would otherwise share the snapshot's name).
     pub fn with_hostname(mut self, hostname: &str) -> Self {
         self.hostname = Some(hostname.to_string());
+        self
+    }
+
+    /// The sandbox's env, given to the guest's agent with its hostname (a template's guest was
+    /// snapshotted before the sandbox existed).
+    pub fn with_env(mut self, env: Option<BTreeMap<String, String>>) -> Self {
+        self.env = env;
         self
     }
 
@@ -439,6 +498,7 @@ impl StartingMicroVm {
                 agent,
                 ready_after,
                 clock_skew,
+                env_in_guest: self.env_set,
             }),
             Err(e) => {
                 let _ = self.process.kill_and_reap().await;
@@ -470,14 +530,20 @@ impl StartingMicroVm {
                 // Bound every attempt, not just the loop: a guest that accepts the connection
                 // but never answers must not hang us.
                 let remaining = deadline.saturating_duration_since(Instant::now());
+                // A restored guest's agent was serving when it was snapshotted: once the vsock
+                // connection is accepted, its refresh is the first call (one round trip less).
+                let probe = !self.restored;
                 let attempt =
                     tokio::time::timeout(remaining.clamp(ATTEMPT_MIN, ATTEMPT_MAX), async {
                         let client = AgentClient::connect(self.dir.agent_addr()).await?;
-                        client.info().await.map(|_| client)
+                        if probe {
+                            client.info().await?;
+                        }
+                        Ok::<_, EdgeError>(client)
                     });
                 if let Ok(Ok(agent)) = attempt.await {
                     let skew = if self.restored {
-                        Some(self.refresh(&agent).await?)
+                        Some(self.refresh(&agent, self.started.elapsed()).await?)
                     } else {
                         self.name_booted_guest(&agent).await?;
                         None
@@ -497,16 +563,25 @@ impl StartingMicroVm {
     }
 
     /// A booted guest gets its hostname (and the host's clock) too: every VM boots as `dsec`.
-    async fn name_booted_guest(&self, agent: &AgentClient) -> Result<()> {
-        let Some(hostname) = self.hostname.clone() else {
+    async fn name_booted_guest(&mut self, agent: &AgentClient) -> Result<()> {
+        if self.hostname.is_none() && self.env.is_none() {
             return Ok(());
-        };
+        }
         let identity = crate::GuestIdentity {
-            hostname: Some(hostname),
+            hostname: self.hostname.clone(),
+            env: self.env.clone(),
             ..Default::default()
         };
-        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(Vec::new(), identity)).await {
-            Ok(result) => result.map(drop),
+        match tokio::time::timeout(
+            REFRESH_TIMEOUT,
+            agent.refresh_identity(Vec::new(), identity),
+        )
+        .await
+        {
+            Ok(result) => {
+                self.env_set = result?.env_set;
+                Ok(())
+            }
             Err(_) => Err(EdgeError::Protocol(format!(
                 "guest {} did not take its hostname within {} s, so it was stopped",
                 self.dir.name(),
@@ -518,8 +593,9 @@ impl StartingMicroVm {
     /// A restored guest has the snapshot's RNG state and a clock stopped at the snapshot:
     /// give it fresh host entropy, the host's time and its own MAC. Returns the clock skew
     /// that was corrected.
-    async fn refresh(&self, agent: &AgentClient) -> Result<Duration> {
+    async fn refresh(&mut self, agent: &AgentClient, answered_after: Duration) -> Result<Duration> {
         use std::io::Read;
+        let started = Instant::now();
         let mut entropy = vec![0u8; REFRESH_ENTROPY];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| f.read_exact(&mut entropy))
@@ -527,15 +603,21 @@ impl StartingMicroVm {
         let identity = crate::GuestIdentity {
             mac: self.mac.clone(),
             hostname: self.hostname.clone(),
+            env: self.env.clone(),
             ..Default::default()
         };
-        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh(entropy, identity)).await {
+        match tokio::time::timeout(REFRESH_TIMEOUT, agent.refresh_identity(entropy, identity)).await
+        {
             Ok(result) => {
-                let skew = result?;
+                let refreshed = result?;
+                self.env_set = refreshed.env_set;
+                let skew = refreshed.clock_skew;
                 tracing::info!(
                     vm = %self.dir.name(),
                     clock_skew_ms = skew.as_millis() as u64,
                     hostname = self.hostname.as_deref().unwrap_or(""),
+                    agent_ms = answered_after.as_millis() as u64,
+                    refresh_ms = started.elapsed().as_millis() as u64,
                     "restored guest refreshed (fresh entropy, host clock, identity)"
                 );
                 Ok(skew)

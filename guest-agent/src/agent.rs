@@ -148,7 +148,11 @@ impl Agent for AgentService {
         &self,
         request: Request<RefreshRequest>,
     ) -> Result<Response<RefreshResponse>, Status> {
-        let request = request.into_inner();
+        let mut request = request.into_inner();
+        // Checked before anything changes, so a refused refresh changes nothing of this.
+        if let Some(env) = &request.env {
+            crate::sandbox_env::check(&env.vars)?;
+        }
         if request.entropy.len() > MAX_ENTROPY {
             return Err(Status::invalid_argument(format!(
                 "entropy is {} bytes; send at most {MAX_ENTROPY}",
@@ -194,6 +198,10 @@ impl Agent for AgentService {
             nix::unistd::sethostname(&request.hostname)
                 .map_err(|e| Status::internal(format!("cannot set the hostname: {e}")))?;
         }
+        let env_set = request.env.is_some();
+        if let Some(env) = request.env.take() {
+            crate::sandbox_env::set(env.vars);
+        }
         let mut skew = 0;
         if request.realtime_ns > 0 {
             let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_REALTIME)
@@ -212,6 +220,7 @@ impl Agent for AgentService {
         }
         Ok(Response::new(RefreshResponse {
             clock_skew_ns: skew,
+            env_set,
         }))
     }
 

@@ -218,7 +218,10 @@ fn spawn_command(
     if let Some(term) = term {
         command.env("TERM", term);
     }
-    command.envs(&start.env).current_dir(workdir);
+    command
+        .envs(crate::sandbox_env::current())
+        .envs(&start.env)
+        .current_dir(workdir);
     let (stdin, stdout, stderr, pty) = match &start.pty {
         None => {
             let (stdout_read, stdout_write) = nonblocking_pipe()?;

@@ -14,6 +14,7 @@ mod listen;
 mod mountapi;
 mod ports;
 mod reaper;
+mod sandbox_env;
 mod sessions;
 mod userns;
 

@@ -329,6 +329,7 @@ impl SessionsService {
             .env("PATH", DEFAULT_PATH)
             .env("HOME", "/root")
             .env("TERM", "dumb")
+            .envs(crate::sandbox_env::current())
             .envs(&request.env)
             .current_dir(workdir)
             .stdin(Stdio::from(stdin_r))

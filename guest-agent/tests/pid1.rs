@@ -78,6 +78,37 @@ async fn agent_as_pid1_sets_up_reaps_and_powers_off() {
         .await
         .unwrap();
     assert_eq!(client.info().await.unwrap().hostname, "sb-pid1");
+    // The sandbox's env from a refresh: every exec starts with it, its own env wins; a bad
+    // one is refused and changes nothing.
+    let refresh_env = |vars: &[(&str, &str)]| dsec_api::agent::v1::RefreshRequest {
+        env: Some(dsec_api::agent::v1::SandboxEnv {
+            vars: vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }),
+        ..Default::default()
+    };
+    let mut rpc = dsec_api::agent::v1::agent_client::AgentClient::new(client.channel());
+    let refreshed = rpc
+        .refresh(refresh_env(&[("FROM_CREATE", "one"), ("BOTH", "sandbox")]))
+        .await
+        .unwrap();
+    assert!(refreshed.into_inner().env_set);
+    assert!(rpc
+        .refresh(refresh_env(&[("BAD=NAME", "x")]))
+        .await
+        .is_err());
+    let mut spec = ExecSpec::new(["sh", "-c", "echo $FROM_CREATE-$BOTH"]);
+    spec.env.insert("BOTH".into(), "exec".into());
+    let out = client.exec_collect(&spec, None).await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "one-exec");
+    rpc.refresh(refresh_env(&[])).await.unwrap();
+    let out = client
+        .exec_collect(&ExecSpec::new(["sh", "-c", "echo x$FROM_CREATE"]), None)
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "x");
 
     let script = "cat /proc/1/comm; for m in '/dev devtmpfs' '/tmp tmpfs' '/run tmpfs' '/proc proc'; do \
                   cut -d' ' -f2,3 /proc/mounts | grep -qx \"$m\" || echo \"missing $m\"; done; echo mounts-checked; \

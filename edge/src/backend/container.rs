@@ -107,6 +107,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
         kind,
         client: ready?,
         host,
+        env_in_guest: false,
     })
 }
 

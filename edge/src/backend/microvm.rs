@@ -10,7 +10,7 @@ use dsec_vmm_api::launch::LazyLaunch;
 use dsec_vmm_api::{DriveConfig, JailLaunch, RestoreLaunch, VmConfig, VmmLaunch};
 
 use super::host::{HostResources, Runtime, SandboxHandle};
-use super::vmm_pool::{PooledVmm, Shape};
+use super::vmm_pool::{PooledVmm, Refill, Shape};
 use super::{new_sandbox_id, BackendKind, EdgeConfig, Sandbox, SandboxSpec};
 use crate::error::{EdgeError, Result};
 use crate::kvm::KvmStatus;
@@ -312,7 +312,9 @@ async fn start(
         host.jail_root = Some(jail.root(&id));
         host.snapshot_dir = Some(snapshots);
     }
-    let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?.with_hostname(&id);
+    let vm = MicroVm::spawn(options, &MicroVmDir::new(&host.dir), launch)?
+        .with_hostname(&id)
+        .with_env(spec.guest_env.clone());
     finish(host, vm, id, spec).await
 }
 
@@ -325,6 +327,7 @@ async fn finish(
 ) -> Result<Sandbox> {
     let vm = vm.ready(spec.ready_timeout).await?;
     let client = vm.agent().clone();
+    let env_in_guest = vm.env_in_guest();
     host.runtime = Runtime::MicroVm {
         vmm: vm.into_child(),
     };
@@ -333,6 +336,7 @@ async fn finish(
         kind: BackendKind::MicroVm,
         client,
         host,
+        env_in_guest,
     })
 }
 
@@ -451,7 +455,11 @@ pub async fn restore_microvm(
         }) {
             let name = pooled.name.clone();
             match start_pooled(config, pooled, snapshot, id, vsock_cid, spec, memory).await {
-                Ok((host, vm)) => return finish(host, vm, id.to_string(), spec).await,
+                Ok((host, vm, refill)) => {
+                    let sandbox = finish(host, vm, id.to_string(), spec).await;
+                    drop(refill);
+                    return sandbox;
+                }
                 Err(err) => tracing::warn!(
                     sandbox = %id,
                     vmm = %name,
@@ -507,14 +515,17 @@ pub async fn restore_microvm(
 /// refresh are [`finish`]'s, as for any restore.
 async fn start_pooled(
     config: &EdgeConfig,
-    pooled: PooledVmm,
+    mut pooled: PooledVmm,
     snapshot: &Path,
     id: &str,
     vsock_cid: u64,
     spec: &SandboxSpec,
     memory: MemoryRestore,
-) -> Result<(HostResources, StartingMicroVm)> {
+) -> Result<(HostResources, StartingMicroVm, Option<Refill>)> {
+    let started = std::time::Instant::now();
+    let refill = pooled.refill.take();
     let taken = scopeguard_inbox(&pooled);
+    pooled.vm.renice(0)?;
     pooled.vm.join_cgroups(&spec.cgroup_procs)?;
     let path = pooled.link_snapshot(snapshot)?;
     let dir = config.state_dir.join(id);
@@ -526,7 +537,11 @@ async fn start_pooled(
     })?;
     // From here the guard owns the VMM's files: a failure removes them all.
     let host = HostResources::taken_over(dir.clone(), pooled.snapshot_dir, pooled.jail_root);
-    let mut vm = pooled.vm.relocated(MicroVmDir::new(&dir)).with_hostname(id);
+    let mut vm = pooled
+        .vm
+        .relocated(MicroVmDir::new(&dir))
+        .with_hostname(id)
+        .with_env(spec.guest_env.clone());
     let request = RestoreRequest {
         path,
         vsock_cid: Some(vsock_cid),
@@ -534,16 +549,19 @@ async fn start_pooled(
         prefetch: memory == MemoryRestore::Lazy,
         ..RestoreRequest::default()
     };
+    let handover = started.elapsed();
     let reply = vm.restore(request, spec.ready_timeout).await;
     drop(taken);
     let reply = reply?;
     tracing::info!(
         sandbox = %id,
         vmm = %pooled.name,
+        handover_ms = handover.as_millis() as u64,
+        request_ms = (started.elapsed() - handover).as_millis() as u64,
         restore_ms = reply.restore_ms,
         "restored into a prewarmed VMM"
     );
-    Ok((host, vm))
+    Ok((host, vm, refill))
 }
 
 /// rename(2) that fails rather than replace an existing (empty) directory.
@@ -648,6 +666,12 @@ pub async fn resume_microvm(
         }
         launch.jail = Some(jailed);
     }
+    keep_ended_logs(&handle.dir).map_err(|e| {
+        EdgeError::io(
+            format!("keep the ended VMM's logs in {}", handle.dir.display()),
+            e,
+        )
+    })?;
     // The ended VMM's sockets: the wait must not find the old vsock path.
     let _ = std::fs::remove_file(dir.vsock());
     let _ = std::fs::remove_file(dir.api_sock());
@@ -682,12 +706,14 @@ pub async fn resume_microvm(
 /// over first as hard links, so a crash at any point leaves a directory holding the
 /// record), then the restore request, the agent wait and the refresh.
 async fn resume_pooled(
-    pooled: PooledVmm,
+    mut pooled: PooledVmm,
     handle: &SandboxHandle,
     snapshot: &Path,
     cgroup_procs: &[PathBuf],
     timeout: std::time::Duration,
 ) -> Result<Resumed> {
+    // Held until the agent answers (or the resume fails).
+    let _refill = pooled.refill.take();
     let taken = scopeguard_inbox(&pooled);
     let jail = (pooled.snapshot_dir.clone(), pooled.jail_root.clone());
     let forget_jail = |jail: &(PathBuf, PathBuf)| {
@@ -697,7 +723,8 @@ async fn resume_pooled(
     let pool_dir = pooled.vm.dir().path().to_path_buf();
     let handed_over = pooled
         .vm
-        .join_cgroups(cgroup_procs)
+        .renice(0)
+        .and_then(|()| pooled.vm.join_cgroups(cgroup_procs))
         .and_then(|()| pooled.link_snapshot(snapshot))
         .and_then(|path| {
             swap_in_vmm_dir(&handle.dir, &pool_dir)
@@ -768,6 +795,7 @@ async fn resume_pooled(
 /// are exchanged atomically, and whatever the sandbox's directory gained meanwhile is moved
 /// over before the old one is removed. The VMM's own files (logs, pid, sockets) win.
 fn swap_in_vmm_dir(sandbox_dir: &Path, vmm_dir: &Path) -> std::io::Result<()> {
+    keep_ended_logs(sandbox_dir)?;
     for entry in std::fs::read_dir(sandbox_dir)?.flatten() {
         let to = vmm_dir.join(entry.file_name());
         if entry.file_type()?.is_file() && !to.exists() {
@@ -786,6 +814,33 @@ fn swap_in_vmm_dir(sandbox_dir: &Path, vmm_dir: &Path) -> std::io::Result<()> {
         std::fs::rename(entry.path(), &to)?;
     }
     std::fs::remove_dir_all(vmm_dir)
+}
+
+/// The most a sandbox keeps of its ended VMMs' logs per log (the console is the guest's to
+/// fill).
+const ENDED_LOG_MAX: usize = 1 << 20;
+
+/// Before a resumed sandbox's new VMM writes its logs in `dir`: the ended VMM's `vmm.log` and
+/// `serial.log` are appended to `vmm.log.old` and `serial.log.old` (their last
+/// [`ENDED_LOG_MAX`] bytes kept), so a pause/resume cycle loses neither.
+fn keep_ended_logs(dir: &Path) -> std::io::Result<()> {
+    for name in ["vmm.log", "serial.log"] {
+        let log = dir.join(name);
+        let ended = match std::fs::read(&log) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let old = dir.join(format!("{name}.old"));
+        let mut kept = std::fs::read(&old).unwrap_or_default();
+        kept.extend_from_slice(&ended);
+        let start = kept.len().saturating_sub(ENDED_LOG_MAX);
+        let tmp = dir.join(format!(".{name}.old.tmp"));
+        std::fs::write(&tmp, &kept[start..])?;
+        std::fs::rename(&tmp, &old)?;
+        std::fs::remove_file(&log)?;
+    }
+    Ok(())
 }
 
 /// Copies a sparse disk image keeping its holes: only the data extents are copied (a fresh
@@ -825,6 +880,39 @@ pub fn copy_sparse(src: &Path, dst: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pooled_resume_keeps_the_ended_vmms_logs() {
+        let base = std::env::temp_dir().join(format!("dsec-swap-logs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let (sandbox, vmm) = (base.join("sb-1"), base.join("pool-1"));
+        for cycle in 1..=2 {
+            std::fs::create_dir_all(&sandbox).unwrap();
+            std::fs::create_dir_all(&vmm).unwrap();
+            std::fs::write(sandbox.join("meta.json"), "{}").unwrap();
+            std::fs::write(sandbox.join("vmm.log"), format!("vmm {cycle}\n")).unwrap();
+            std::fs::write(sandbox.join("serial.log"), format!("console {cycle}\n")).unwrap();
+            std::fs::write(vmm.join("vmm.log"), "new vmm\n").unwrap();
+            swap_in_vmm_dir(&sandbox, &vmm).unwrap();
+            assert!(!vmm.exists());
+            assert_eq!(
+                std::fs::read_to_string(sandbox.join("vmm.log")).unwrap(),
+                "new vmm\n"
+            );
+            assert!(sandbox.join("meta.json").is_file());
+        }
+        let old = |name: &str| std::fs::read_to_string(sandbox.join(name)).unwrap();
+        assert_eq!(old("vmm.log.old"), "vmm 1\nvmm 2\n");
+        assert_eq!(old("serial.log.old"), "console 1\nconsole 2\n");
+        // A guest's console cannot grow what is kept past the bound.
+        std::fs::write(sandbox.join("serial.log"), vec![b'x'; ENDED_LOG_MAX + 10]).unwrap();
+        keep_ended_logs(&sandbox).unwrap();
+        let kept = std::fs::read(sandbox.join("serial.log.old")).unwrap();
+        assert_eq!(kept.len(), ENDED_LOG_MAX);
+        assert!(kept.iter().all(|b| *b == b'x'));
+        assert!(!sandbox.join("serial.log").exists());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn jailed_vmms_get_a_private_snapshot_dir_exposed_writable() {

@@ -115,6 +115,8 @@ pub struct Sandbox {
     kind: BackendKind,
     client: AgentClient,
     host: HostResources,
+    /// microVM: its agent took the sandbox's env (`SandboxSpec::guest_env`).
+    env_in_guest: bool,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -155,6 +157,12 @@ impl Sandbox {
 
     pub fn agent(&self) -> &AgentClient {
         &self.client
+    }
+
+    /// Its agent holds the env the spec gave (`SandboxSpec::guest_env`) and starts every exec
+    /// and session with it.
+    pub fn env_in_guest(&self) -> bool {
+        self.env_in_guest
     }
 
     /// Hands the sandbox over to a supervisor: nothing is torn down on drop any more; the

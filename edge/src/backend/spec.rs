@@ -36,6 +36,9 @@ pub struct SandboxSpec {
     /// What a container may reach when the node has a network (`EdgeConfig::network`);
     /// empty: nothing outside itself.
     pub network_policy: crate::net::Policy,
+    /// microVM: the env its agent starts every exec and session with, given with its hostname
+    /// (None: the agent keeps its own).
+    pub guest_env: Option<std::collections::BTreeMap<String, String>>,
 }
 
 impl Default for SandboxSpec {
@@ -53,6 +56,7 @@ impl Default for SandboxSpec {
             disk_mib: None,
             cgroup_procs: Vec::new(),
             network_policy: crate::net::Policy::default(),
+            guest_env: None,
         }
     }
 }

@@ -143,6 +143,7 @@ impl CreatePlan {
             root_disk,
             cgroup_procs: cgroup::procs_files(cgroups),
             network_policy: request.network.clone(),
+            guest_env: (request.kind == BackendKind::MicroVm).then(|| request.env.clone()),
             ..SandboxSpec::default()
         }
     }
@@ -348,7 +349,9 @@ impl Node {
         plan: &CreatePlan,
         id: &str,
     ) -> Result<Arc<Entry>, NodeError> {
+        let started = Instant::now();
         let mut pending = self.admit(plan, id)?;
+        let admitted = started.elapsed();
         let request = &plan.request;
         let rootfs = match &plan.image {
             ImagePlan::Container(ImageSource::Dir(rootfs)) => Some(rootfs.clone()),
@@ -369,7 +372,9 @@ impl Node {
         } else {
             Sandbox::create(request.kind, &self.edge, &spec).await?
         };
+        let built = started.elapsed();
         let client = sandbox.agent().clone();
+        let env_in_guest = sandbox.env_in_guest();
         let handle = sandbox.detach();
         let now = now_ms();
         let record = Record {
@@ -380,6 +385,7 @@ impl Node {
             disk_mib: request.demand.disk_mib,
             pids_limit: request.demand.pids,
             env: request.env.clone(),
+            env_in_guest,
             labels: request.labels.clone(),
             allow_internet: request.allow_internet,
             allow: request.allow.clone(),
@@ -406,7 +412,15 @@ impl Node {
             image_mount: pending.image_mount.clone(),
             suspended: None,
         };
-        self.register(record, client, pending).await
+        let entry = self.register(record, client, pending).await?;
+        tracing::info!(
+            sandbox = %id,
+            admit_ms = admitted.as_millis() as u64,
+            backend_ms = (built - admitted).as_millis() as u64,
+            register_ms = (started.elapsed() - built).as_millis() as u64,
+            "create steps"
+        );
+        Ok(entry)
     }
 
     /// Persists and registers a sandbox the backend made; if its record cannot be written

@@ -192,6 +192,7 @@ impl Node {
                 }
             };
             let client = sandbox.agent().clone();
+            let env_in_guest = sandbox.env_in_guest();
             let now = now_ms();
             let record = Record {
                 handle: sandbox.detach(),
@@ -201,6 +202,7 @@ impl Node {
                 disk_mib: parent.disk_mib,
                 pids_limit: parent.pids_limit,
                 env: plan.request.env.clone(),
+                env_in_guest,
                 labels: plan.request.labels.clone(),
                 allow_internet: plan.request.allow_internet,
                 allow: plan.request.allow.clone(),

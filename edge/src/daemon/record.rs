@@ -47,6 +47,10 @@ pub struct Record {
     pub disk_mib: i64,
     pub pids_limit: i64,
     pub env: BTreeMap<String, String>,
+    /// The guest's agent holds `env` (given by the refresh that named it) and starts every
+    /// exec with it; otherwise the node adds it to each exec (containers, older records).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub env_in_guest: bool,
     pub labels: BTreeMap<String, String>,
     pub allow_internet: bool,
     pub allow: Vec<String>,

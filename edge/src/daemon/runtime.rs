@@ -71,8 +71,7 @@ impl process_server::Process for ProcessService {
         let id = start.sandbox_id.clone();
         let entry = self.0.running(&id)?;
         self.0.metrics.execs_total.fetch_add(1, Ordering::Relaxed);
-        let mut env: std::collections::HashMap<String, String> =
-            entry.record().env.into_iter().collect();
+        let mut env = sandbox_env(&entry.record());
         env.extend(start.env);
         let first = agent::ExecRequest {
             kind: Some(agent::exec_request::Kind::Start(agent::ExecStart {
@@ -314,8 +313,7 @@ impl sessions_server::Sessions for SessionsService {
         check_len("shell", r.shell.as_bytes(), limits::MAX_PATH)?;
         check_len("workdir", r.workdir.as_bytes(), limits::MAX_PATH)?;
         let entry = self.0.running(&r.sandbox_id)?;
-        let mut env: std::collections::HashMap<String, String> =
-            entry.record().env.into_iter().collect();
+        let mut env = sandbox_env(&entry.record());
         env.extend(r.env);
         let out = self
             .sessions(&r.sandbox_id)?
@@ -422,4 +420,12 @@ fn exec_input(message: ExecRequest) -> agent::ExecRequest {
             Kind::Resize(size) => ToAgent::Resize(size),
         }),
     }
+}
+
+/// What the node adds to an exec's or session's env: the sandbox's, unless its agent holds it.
+fn sandbox_env(record: &super::record::Record) -> std::collections::HashMap<String, String> {
+    if record.env_in_guest {
+        return std::collections::HashMap::new();
+    }
+    record.env.clone().into_iter().collect()
 }

@@ -17,7 +17,67 @@ fn fake_vmm(dir: &Path, body: &str) -> SpawnOptions {
     SpawnOptions {
         vmm_bin: bin,
         cgroup_procs: Vec::new(),
+        nice: 0,
     }
+}
+
+/// Boots `options`' fake VMM in `<dir>/vm`.
+fn boot_fake(dir: &Path, options: &SpawnOptions) -> (MicroVmDir, StartingMicroVm) {
+    let vm_dir = MicroVmDir::new(dir.join("vm"));
+    std::fs::create_dir_all(vm_dir.path()).unwrap();
+    let starting = MicroVm::spawn(
+        options,
+        &vm_dir,
+        VmmLaunch::boot(VmConfig::new("/k/vmlinux")),
+    )
+    .unwrap();
+    (vm_dir, starting)
+}
+
+/// The nice value of every thread of `pid` and of its children.
+fn nice_values(pid: u32) -> Vec<i64> {
+    let mut pids = vec![pid];
+    if let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+        pids.extend(text.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+    }
+    let mut values = Vec::new();
+    for pid in pids {
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+        {
+            let stat = std::fs::read_to_string(task.path().join("stat")).unwrap();
+            // Field 19 is the nice value; fields after the ')' of the command name start at 3.
+            let after = &stat[stat.rfind(')').unwrap() + 2..];
+            values.push(after.split(' ').nth(16).unwrap().parse().unwrap());
+        }
+    }
+    values
+}
+
+#[tokio::test]
+async fn a_prewarmed_vmm_starts_at_low_priority_and_is_put_back_when_taken() {
+    let dir = tempdir("nice");
+    let options = SpawnOptions {
+        nice: 19,
+        ..fake_vmm(&dir, "sleep 60 & exec sleep 60")
+    };
+    let (_, starting) = boot_fake(&dir, &options);
+    let pid = starting.pid();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while nice_values(pid).len() < 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let started = nice_values(pid);
+    assert!(
+        started.len() >= 2 && started.iter().all(|n| *n == 19),
+        "{started:?}"
+    );
+    starting.renice(0).unwrap();
+    let taken = nice_values(pid);
+    assert!(taken.iter().all(|n| *n == 0), "{taken:?}");
+    drop(starting);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -61,14 +121,7 @@ fn the_launch_is_wired_to_the_directory() {
 async fn a_vmm_that_exits_is_reported_with_its_log() {
     let dir = tempdir("exits");
     let options = fake_vmm(&dir, "echo \"cannot open /dev/kvm; args: $*\" >&2\nexit 1");
-    let vm_dir = MicroVmDir::new(dir.join("vm"));
-    std::fs::create_dir_all(vm_dir.path()).unwrap();
-    let starting = MicroVm::spawn(
-        &options,
-        &vm_dir,
-        VmmLaunch::boot(VmConfig::new("/k/vmlinux")),
-    )
-    .unwrap();
+    let (vm_dir, starting) = boot_fake(&dir, &options);
     let pid = std::fs::read_to_string(vm_dir.pid_file()).unwrap();
     assert_eq!(pid, starting.pid().to_string());
     let err = starting.ready(Duration::from_secs(10)).await.unwrap_err();

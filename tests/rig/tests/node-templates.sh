@@ -3,7 +3,7 @@
 # the node daemon (`dsec up`, every VMM jailed) and the `dsec` CLI.
 # - the first create builds the image's template; creates restore it and run commands; two
 #   sandboxes from one template differ in /dev/urandom, have the host's clock and are named
-#   after their ids (`hostname`; a fork child too);
+#   after their ids (`hostname`; a fork child too); the create's env is seen by the first exec;
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
@@ -89,6 +89,14 @@ timeout $T dsec exec $b -- sh -c 'echo b >/root/who'
 # Each sandbox is named after its id (the template's guest was snapshotted as another).
 ha=$(timeout $T dsec exec $a -- hostname); hb=$(timeout $T dsec exec $b -- hostname)
 [ "$ha" = "$a" ] && [ "$hb" = "$b" ] && ok template-hostname || bad template-hostname "'$ha' for $a, '$hb' for $b"
+# The create's env reaches a template-restored guest through its refresh (the node does not
+# add it to execs of such a sandbox): the first exec sees it.
+ev=$(timeout $T dsec create --backend microvm --mem 128 --env PROBE=from-create 2>>/tmp/create.err)
+eo=$(timeout $T dsec exec $ev -- sh -c 'echo $PROBE')
+[ "$eo" = from-create ] && grep -q '"env_in_guest": true' /tmp/node/sandboxes/$ev/meta.json \
+    && [ "$(grep -c 'restored from the template snapshot' /tmp/node.log)" -ge 3 ] \
+    && ok template-env || bad template-env "'$eo' for $ev: $(grep env /tmp/node/sandboxes/$ev/meta.json)"
+timeout $T dsec rm $ev >/dev/null 2>&1
 # The prewarmed VMM pool: the first restore of a shape starts its pool (2 VMMs), later
 # creates take one (the hostname check above ran in one) and it refills in the background.
 i=0; until [ "$(pool_ready)" -ge 2 ] || [ $i -ge 150 ]; do sleep 0.2; i=$((i + 1)); done
@@ -96,7 +104,8 @@ served=$(grep -c 'restored into a prewarmed VMM' /tmp/node.log)
 pb=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 pout=$(timeout $T dsec exec $pb -- hostname)
 i=0; until [ "$(pool_ready)" -ge 2 ] || [ $i -ge 150 ]; do sleep 0.2; i=$((i + 1)); done
-[ "$served" -ge 1 ] && [ "$(grep -c 'restored into a prewarmed VMM' /tmp/node.log)" = $((served + 1)) ] \
+# (Pooled VMMs build at nice 19, so the creates above may have found none ready yet.)
+[ "$(grep -c 'restored into a prewarmed VMM' /tmp/node.log)" = $((served + 1)) ] \
     && [ "$pout" = "$pb" ] && [ "$(pool_ready)" = 2 ] && [ "$(vmms_of $pb)" -ge 1 ] \
     && ok vmm-pool-serves-and-refills \
     || bad vmm-pool-serves-and-refills "served before $served, '$pout' for $pb, $(pool_ready) ready, $(vmms_of $pb) VMMs: $(grep -i 'prewarm' /tmp/node.log | tail -3)"
@@ -151,8 +160,11 @@ sample() { # KIND [--cold]
     timeout $T dsec rm $s >/dev/null 2>&1
 }
 for i in 1 2 3; do sample cold --cold; sample template; done
-# The daemon's own create time (request in -> agent answering), without the CLI's.
+# The daemon's own create time (request in -> agent answering), without the CLI's, and
+# its steps: admission, the backend (pool handover, VMM restore, agent, refresh), register.
 grep -o 'create done.*' /tmp/node.log | tail -6
+grep -o -e 'create steps.*' -e 'restored into a prewarmed VMM.*' -e 'restored guest refreshed.*' /tmp/node.log \
+    | sed 's/\x1b\[[0-9;]*m//g' | tail -15
 t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
 echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
 # A burst of 4 concurrent creates (`dsec create -n 4`), cold then template: wall time, how

@@ -144,6 +144,10 @@ impl WorkerFactory for ContainerFactory {
         }
     }
 
+    fn lean_python(&self, _image: &str) -> bool {
+        true
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         let rootfs = self.rootfs(&key.image)?;
         let network = match (key.network, &self.network) {
@@ -191,6 +195,7 @@ impl WorkerFactory for ContainerFactory {
             .arg(self.limits.work_kib.to_string())
             .arg(self.limits.inodes.to_string())
             .arg(uid.to_string())
+            .arg(if key.lean { "lean" } else { "full" })
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).

@@ -648,6 +648,10 @@ impl WorkerFactory for ByImageKind {
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         self.factory(key).spawn(key).await
     }
+
+    fn lean_python(&self, image: &str) -> bool {
+        !is_vm_image(&self.images_dir, image) && self.container.lean_python(image)
+    }
 }
 
 #[cfg(test)]

@@ -189,6 +189,10 @@ impl CallNetwork for WorkerNetwork {
         tracing::debug!(addr = %link.addr, pid, "FnCall worker on the sandbox network");
         Ok(Arc::new(link))
     }
+
+    fn nameserver(&self) -> Option<Ipv4Addr> {
+        Some(self.net.gateway)
+    }
 }
 
 /// A networked worker's address, veth and chain; released on drop.

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dsec_sdk::{Client, FnRunRequest, NetworkPolicy};
+use dsec_sdk::{Client, NetworkPolicy};
 
 /// What the zone answers for `fn.test` (a documentation address: nothing connects to it).
 const ANSWER: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
@@ -101,26 +101,7 @@ async fn resolve(client: &Client, rules: Option<NetworkPolicy>, names: &[&str]) 
     let code = format!(
         "import socket\nprint(open('/etc/resolv.conf').read().strip())\nfor n in {names:?}:\n    try:\n        print(n, socket.gethostbyname(n))\n    except OSError as e:\n        print(n, 'unresolved', e)\n"
     );
-    let response = client
-        .run_code(FnRunRequest {
-            code,
-            language: "python".into(),
-            run_timeout: 30.0,
-            network: true,
-            network_policy: rules,
-            ..Default::default()
-        })
-        .await
-        .expect("Fn.Run");
-    let run = response.run.expect("a run stage");
-    let out = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert_eq!(
-        run.exit_code,
-        Some(0),
-        "{out}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    out
+    daemon::run_networked_python(client, code, true, rules).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

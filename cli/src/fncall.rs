@@ -35,9 +35,18 @@ pub enum FnCommand {
         /// Memory limit in MiB.
         #[arg(long, default_value_t = 512)]
         mem: u32,
-        /// Ask for network access: refused until calls get a sandbox network (default: loopback only).
+        /// Run on the node's sandbox network (`dsec up --net-bridge`) reaching nothing but
+        /// what --allow/--policy/--internet give (default: loopback only).
         #[arg(long)]
         network: bool,
+        /// What a networked call may reach (implies --network): --allow RULE|NAME, --deny
+        /// RULE|NAME, --internet, as for `dsec create`.
+        #[command(flatten)]
+        policy: crate::net::CreatePolicyArgs,
+        /// A node policy (`dsec up --policies FILE`) the call may reach (implies --network);
+        /// repeatable, the same as --allow NAME.
+        #[arg(long = "policy", value_name = "NAME")]
+        policies: Vec<String>,
         /// Image to run in (default: the node's, `fncall`); a VM FnCall image
         /// (images/fncall-vm) runs the call in a microVM restored for it.
         #[arg(long)]
@@ -113,6 +122,8 @@ pub async fn run(endpoint: &str, command: FnCommand, json_out: bool) -> Result<i
             compile_timeout,
             mem,
             network,
+            policy,
+            policies,
             image,
             local,
         } => {
@@ -146,6 +157,7 @@ pub async fn run(endpoint: &str, command: FnCommand, json_out: bool) -> Result<i
                 compile_timeout,
                 run_timeout: timeout,
                 memory_mib: mem,
+                network_policy: policy.with_allowed(policies),
                 network,
                 image: image.unwrap_or_default(),
                 ..FnRunRequest::default()
@@ -277,4 +289,56 @@ fn report(response: &FnRunResponse, json_out: bool) -> i32 {
     }
     let _ = out.flush();
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Fn {
+        #[command(subcommand)]
+        command: FnCommand,
+    }
+
+    fn policy_of(args: &[&str]) -> Option<dsec_sdk::NetworkPolicy> {
+        let parsed = Fn::try_parse_from(["fn", "run", "-c", "print(1)"].iter().chain(args))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let FnCommand::Run {
+            policy, policies, ..
+        } = parsed.command
+        else {
+            panic!("not a run");
+        };
+        policy.with_allowed(policies)
+    }
+
+    #[test]
+    fn network_flags_make_the_calls_policy() {
+        assert_eq!(policy_of(&[]), None);
+        assert_eq!(policy_of(&["--network"]), None, "--network alone: no rules");
+        let policy = policy_of(&[
+            "--allow",
+            "tcp:10.0.0.0/8:443",
+            "--allow",
+            "tcp:pypi.org:443",
+            "--deny",
+            "tcp:10.0.0.1:443",
+            "--policy",
+            "mirror",
+            "--internet",
+        ])
+        .expect("a policy");
+        assert_eq!(
+            policy.allow,
+            ["tcp:10.0.0.0/8:443", "tcp:pypi.org:443", "mirror"]
+        );
+        assert_eq!(policy.deny, ["tcp:10.0.0.1:443"]);
+        assert!(policy.allow_internet);
+        assert_eq!(
+            policy_of(&["--policy", "mirror"]).unwrap().allow,
+            ["mirror"]
+        );
+    }
 }

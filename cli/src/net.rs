@@ -45,6 +45,12 @@ impl CreatePolicyArgs {
             deny: self.deny.clone(),
         })
     }
+
+    /// The policy with `names` (node policies) allowed too; None when nothing was given.
+    pub fn with_allowed(mut self, names: Vec<String>) -> Option<NetworkPolicy> {
+        self.allow.extend(names);
+        self.policy()
+    }
 }
 
 impl From<PolicyArgs> for NetworkPolicy {

@@ -352,3 +352,33 @@ pub fn policy(allow: &[&str]) -> dsec_sdk::NetworkPolicy {
         ..Default::default()
     }
 }
+
+/// Runs python `code` as a networked call (`network`, with `rules`) through `client`; its
+/// stdout, once it exited 0 (the test fails otherwise, showing stdout and stderr).
+pub async fn run_networked_python(
+    client: &Client,
+    code: String,
+    network: bool,
+    rules: Option<dsec_sdk::NetworkPolicy>,
+) -> String {
+    let response = client
+        .run_code(dsec_sdk::FnRunRequest {
+            code,
+            language: "python".into(),
+            run_timeout: 30.0,
+            network,
+            network_policy: rules,
+            ..Default::default()
+        })
+        .await
+        .expect("Fn.Run");
+    let run = response.run.expect("a run stage");
+    let out = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert_eq!(
+        run.exit_code,
+        Some(0),
+        "{out}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    out
+}

@@ -144,6 +144,10 @@ impl WorkerFactory for ContainerFactory {
         }
     }
 
+    fn lean_python(&self, _image: &str) -> bool {
+        true
+    }
+
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         let rootfs = self.rootfs(&key.image)?;
         let network = match (key.network, &self.network) {
@@ -176,7 +180,12 @@ impl WorkerFactory for ContainerFactory {
         std::fs::File::from(script_w)
             .write_all(ZYGOTE.as_bytes())
             .map_err(|e| start_err(format!("write the zygote script: {e}")))?;
-        let setup = RootSetup::new(&rootfs, &procs, &[&pid_ns, &script_r])
+        // Networked workers resolve through the node's DNS proxy.
+        let resolv_conf = network
+            .as_ref()
+            .and_then(|n| n.nameserver())
+            .map(|ns| format!("nameserver {ns}\n"));
+        let setup = RootSetup::new(&rootfs, &procs, &[&pid_ns, &script_r], resolv_conf)
             .map_err(|e| start_err(format!("{e}")))?;
         let mut command = tokio::process::Command::new("/usr/bin/python3");
         command
@@ -191,6 +200,7 @@ impl WorkerFactory for ContainerFactory {
             .arg(self.limits.work_kib.to_string())
             .arg(self.limits.inodes.to_string())
             .arg(uid.to_string())
+            .arg(if key.lean { "lean" } else { "full" })
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).
@@ -202,8 +212,8 @@ impl WorkerFactory for ContainerFactory {
             .stdout(Stdio::piped())
             .stderr(worker_log())
             .kill_on_drop(true);
-        // SAFETY: `enter` only makes system calls (unshare, mount, mknod, chdir,
-        // pivot_root, umount2, sethostname, socket, ioctl, fcntl, prctl) on memory prepared
+        // SAFETY: `enter` only makes system calls (unshare, mount, mknod, chdir, pivot_root,
+        // umount2, open, write, unlink, sethostname, socket, ioctl, fcntl, prctl) on memory prepared
         // before the fork; it neither allocates nor takes locks.
         unsafe {
             command.pre_exec(move || setup.enter());
@@ -573,6 +583,8 @@ struct RootSetup {
     cgroup_procs: Vec<i32>,
     /// Descriptors the zygote inherits.
     keep_fds: Vec<i32>,
+    /// What the worker's `/etc/resolv.conf` says instead of the image's (networked workers).
+    resolv_conf: Option<Vec<u8>>,
 }
 
 fn cstr(bytes: &[u8]) -> io::Result<CString> {
@@ -580,7 +592,12 @@ fn cstr(bytes: &[u8]) -> io::Result<CString> {
 }
 
 impl RootSetup {
-    fn new(rootfs: &Path, cgroup_procs: &[OwnedFd], keep: &[&OwnedFd]) -> io::Result<Self> {
+    fn new(
+        rootfs: &Path,
+        cgroup_procs: &[OwnedFd],
+        keep: &[&OwnedFd],
+        resolv_conf: Option<String>,
+    ) -> io::Result<Self> {
         let dev = rootfs.join("dev");
         let nodes = [
             ("null", 1, 3),
@@ -603,6 +620,7 @@ impl RootSetup {
                 .collect::<io::Result<_>>()?,
             cgroup_procs: cgroup_procs.iter().map(|f| f.as_raw_fd()).collect(),
             keep_fds: keep.iter().map(|f| f.as_raw_fd()).collect(),
+            resolv_conf: resolv_conf.map(String::into_bytes),
         })
     }
 
@@ -678,6 +696,39 @@ impl RootSetup {
             ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;
             ok(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
             ok(libc::chdir(c"/".as_ptr()))?;
+            if let Some(text) = &self.resolv_conf {
+                // Written in the worker's own /dev tmpfs and bound over the image's file (the
+                // root is read-only), then unlinked: calls see only /etc/resolv.conf. After
+                // pivot_root, so a symbolic link in the image cannot lead outside its root.
+                let staged = c"/dev/.resolv.conf";
+                let fd = libc::open(
+                    staged.as_ptr(),
+                    libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                    0o644,
+                );
+                ok(fd)?;
+                let written = libc::write(fd, text.as_ptr().cast(), text.len());
+                libc::close(fd);
+                if written != text.len() as isize {
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                }
+                let target = c"/etc/resolv.conf";
+                ok(libc::mount(
+                    staged.as_ptr(),
+                    target.as_ptr(),
+                    null,
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                ))?;
+                ok(libc::mount(
+                    null,
+                    target.as_ptr(),
+                    null,
+                    libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID,
+                    std::ptr::null(),
+                ))?;
+                ok(libc::unlink(staged.as_ptr()))?;
+            }
             let host = b"fncall";
             ok(libc::sethostname(host.as_ptr().cast(), host.len()))?;
             {

@@ -101,13 +101,20 @@ impl Engine {
 
     /// Starts the default image's pools now rather than at their first call.
     pub async fn prewarm(&self, languages: &[Language]) -> Result<()> {
+        let image = &self.config.default_image;
         for &language in languages {
-            self.pool(PoolKey {
-                image: self.config.default_image.clone(),
+            let lean = language == Language::Python && self.factory.lean_python(image);
+            let mut key = PoolKey {
+                image: image.clone(),
                 language,
                 network: false,
-            })
-            .await?;
+                lean: false,
+            };
+            self.pool(key.clone()).await?;
+            if lean {
+                key.lean = true;
+                self.pool(key).await?;
+            }
         }
         Ok(())
     }
@@ -162,6 +169,11 @@ impl Engine {
             image: image.to_string(),
             language: call.language,
             network: call.network.is_some(),
+            // Networked pools keep one worker per language: always the full zygote.
+            lean: call.language == Language::Python
+                && call.network.is_none()
+                && self.factory.lean_python(image)
+                && !call.names_heavy_modules(),
         };
         self.factory.admit(&key, call)?;
         let pool = self.pool(key).await?;

@@ -34,6 +34,12 @@ pub trait CallNetwork: Send + Sync {
     /// Puts the network namespace of process `pid` on the node's network, denying
     /// everything. The link is released when dropped.
     fn attach(&self, pid: u32) -> Result<Arc<dyn CallLink>>;
+
+    /// The resolver networked workers' `/etc/resolv.conf` names (the node's DNS proxy, which
+    /// answers a call the names its rules allow); None: the image's file.
+    fn nameserver(&self) -> Option<std::net::Ipv4Addr> {
+        None
+    }
 }
 
 /// One worker's link on the node's network.

@@ -73,6 +73,18 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(300);
 pub const MAX_MEMORY_MIB: u32 = 16 * 1024;
 /// Code + stdin + files of one call.
 pub const MAX_INPUT_BYTES: usize = 32 << 20;
+/// Modules that send a python call to the full zygote (numpy preloaded): numpy and what is
+/// built on it.
+const HEAVY_MODULES: [&str; 8] = [
+    "numpy",
+    "pandas",
+    "scipy",
+    "sklearn",
+    "matplotlib",
+    "torch",
+    "tensorflow",
+    "jax",
+];
 pub const MAX_FILES: usize = 256;
 
 /// One call.
@@ -106,6 +118,23 @@ impl CallRequest {
             memory_mib: 512,
             network: None,
         }
+    }
+
+    /// Whether the code (or a python file handed in) names a module the full python zygote
+    /// preloads, or one built on it: such calls go to the full zygote, the others to a lean
+    /// one. A plain text match: a false hit only costs the lean zygote's speed, and a module
+    /// imported without its name in the text still works (imported in the call).
+    pub fn names_heavy_modules(&self) -> bool {
+        let names = |text: &[u8]| {
+            HEAVY_MODULES
+                .iter()
+                .any(|m| text.windows(m.len()).any(|w| w == m.as_bytes()))
+        };
+        names(self.code.as_bytes())
+            || self
+                .files
+                .iter()
+                .any(|(name, data)| name.ends_with(".py") && names(data))
     }
 
     /// Rejects what no worker should be handed: bounds, and file names that would leave the
@@ -248,6 +277,24 @@ impl CallResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heavy_modules_are_found_in_the_code_and_python_files() {
+        let mut call = CallRequest::new(Language::Python, "print(1+1)");
+        assert!(!call.names_heavy_modules());
+        call.files.insert("data.txt".into(), b"numpy".to_vec());
+        assert!(!call.names_heavy_modules(), "only python files count");
+        call.files
+            .insert("helper.py".into(), b"import pandas".to_vec());
+        assert!(call.names_heavy_modules());
+        for code in [
+            "import numpy as np",
+            "from scipy import stats",
+            "x = 1  # numpy",
+        ] {
+            assert!(CallRequest::new(Language::Python, code).names_heavy_modules());
+        }
+    }
 
     #[test]
     fn file_names_stay_inside_the_work_dir() {

@@ -16,6 +16,9 @@ pub struct PoolKey {
     /// Workers on the node's sandbox network (each call's policy applied around it); the
     /// others have loopback only.
     pub network: bool,
+    /// A python zygote without the heavy preloads (numpy), for code that does not name them:
+    /// its forks copy far fewer page tables (see `CallRequest::names_heavy_modules`).
+    pub lean: bool,
 }
 
 /// What a worker hands back: the result, and whether it may serve another call.
@@ -54,6 +57,11 @@ pub trait WorkerFactory: Send + Sync {
     }
 
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>>;
+
+    /// Whether `image`'s python calls that name no heavy module may go to a lean zygote.
+    fn lean_python(&self, _image: &str) -> bool {
+        false
+    }
 
     /// Checks a networked call's rules (for a worker of `image`) before it waits for a
     /// worker; factories whose workers have no network refuse every networked call.

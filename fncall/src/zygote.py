@@ -21,6 +21,9 @@ SECCOMP_HEX = sys.argv[4]
 WORK_KIB, WORK_INODES = int(sys.argv[5]), int(sys.argv[6])
 # The host uid this worker's calls run as (the python stage drops to it before its call).
 CALL_UID = int(sys.argv[7])
+# "lean": python without the heavy preloads (numpy), for calls whose code does not name them
+# (the engine decides); its forks and exits cost less. Absent (VM workers): "full".
+PRELOAD = sys.argv[8] if len(sys.argv) > 8 else "full"
 # A ready init's exit status when the engine closed the request pipe: the zygote ends too.
 EXIT_NO_MORE_CALLS = 3
 
@@ -28,10 +31,12 @@ if LANG == "python":
     # What reward code imports most: paid once here, not per call.
     import re, math, random, collections, itertools, functools, heapq, bisect, string
     import typing, datetime, decimal, fractions, copy, operator, statistics, dataclasses
-    try:
-        import numpy
-    except ImportError:
-        numpy = None
+    numpy = None
+    if PRELOAD == "full":
+        try:
+            import numpy
+        except ImportError:
+            pass
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS = 0x00020000
@@ -133,6 +138,7 @@ def run_python_here(path):
     random.seed()
     if numpy is not None:
         numpy.random.seed()
+    # numpy imported by the call itself (lean zygote) draws its own fresh seed.
     main = types.ModuleType("__main__")
     main.__file__ = path
     main.__builtins__ = builtins

@@ -194,6 +194,37 @@ async fn nothing_of_one_call_is_seen_by_the_next() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_code_without_numpy_runs_in_the_lean_zygote() {
+    let engine = engine();
+    let out = |r: dsec_fncall::CallResult| {
+        let run = r.run.unwrap();
+        assert_eq!(run.exit_code, Some(0), "stderr: {}", text(&run.stderr));
+        text(&run.stdout)
+    };
+    // (The probe spells the name apart: the name in the text would pick the full zygote.)
+    let probe = "import sys\nprint('nu' + 'mpy' in sys.modules)";
+    // Lean: numpy is not preloaded; a call naming it gets the full zygote.
+    assert_eq!(out(run(&engine, Language::Python, probe).await), "False\n");
+    let full = format!("{probe}  # numpy");
+    assert_eq!(out(run(&engine, Language::Python, &full).await), "True\n");
+    // numpy imported without its name in the text still works in the lean zygote.
+    let hidden = "m = __import__('nu' + 'mpy')\nprint(int(m.arange(5).sum()))";
+    assert_eq!(out(run(&engine, Language::Python, hidden).await), "10\n");
+    // Lean calls are as isolated as the others (the pool holds two workers).
+    for round in 0..4 {
+        let first = "import subprocess\nopen('/tmp/left', 'w').write('x')\nopen('/work/left', 'w').write('x')\nsubprocess.Popen(['sleep', '1000'])\nprint('started')";
+        assert_eq!(
+            out(run(&engine, Language::Python, first).await),
+            "started\n"
+        );
+        let second = "import os\nprint(sorted(os.listdir('/tmp') + os.listdir('/work')), [open(f'/proc/{p}/comm').read().strip() for p in os.listdir('/proc') if p.isdigit()])";
+        let seen = out(run(&engine, Language::Python, second).await);
+        assert!(!seen.contains("left"), "round {round}: {seen}");
+        assert!(!seen.contains("sleep"), "round {round}: {seen}");
+    }
+}
+
 /// Processes running as a call's uid (calls run as DEFAULT_UID_BASE + worker number), but
 /// for the python stages made ahead of their call (named fncall-ready until it comes).
 fn call_processes() -> Vec<String> {

@@ -5,7 +5,8 @@
 # OpenSSL, Berkeley DB, NIS, curses, readline or SQLite left out: no network, no terminal), bash,
 # and fncall/src/vm/guest_worker.py. Python and bash come from the installed fncall image
 # (images/fncall/build.sh --install first), with the shared libraries they and python's
-# extension modules need. No numpy (the initramfs lives in guest memory).
+# extension modules need; numpy (without its tests, type stubs and build tools) with the
+# reference BLAS/LAPACK it links, so the VM zygote preloads it like the container one.
 #   ${DSEC_CACHE:-/var/cache/dsec}/images/fncall-vm/<hash>/initramfs.cpio
 # <hash> covers this script, the agent binary, guest_worker.py and the fncall image's
 # manifest: a hit costs nothing. --install copies it to ${DSEC_HOME:-/var/lib/dsec}/images/
@@ -59,13 +60,28 @@ if ! [ -f "$out/initramfs.cpio" ]; then
         --exclude="*/_gdbm.*.so" --exclude="*/nis.*.so" --exclude="*/_curses*.so" \
         --exclude="*/readline.*.so" --exclude="*/_sqlite3.*.so" --exclude="*/_crypt.*.so" \
         -cf - "$stdlib" | tar -C "$root" -xf -
+    # numpy: what reward code imports most; preloaded by the zygote, as in container workers.
+    np="usr/lib/python3/dist-packages/numpy"
+    np_libs=()
+    if [ -d "$src/$np" ]; then
+        tar -C "$src" --exclude="$np/tests" --exclude="$np/*/tests" --exclude="$np/f2py" \
+            --exclude="$np/distutils" --exclude="$np/doc" --exclude="$np/_pyinstaller" \
+            --exclude="*.pyi" --exclude="*.pxd" \
+            -cf - "$np" | tar -C "$root" -xf -
+        mapfile -t np_libs < <(find "$root/$np" -name '*.so')
+    fi
     rm -f "$root/bin/bash"
     cp "$src/usr/bin/bash" "$root/bin/bash"
     cp "$worker" "$root/usr/lib/dsec-fncall/guest_worker.py"
     # Shared libraries (from the fncall image, not the host), followed transitively.
+    # A path of the fncall image with its last component's symbolic links followed inside the
+    # image (Debian's alternatives, e.g. libblas.so.3, are absolute links).
+    in_src() { local p=$1 t n=0; while [ -L "$src/$p" ] && [ $n -lt 16 ]; do
+        t=$(readlink "$src/$p"); case $t in /*) p=${t#/} ;; *) p=$(dirname "$p")/$t ;; esac
+        n=$((n + 1)); done; echo "$p"; }
     find_lib() { for d in lib/x86_64-linux-gnu usr/lib/x86_64-linux-gnu lib usr/lib; do
-        [ -e "$src/$d/$1" ] && { echo "$d/$1"; return; }; done; return 1; }
-    queue=("$root/usr/bin/$pyname" "$root/bin/bash" "$root/$stdlib"/lib-dynload/*.so)
+        [ -e "$src/$(in_src "$d/$1")" ] && { echo "$d/$1"; return; }; done; return 1; }
+    queue=("$root/usr/bin/$pyname" "$root/bin/bash" "$root/$stdlib"/lib-dynload/*.so "${np_libs[@]}")
     declare -A seen=()
     while [ ${#queue[@]} -gt 0 ]; do
         file=${queue[0]}; queue=("${queue[@]:1}")
@@ -74,7 +90,7 @@ if ! [ -f "$out/initramfs.cpio" ]; then
             seen[$lib]=1
             rel=$(find_lib "$lib") || { echo "fncall-vm/build.sh: $lib (needed by $file) not in $src" >&2; exit 1; }
             mkdir -p "$root/$(dirname "$rel")"
-            cp -L "$src/$rel" "$root/$rel"
+            cp "$src/$(in_src "$rel")" "$root/$rel"
             queue+=("$root/$rel")
         done
     done

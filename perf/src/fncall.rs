@@ -34,16 +34,25 @@ pub struct FnOpts {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Snippet {
     Print,
+    /// `print(1+1)` with numpy named in a comment: the full (numpy) zygote, what every python
+    /// call ran in before the lean one.
+    PrintFull,
     Numpy,
     Cpp,
 }
 
 impl Snippet {
-    const ALL: [Snippet; 3] = [Snippet::Print, Snippet::Numpy, Snippet::Cpp];
+    const ALL: [Snippet; 4] = [
+        Snippet::Print,
+        Snippet::PrintFull,
+        Snippet::Numpy,
+        Snippet::Cpp,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Self::Print => "print",
+            Self::PrintFull => "print-full",
             Self::Numpy => "numpy",
             Self::Cpp => "cpp",
         }
@@ -59,6 +68,7 @@ impl Snippet {
     fn code(self) -> &'static str {
         match self {
             Self::Print => "print(1+1)",
+            Self::PrintFull => "print(1+1)  # numpy",
             Self::Numpy => "import numpy as np\nprint(int(np.arange(10).sum()))",
             Self::Cpp => "#include <cstdio>\nint main(){std::puts(\"hello\");return 0;}\n",
         }
@@ -66,7 +76,7 @@ impl Snippet {
 
     fn expected(self) -> &'static str {
         match self {
-            Self::Print => "2\n",
+            Self::Print | Self::PrintFull => "2\n",
             Self::Numpy => "45\n",
             Self::Cpp => "hello\n",
         }
@@ -75,7 +85,7 @@ impl Snippet {
     /// Calls per throughput round (C++ compiles: far fewer).
     fn calls_per_round(self) -> usize {
         match self {
-            Self::Print => 400,
+            Self::Print | Self::PrintFull => 400,
             Self::Numpy => 200,
             Self::Cpp => 24,
         }
@@ -376,7 +386,7 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
         name: "fncall-throughput",
         title: "FnCall: calls per second at concurrency C".into(),
         method: format!(
-            "{} rounds per contender; a round is N calls (print {}, numpy {}, cpp {}) by C concurrent callers, each with its own connection",
+            "{} rounds per contender; a round is N calls (print and print-full {}, numpy {}, cpp {}) by C concurrent callers, each with its own connection",
             o.rounds,
             Snippet::Print.calls_per_round(),
             Snippet::Numpy.calls_per_round(),
@@ -406,6 +416,11 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
                 }
             }
         }
+    }
+    for ours in ["fncall-http", "fncall-grpc"] {
+        latency
+            .comparisons
+            .push((format!("{ours}/print"), format!("{ours}/print-full")));
     }
     runtime.block_on(async {
         let mut callers = Vec::new();

@@ -134,6 +134,11 @@ impl Cgroups {
         Ok(made)
     }
 
+    /// The directories `create(id, ..)` made (whether they exist or not).
+    pub fn dirs(&self, id: &str) -> Vec<PathBuf> {
+        self.parents.iter().map(|p| p.join(id)).collect()
+    }
+
     /// Children of the parents whose names are not in `keep`: killed and removed (leftovers of
     /// a daemon that died).
     pub fn sweep(&self, keep: &HashSet<String>) -> usize {

@@ -7,12 +7,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use dsec_fncall::vm::{ByImageKind, VmFactory, VmJail, VmSettings};
+use dsec_fncall::vm::{ByImageKind, VmCgroups, VmFactory, VmJail, VmSettings};
 use dsec_fncall::{
     CallLimits, CallLink, CallNetwork, ContainerFactory, Engine, EngineConfig, FnCallError,
     Language, NetworkRules,
 };
 
+use super::cgroup::{self, Cgroups, Limits};
+use super::node::Node;
 use crate::backend::EdgeConfig;
 use crate::net::{Network, Policy, PolicyText};
 use crate::paths::Artifacts;
@@ -21,12 +23,13 @@ static ENGINE: OnceLock<Arc<Engine>> = OnceLock::new();
 
 /// The node's engine, made on first use (by [`start`]). On a node with a sandbox network,
 /// networked calls run in workers on it; the links of a previous daemon's workers are freed
-/// first.
-pub fn engine(edge: &EdgeConfig) -> Arc<Engine> {
-    engine_with(edge, dsec_fncall::vm::DEFAULT_VM_POOL_SIZE)
+/// first. VM workers' VMMs go in cgroups of their own under the node's.
+fn engine(node: &Node) -> Arc<Engine> {
+    engine_with(node, dsec_fncall::vm::DEFAULT_VM_POOL_SIZE)
 }
 
-fn engine_with(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
+fn engine_with(node: &Node, vm_pool_size: usize) -> Arc<Engine> {
+    let edge = &node.edge;
     ENGINE
         .get_or_init(|| {
             let images = edge.artifacts.home.join("images");
@@ -44,7 +47,15 @@ fn engine_with(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
                 gid: j.gid,
             });
             let run_dir = edge.state_dir.with_file_name("fncall-vm");
-            let factory = with_vm_workers(&edge.artifacts, &run_dir, container, jail, vm_pool_size);
+            let cgroups: Arc<dyn VmCgroups> = Arc::new(NodeVmCgroups(node.cgroups.clone()));
+            let factory = with_vm_workers(
+                &edge.artifacts,
+                &run_dir,
+                container,
+                jail,
+                vm_pool_size,
+                Some(cgroups),
+            );
             Arc::new(Engine::new(EngineConfig::default(), Arc::new(factory)))
         })
         .clone()
@@ -60,7 +71,7 @@ pub fn factory(
     vm_pool_size: usize,
 ) -> ByImageKind {
     let container = ContainerFactory::new(artifacts.home.join("images"), CallLimits::default());
-    with_vm_workers(artifacts, vm_run_dir, container, jail, vm_pool_size)
+    with_vm_workers(artifacts, vm_run_dir, container, jail, vm_pool_size, None)
 }
 
 /// `container` beside VM workers for images built by images/fncall-vm.
@@ -70,6 +81,7 @@ fn with_vm_workers(
     container: ContainerFactory,
     jail: Option<VmJail>,
     vm_pool_size: usize,
+    cgroups: Option<Arc<dyn VmCgroups>>,
 ) -> ByImageKind {
     let images = artifacts.home.join("images");
     let vm = VmFactory::new(
@@ -82,6 +94,7 @@ fn with_vm_workers(
             pool_size: vm_pool_size,
             jail,
             unsupported: crate::kvm::KvmStatus::detect().why_not_microvm(),
+            cgroups,
         },
         CallLimits::default(),
     );
@@ -89,6 +102,22 @@ fn with_vm_workers(
         images_dir: images,
         container: Arc::new(container),
         vm: Arc::new(vm),
+    }
+}
+
+/// VM workers' VMMs in the node's cgroups, each in a group of its own with a one-vCPU microVM
+/// sandbox's limits (the adoption sweep of the next daemon removes a dead one's groups).
+struct NodeVmCgroups(Cgroups);
+
+impl VmCgroups for NodeVmCgroups {
+    fn create(&self, name: &str, mem_mib: u64) -> Result<Vec<PathBuf>, String> {
+        let limits = Limits::for_sandbox(crate::BackendKind::MicroVm, mem_mib, 0, 1, 0);
+        let dirs = self.0.create(name, limits).map_err(|e| e.to_string())?;
+        Ok(cgroup::procs_files(&dirs))
+    }
+
+    fn remove(&self, name: &str) {
+        cgroup::remove(&self.0.dirs(name));
     }
 }
 
@@ -200,6 +229,10 @@ impl CallNetwork for WorkerNetwork {
         tracing::debug!(addr = %link.addr, pid, "FnCall worker on the sandbox network");
         Ok(Arc::new(link))
     }
+
+    fn nameserver(&self) -> Option<Ipv4Addr> {
+        Some(self.net.gateway)
+    }
 }
 
 /// A networked worker's address, veth and chain; released on drop.
@@ -231,8 +264,8 @@ impl Drop for WorkerLink {
 
 /// Makes the engine and warms the python pool in the background when the FnCall image is
 /// installed (a node without it serves every call with an error naming the build command).
-pub fn start(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
-    let engine = engine_with(edge, vm_pool_size);
+pub fn start(node: &Node, vm_pool_size: usize) -> Arc<Engine> {
+    let engine = engine_with(node, vm_pool_size);
     let warm = Arc::clone(&engine);
     tokio::spawn(async move {
         if let Err(err) = warm.prewarm(&[Language::Python]).await {
@@ -244,10 +277,10 @@ pub fn start(edge: &EdgeConfig, vm_pool_size: usize) -> Arc<Engine> {
 
 /// Serves a connection of the HTTP entry point whose first request is for the SandboxFusion
 /// API (`head`: what the router already read of it).
-pub async fn serve_http(edge: &EdgeConfig, socket: tokio::net::TcpStream, head: Vec<u8>) {
+pub async fn serve_http(node: &Node, socket: tokio::net::TcpStream, head: Vec<u8>) {
     let peer = socket
         .peer_addr()
         .unwrap_or_else(|_| std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
     let stream = dsec_fncall::sandboxfusion::Replay::new(head, socket);
-    dsec_fncall::sandboxfusion::serve_connection(stream, peer, engine(edge));
+    dsec_fncall::sandboxfusion::serve_connection(stream, peer, engine(node));
 }

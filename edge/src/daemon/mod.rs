@@ -227,7 +227,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
             }
         }
     }
-    let fn_engine = fncall::start(&node.edge, config.fncall_vm_pool);
+    let fn_engine = fncall::start(&node, config.fncall_vm_pool);
     let router = |mut builder: tonic::transport::Server, require_token: bool| {
         builder
             .add_service(dsec_fncall::grpc::server(fn_engine.clone()))

@@ -425,7 +425,7 @@ async fn serve_connection(node: Arc<Node>, mut socket: TcpStream) {
     // SandboxFusion's API (`POST /run_code`) on a host that names no sandbox: FnCall.
     let names_sandbox = host_header(&head).is_some_and(|host| route(&host).is_ok());
     if !names_sandbox && dsec_fncall::sandboxfusion::is_api_request(&head) {
-        return super::fncall::serve_http(&node.edge, socket, head).await;
+        return super::fncall::serve_http(&node, socket, head).await;
     }
     let routed = async {
         let host = host_header(&head).ok_or(RouteError::NoHost)?;

@@ -72,6 +72,61 @@ pub struct VmSettings {
     pub jail: Option<VmJail>,
     /// Why this host cannot run a Linux guest, if it cannot (PVM, no /dev/kvm).
     pub unsupported: Option<String>,
+    /// Cgroups for each VMM (the node's, as its microVM sandboxes' VMMs get); None: the VMMs
+    /// stay in the engine's own (`dsec fn run --local`).
+    pub cgroups: Option<Arc<dyn VmCgroups>>,
+}
+
+impl std::fmt::Debug for dyn VmCgroups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("VmCgroups")
+    }
+}
+
+/// Where the node keeps each VM worker's VMM (and each template's): cgroups of its own
+/// under the node's, with a microVM sandbox's limits (memory, processes, one vCPU of CPU).
+/// The node implements it over its cgroups (edge/src/daemon/fncall.rs). Blocking calls.
+pub trait VmCgroups: Send + Sync {
+    /// Makes the groups of VMM `name` for a VM of `mem_mib` and one vCPU; returns their
+    /// `cgroup.procs` files, which the VMM joins before it runs.
+    fn create(&self, name: &str, mem_mib: u64) -> std::result::Result<Vec<PathBuf>, String>;
+
+    /// Removes them, killing whatever is left in them.
+    fn remove(&self, name: &str);
+}
+
+/// A VMM's cgroups, removed (off the async threads) when dropped.
+struct VmmCgroup {
+    cgroups: Arc<dyn VmCgroups>,
+    name: String,
+    procs: Vec<PathBuf>,
+}
+
+impl VmmCgroup {
+    fn create(
+        cgroups: &Option<Arc<dyn VmCgroups>>,
+        name: String,
+        mem_mib: u64,
+    ) -> std::result::Result<Option<Self>, String> {
+        let Some(cgroups) = cgroups else {
+            return Ok(None);
+        };
+        let procs = cgroups
+            .create(&name, mem_mib)
+            .map_err(|e| format!("cgroup {name}: {e}"))?;
+        Ok(Some(Self {
+            cgroups: Arc::clone(cgroups),
+            name,
+            procs,
+        }))
+    }
+}
+
+impl Drop for VmmCgroup {
+    fn drop(&mut self) {
+        let (cgroups, name) = (Arc::clone(&self.cgroups), std::mem::take(&mut self.name));
+        std::thread::spawn(move || cgroups.remove(&name));
+    }
 }
 
 /// How VM workers' VMMs are jailed: each in its own PID, mount, IPC, UTS and (empty) network
@@ -176,7 +231,20 @@ impl VmFactory {
             no_seccomp: false,
             metrics_json: None,
         };
-        let mut vmm = self.start_vmm(&launch, &dir).map_err(&start_err)?;
+        let cgroup = VmmCgroup::create(
+            &self.settings.cgroups,
+            format!(
+                "fncall-vm-{}-template-{}-{}",
+                std::process::id(),
+                key.image,
+                key.language.as_str()
+            ),
+            self.settings.mem_mib,
+        )
+        .map_err(&start_err)?;
+        let mut vmm = self
+            .start_vmm(&launch, &dir, cgroup.as_ref())
+            .map_err(&start_err)?;
         let console_tail = || {
             let text = std::fs::read_to_string(&console).unwrap_or_default();
             let tail: String = text.lines().rev().take(8).collect::<Vec<_>>().join(" | ");
@@ -286,10 +354,40 @@ impl VmFactory {
         Ok(Some(launch))
     }
 
-    fn start_vmm(&self, launch: &VmmLaunch, dir: &Path) -> std::result::Result<Child, String> {
+    /// Starts the VMM of `launch`, in `cgroup` from its first instruction when given.
+    fn start_vmm(
+        &self,
+        launch: &VmmLaunch,
+        dir: &Path,
+        cgroup: Option<&VmmCgroup>,
+    ) -> std::result::Result<Child, String> {
+        let mut command = Command::new(&self.settings.vmm);
+        if let Some(cgroup) = cgroup {
+            let mut procs = Vec::new();
+            for path in &cgroup.procs {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| format!("open {}: {e}", path.display()))?;
+                procs.push(std::os::fd::OwnedFd::from(file));
+            }
+            // SAFETY: the child only writes to descriptors opened before the fork (owned by
+            // the closure); no allocation, no lock.
+            unsafe {
+                command.pre_exec(move || {
+                    for fd in &procs {
+                        let fd = std::os::fd::AsRawFd::as_raw_fd(fd);
+                        if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
+            }
+        }
         let log = std::fs::File::create(dir.join("vmm.log"))
             .map_err(|e| format!("create {}: {e}", dir.join("vmm.log").display()))?;
-        Command::new(&self.settings.vmm)
+        command
             .args(launch.to_args())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -393,9 +491,18 @@ impl WorkerFactory for VmFactory {
             no_seccomp: false,
             metrics_json: None,
         };
-        let vmm = self.start_vmm(&launch, &dir).map_err(&start_err)?;
+        let cgroup = VmmCgroup::create(
+            &self.settings.cgroups,
+            format!("fncall-vm-{}-{n}", std::process::id()),
+            self.settings.mem_mib,
+        )
+        .map_err(&start_err)?;
+        let vmm = self
+            .start_vmm(&launch, &dir, cgroup.as_ref())
+            .map_err(&start_err)?;
         let mut worker = VmWorker {
             vmm: Some(vmm),
+            _cgroup: cgroup,
             jail_root: launch.jail.as_ref().map(|j| j.root.clone()),
             dir,
             api,
@@ -441,6 +548,8 @@ fn check_memory(memory_mib: u32, vm_mib: u64) -> Result<()> {
 /// A prewarmed VMM waiting for its one call.
 struct VmWorker {
     vmm: Option<Child>,
+    /// The VMM's cgroups, removed after the worker (which kills the VMM first).
+    _cgroup: Option<VmmCgroup>,
     dir: PathBuf,
     /// The jailed VMM's root directory (left behind when its supervisor is killed).
     jail_root: Option<PathBuf>,
@@ -647,6 +756,10 @@ impl WorkerFactory for ByImageKind {
 
     async fn spawn(&self, key: &PoolKey) -> Result<Box<dyn Worker>> {
         self.factory(key).spawn(key).await
+    }
+
+    fn lean_python(&self, image: &str) -> bool {
+        !is_vm_image(&self.images_dir, image) && self.container.lean_python(image)
     }
 }
 

@@ -335,14 +335,34 @@ class CodeResult:
 
 
 def _run_code_request(code: str, language: str, stdin, files, fetch_files, compile_timeout,
-                      run_timeout, memory_mib, network, image) -> pb.FnRunRequest:
+                      run_timeout, memory_mib, network, image,
+                      network_policy=None) -> pb.FnRunRequest:
     if isinstance(stdin, str):
         stdin = stdin.encode()
-    return pb.FnRunRequest(
+    req = pb.FnRunRequest(
         language=language, code=code, stdin=stdin or b"",
         files={k: (v.encode() if isinstance(v, str) else v) for k, v in (files or {}).items()},
         fetch_files=list(fetch_files), compile_timeout=compile_timeout, run_timeout=run_timeout,
         memory_mib=memory_mib, network=network, image=image)
+    if network_policy is not None:
+        req.network_policy.CopyFrom(_call_network_policy(network_policy))
+    return req
+
+
+def _call_network_policy(policy) -> pb.NetworkPolicy:
+    """A call's policy: a ``pb.NetworkPolicy`` or a mapping with ``allow``, ``deny`` (rules
+    and node policy names) and ``allow_internet``, as in SandboxFusion JSON's
+    ``network_policy``."""
+    if isinstance(policy, pb.NetworkPolicy):
+        return policy
+    if not isinstance(policy, Mapping):
+        raise ValueError("network_policy is a mapping with allow, deny and allow_internet")
+    unknown = set(policy) - {"allow", "deny", "allow_internet"}
+    if unknown:
+        raise ValueError(f"network_policy: unknown keys {sorted(unknown)} "
+                         "(use allow, deny, allow_internet)")
+    return _network_policy(policy.get("allow", ()), policy.get("deny", ()),
+                           bool(policy.get("allow_internet", False)))
 
 
 @dataclass
@@ -914,12 +934,16 @@ class Client:
     def run_code(self, code: str, language: str = "python", *, stdin=b"",
                  files: Optional[Mapping[str, bytes]] = None, fetch_files: Iterable[str] = (),
                  compile_timeout: float = 10, run_timeout: float = 10, memory_mib: int = 0,
-                 network: bool = False, image: str = "") -> CodeResult:
+                 network: bool = False, image: str = "",
+                 network_policy: Optional[Mapping] = None) -> CodeResult:
         """Runs ``code`` once in a warm FnCall worker of the node (``Fn.Run``): a fresh,
         isolated process; ``language`` is python, bash, cpp or node. ``files`` are written
-        to its working directory first, ``fetch_files`` read back after."""
+        to its working directory first, ``fetch_files`` read back after. ``network_policy``
+        (``{"allow": [...], "deny": [...], "allow_internet": bool}``: rules, domain rules
+        and node policy names) runs it on the node's sandbox network reaching just that;
+        ``network=True`` alone reaches nothing."""
         req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
-                                run_timeout, memory_mib, network, image)
+                                run_timeout, memory_mib, network, image, network_policy)
         return CodeResult._from(self._call(self._fn.Run, req))
 
     def node_status(self) -> pb.NodeStatusResponse:
@@ -1316,10 +1340,11 @@ class AsyncClient:
                        files: Optional[Mapping[str, bytes]] = None,
                        fetch_files: Iterable[str] = (), compile_timeout: float = 10,
                        run_timeout: float = 10, memory_mib: int = 0, network: bool = False,
-                       image: str = "") -> CodeResult:
+                       image: str = "",
+                       network_policy: Optional[Mapping] = None) -> CodeResult:
         """:meth:`Client.run_code`, awaited."""
         req = _run_code_request(code, language, stdin, files, fetch_files, compile_timeout,
-                                run_timeout, memory_mib, network, image)
+                                run_timeout, memory_mib, network, image, network_policy)
         return CodeResult._from(await self._call(self._fn.Run, req))
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":

@@ -91,6 +91,31 @@ class FnCallTest(NodeTest):
         results = asyncio.run(go())
         self.assertEqual([r.stdout for r in results], [f"{i * 3}\n" for i in range(20)])
 
+    def test_run_code_network_policy(self):
+        # This node has no sandbox network: a call with a policy is refused, which a call
+        # whose policy was not sent would not be (it runs with loopback only).
+        policy = {"allow": ["tcp:fn.test:80", "tcp:10.0.0.0/8:443"], "deny": [],
+                  "allow_internet": False}
+        with self.assertRaises(dsec.FailedPrecondition) as e:
+            self.client.run_code("print(1)", network_policy=policy)
+        self.assertIn("network", str(e.exception))
+
+        async def go():
+            client = dsec.AsyncClient(self.client.target)
+            try:
+                await client.run_code("print(1)", network_policy={"allow": ["tcp:fn.test:80"]})
+            finally:
+                await client.close()
+
+        with self.assertRaises(dsec.FailedPrecondition):
+            asyncio.run(go())
+        with self.assertRaises(ValueError) as e:
+            self.client.run_code("print(1)", network_policy={"allowed": ["x"]})
+        self.assertIn("allowed", str(e.exception))
+        req = dsec.client._run_code_request("print(1)", "python", b"", None, (), 10, 10, 0,
+                                            False, "", policy)
+        self.assertEqual(list(req.network_policy.allow), policy["allow"])
+
     def test_sandbox_fusion_http(self):
         ok = self.post({"code": "print(input())", "language": "python", "stdin": "hi"})
         self.assertEqual(ok["status"], "Success")

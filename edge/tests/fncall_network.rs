@@ -202,25 +202,7 @@ async fn reached(
         "import socket\nfor t in [{}]:\n    try:\n        socket.create_connection(t, timeout=1).close()\n        print('open', t[0], t[1])\n    except OSError as e:\n        print('closed', t[0], t[1], e)\n",
         list.join(", ")
     );
-    let response = client
-        .run_code(FnRunRequest {
-            code,
-            language: "python".into(),
-            run_timeout: 30.0,
-            network,
-            network_policy,
-            ..Default::default()
-        })
-        .await
-        .expect("Fn.Run");
-    let run = response.run.expect("a run stage");
-    let out = String::from_utf8_lossy(&run.stdout).into_owned();
-    assert_eq!(
-        run.exit_code,
-        Some(0),
-        "{out}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let out = daemon::run_networked_python(client, code, network, network_policy).await;
     eprintln!("{out}");
     out.lines()
         .filter_map(|l| l.strip_prefix("open "))

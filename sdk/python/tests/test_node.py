@@ -771,11 +771,14 @@ class NetworkTest(NodeTest):
 
     def test_set_network_policy_by_labels(self):
         def allowed(sb) -> str:
+            # The node-wide allow set's elements are `sandbox . destination . proto . port`.
             r = sb.exec(["ip", "-4", "addr", "show", "dev", "eth0"])
             addr = r.stdout.split(b"inet ")[1].split(b"/")[0].decode()
-            hexed = "".join(f"{int(o):02x}" for o in addr.split("."))
-            return subprocess.run(["nft", "list", "set", "inet", NET_BRIDGE, f"allow_{hexed}"],
-                                  capture_output=True, text=True, check=True).stdout
+            listing = subprocess.run(["nft", "list", "set", "inet", NET_BRIDGE, "allow"],
+                                     capture_output=True, text=True, check=True).stdout
+            body = listing.split("elements = {", 1)[-1].split("}", 1)[0]
+            return " ".join(e for e in (e.strip() for e in body.split(","))
+                            if e.startswith(f"{addr} . "))
 
         sbs = [self.client.create(memory_mib=64, disk_mib=16, labels=labels)
                for labels in ({"task": "t1"}, {"task": "t1", "x": "y"}, {"task": "t2"})]

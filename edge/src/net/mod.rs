@@ -757,22 +757,70 @@ fn remember_ip_forward(bridge: &str) -> Result<(), NetError> {
     if before.exists() {
         return Ok(());
     }
-    let value = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-        .map_err(|e| NetError::Setup(format!("read net.ipv4.ip_forward: {e}")))?;
     std::fs::create_dir_all(SLOTS_DIR)
-        .and_then(|()| std::fs::write(&before, value.trim()))
-        .map_err(|e| NetError::Setup(format!("record {}: {e}", before.display())))
+        .map_err(|e| NetError::Setup(format!("create {SLOTS_DIR}: {e}")))?;
+    with_ip_forward_lock(|| {
+        // Another node's network on this host already set it: the host's own value is the
+        // one that node recorded.
+        let value = match other_ip_forward_records(bridge).first() {
+            Some(other) => std::fs::read_to_string(other),
+            None => std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward"),
+        }
+        .map_err(|e| NetError::Setup(format!("read the host's net.ipv4.ip_forward: {e}")))?;
+        std::fs::write(&before, value.trim())
+            .map_err(|e| NetError::Setup(format!("record {}: {e}", before.display())))
+    })
 }
 
-/// Puts the host's ip_forward back as it was before this bridge was first set up.
+/// Puts the host's ip_forward back as it was before this bridge was first set up, unless
+/// another node's network on this host still needs it (the last one to stop restores it).
 fn restore_ip_forward(bridge: &str) {
     let before = ip_forward_before(bridge);
-    if let Ok(value) = std::fs::read_to_string(&before) {
+    with_ip_forward_lock(|| {
+        let Ok(value) = std::fs::read_to_string(&before) else {
+            return;
+        };
+        if !other_ip_forward_records(bridge).is_empty() {
+            let _ = std::fs::remove_file(&before);
+            return;
+        }
         match write_sysctl("net/ipv4/ip_forward", value.trim()) {
             Ok(()) => drop(std::fs::remove_file(&before)),
             Err(err) => tracing::warn!(%err, "cannot restore the host's ip_forward"),
         }
+    });
+}
+
+/// The ip_forward records of the other node bridges that still exist on this host (a record
+/// whose bridge is gone belongs to a node that will not stop cleanly).
+fn other_ip_forward_records(bridge: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(SLOTS_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let other = name.strip_suffix(".ip_forward")?;
+            (other != bridge && Path::new("/sys/class/net").join(other).exists())
+                .then(|| entry.path())
+        })
+        .collect()
+}
+
+/// Runs `f` holding the host-wide lock on the ip_forward records (nodes on one host start
+/// and stop their networks concurrently).
+fn with_ip_forward_lock<T>(f: impl FnOnce() -> T) -> T {
+    use std::os::fd::AsRawFd;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(Path::new(SLOTS_DIR).join("ip_forward.lock"));
+    if let Ok(file) = &lock {
+        // SAFETY: flock(2) on a descriptor this function owns; released when it is closed.
+        unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
     }
+    f()
 }
 
 fn write_sysctl(name: &str, value: &str) -> Result<(), NetError> {

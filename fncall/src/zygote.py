@@ -97,14 +97,27 @@ def b64(data):
     return base64.b64encode(data).decode()
 
 
+# Whether this process already runs under the sandbox filters (inherited across fork).
+FILTERED = [False]
+
+
+def install_filters():
+    """No new user namespaces, mounts, bpf, keyctl, perf, kexec, modules, io_uring, ... for
+    this process and every process it forks: a call's init installs them once its mounts
+    are made, so its stages inherit them instead of compiling them again."""
+    if FILTERED[0]:
+        return
+    for _buf, prog in SECCOMP_PROGRAMS:
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+    FILTERED[0] = True
+
+
 def drop_privileges(uid):
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    # No new user namespaces, mounts, bpf, keyctl, perf, kexec, modules, io_uring, ...
-    for _buf, prog in SECCOMP_PROGRAMS:
-        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+    install_filters()
 
 
 def set_limits(req):
@@ -377,7 +390,8 @@ def call_init(req, ahead):
     os.chown("/work", uid, uid)
     for name, data in req["files"].items():
         path = inside_work(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.dirname(path) != "/work":
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(base64.b64decode(data))
         os.chown(path, uid, uid)
@@ -442,6 +456,8 @@ def ready_init(go_r):
         # The zygote is shielded from the OOM killer; the call is its first choice.
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
+        # Nothing below mounts or enters a namespace: the init and its stages are filtered.
+        install_filters()
         if LANG == "python":
             # The call's process made now: its fork is off the call's path.
             stdin_fd = os.memfd_create("stdin")

@@ -393,6 +393,28 @@ async fn a_call_cannot_make_namespaces_or_mount() {
     }
 }
 
+/// The call's init (pid 1 of its namespace, root) runs under the sandbox filter too, once its
+/// mounts are made: its stages inherit the filter rather than compiling it again, and a
+/// stage that escaped to the init's privileges would still be filtered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_calls_init_is_filtered() {
+    let engine = engine();
+    for language in [Language::Python, Language::Bash] {
+        let code = match language {
+            Language::Python => "print([l for l in open('/proc/1/status') if l.startswith('Seccomp:')][0].split()[1])",
+            _ => "awk '/^Seccomp:/ {print $2}' /proc/1/status",
+        };
+        let got = run(&engine, language, code).await.run.unwrap();
+        // 2: SECCOMP_MODE_FILTER.
+        assert_eq!(
+            text(&got.stdout),
+            "2\n",
+            "{language:?}: {}",
+            text(&got.stderr)
+        );
+    }
+}
+
 /// Two calls at once on different workers: neither sees the other's files or processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_cannot_read_another_calls_files() {

@@ -29,6 +29,8 @@ pub struct FnOpts {
     pub concurrency: Vec<usize>,
     pub rounds: usize,
     pub python_workers: usize,
+    /// Snippets to run (names as `Snippet::name`); empty: all.
+    pub snippets: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,6 +58,15 @@ impl Snippet {
             Self::Numpy => "numpy",
             Self::Cpp => "cpp",
         }
+    }
+
+    fn by_name(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|s| s.name() == name)
+            .ok_or_else(|| {
+                format!("unknown snippet {name:?}: expected print, print-full, numpy or cpp")
+            })
     }
 
     fn language(self) -> &'static str {
@@ -354,6 +365,16 @@ fn description(t: Transport) -> &'static str {
 }
 
 pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
+    let snippets = if o.snippets.is_empty() {
+        Snippet::ALL.to_vec()
+    } else {
+        o.snippets
+            .iter()
+            .map(|n| Snippet::by_name(n))
+            .collect::<Result<Vec<_>, _>>()?
+    };
+    // Joined before the workers start, so their CPU (and their calls') is counted too.
+    let cpu = CpuAccount::join();
     let servers = start_servers(o)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -392,14 +413,18 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
             Snippet::Numpy.calls_per_round(),
             Snippet::Cpp.calls_per_round()
         ),
-        metrics: vec![metric("calls_per_s", "calls/s", "1/s")],
+        metrics: vec![
+            metric("calls_per_s", "calls/s", "1/s"),
+            metric("cpu_ms_per_call", "CPU per call", "ms"),
+            metric("sys_share", "kernel share of that CPU", "x"),
+        ],
         contenders: Vec::new(),
         comparisons: Vec::new(),
         samples: Vec::new(),
         skipped: None,
         notes: Vec::new(),
     };
-    for snippet in Snippet::ALL {
+    for &snippet in &snippets {
         for &t in &transports {
             let name = format!("{}/{}", t.name(), snippet.name());
             latency
@@ -429,12 +454,12 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
         }
         // Warm-up: each path once (C++ pools, connections, page cache of the image).
         for (_, caller) in callers.iter_mut() {
-            for snippet in Snippet::ALL {
+            for &snippet in &snippets {
                 let _ = caller.call(o, snippet).await;
             }
         }
         for i in 0..o.samples {
-            for snippet in Snippet::ALL {
+            for &snippet in &snippets {
                 for (t, caller) in callers.iter_mut() {
                     if *t == Transport::DsecRun && i >= o.run_samples {
                         continue;
@@ -452,7 +477,7 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
                 }
             }
         }
-        for snippet in Snippet::ALL {
+        for &snippet in &snippets {
             for &t in transports.iter().filter(|t| **t != Transport::DsecRun) {
                 for &c in &o.concurrency {
                     let name = format!("{}/{}@c{c}", t.name(), snippet.name());
@@ -462,12 +487,23 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
                         snippet.code(),
                     ));
                     for round in 0..o.rounds {
+                        let before = cpu.as_ref().map(CpuAccount::read);
                         let result = throughput_round(o, t, snippet, c, &servers).await;
+                        let used = cpu.as_ref().zip(before).map(|(a, b)| a.read().since(&b));
                         throughput.samples.push(Sample {
                             contender: name.clone(),
                             index: round,
                             values: match &result {
-                                Ok(rate) => [("calls_per_s", *rate)].into(),
+                                Ok(rate) => {
+                                    let mut v: std::collections::BTreeMap<_, _> =
+                                        [("calls_per_s", *rate)].into();
+                                    if let Some((total, sys)) = used {
+                                        let calls = snippet.calls_per_round() as f64;
+                                        v.insert("cpu_ms_per_call", total * 1000.0 / calls);
+                                        v.insert("sys_share", sys / total.max(1e-9));
+                                    }
+                                    v
+                                }
                                 Err(_) => Default::default(),
                             },
                             error: result.err(),
@@ -478,6 +514,11 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
         }
         Ok::<_, String>(())
     })?;
+    throughput.notes.push(match &cpu {
+        Some(_) => "CPU per call: CPU time of this process and all its children (engine, servers, clients, zygotes, calls, bwrap) over the round, from the cgroup v1 cpuacct group it joined at start; kernel share = system / total".into(),
+        None => "CPU per call not measured: no cgroup v1 cpuacct hierarchy (or not root)".into(),
+    });
+    drop(cpu);
     let p50 = |sc: &Scenario, c: &str, m: &str| sc.summary(c, m).map(|s| s.p50);
     let http_p50 = p50(&latency, "fncall-http/print", "latency_ms");
     latency.notes.push(goal(
@@ -520,6 +561,90 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
         latency,
         throughput,
     })
+}
+
+/// CPU time of this process and every process it starts: a cgroup v1 cpuacct group of its
+/// own (v2 would lose the workers, which move to the engine's groups). Left on drop.
+struct CpuAccount {
+    dir: PathBuf,
+}
+
+#[derive(Clone, Copy)]
+struct CpuUsage {
+    total_ns: u64,
+    sys_ns: u64,
+}
+
+impl CpuUsage {
+    /// (total, system) seconds from `earlier` to this reading.
+    fn since(&self, earlier: &CpuUsage) -> (f64, f64) {
+        (
+            self.total_ns.saturating_sub(earlier.total_ns) as f64 / 1e9,
+            self.sys_ns.saturating_sub(earlier.sys_ns) as f64 / 1e9,
+        )
+    }
+}
+
+impl CpuAccount {
+    const ROOT: &'static str = "/sys/fs/cgroup/cpuacct";
+
+    fn join() -> Option<Self> {
+        // Groups of earlier runs, empty once their workers died with them.
+        if let Ok(entries) = std::fs::read_dir(Self::ROOT) {
+            for entry in entries.flatten() {
+                if entry
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("dsec-perf-fncall-")
+                {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+            }
+        }
+        let dir = Path::new(Self::ROOT).join(format!("dsec-perf-fncall-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let account = Self { dir };
+        // cgroup.procs moves every thread of this process.
+        std::fs::write(
+            account.dir.join("cgroup.procs"),
+            std::process::id().to_string(),
+        )
+        .ok()?;
+        Some(account)
+    }
+
+    fn read_ns(&self, file: &str) -> u64 {
+        std::fs::read_to_string(self.dir.join(file))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn read(&self) -> CpuUsage {
+        CpuUsage {
+            total_ns: self.read_ns("cpuacct.usage"),
+            sys_ns: self.read_ns("cpuacct.usage_sys"),
+        }
+    }
+}
+
+impl Drop for CpuAccount {
+    fn drop(&mut self) {
+        // Back to the root group; the group goes once the workers (children) have left it.
+        let _ = std::fs::write(
+            Path::new(Self::ROOT).join("cgroup.procs"),
+            std::process::id().to_string(),
+        );
+        let dir = self.dir.clone();
+        std::thread::spawn(move || {
+            for _ in 0..100 {
+                if std::fs::remove_dir(&dir).is_ok() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+    }
 }
 
 /// Calls per second of N calls by `c` concurrent callers.

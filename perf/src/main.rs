@@ -150,6 +150,9 @@ struct FncallArgs {
     /// Python workers kept warm by the engine.
     #[arg(long, default_value_t = 8)]
     python_workers: usize,
+    /// Snippets to run (print, print-full, numpy, cpp) [default: all].
+    #[arg(long, value_delimiter = ',')]
+    snippets: Vec<String>,
     /// Image directory [default: $DSEC_HOME/images].
     #[arg(long, value_name = "DIR")]
     images: Option<PathBuf>,
@@ -1088,6 +1091,7 @@ fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
         concurrency: a.concurrency.clone(),
         rounds: a.rounds,
         python_workers: a.python_workers,
+        snippets: a.snippets.clone(),
     };
     fncall::check_image(&opts)?;
     let machine = machine::info(Path::new("qemu-system-x86_64"));
@@ -1101,6 +1105,7 @@ fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
         fields["options"] = json!({
             "samples": a.samples, "run_samples": a.run_samples, "concurrency": a.concurrency,
             "rounds": a.rounds, "python_workers": a.python_workers, "image": a.image,
+            "snippets": a.snippets,
         });
         write_json(path, "fncall", &machine, fields)?;
     }

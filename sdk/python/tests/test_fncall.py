@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import unittest
 from pathlib import Path
 
@@ -160,6 +161,72 @@ class FnCallTest(NodeTest):
                              text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("sandbox-fusion client ok", out.stdout)
+
+    def test_sandbox_fusion_client_thousand_calls(self):
+        """1,000 calls through the unmodified sandbox-fusion client at concurrency 64, each
+        leaving a background process behind: no error, and no call's process, mount or
+        worker cgroup left on the host."""
+        script = textwrap.dedent(f"""
+            from concurrent.futures import ThreadPoolExecutor
+            from sandbox_fusion import run_code, RunCodeRequest, set_endpoint
+            set_endpoint("http://127.0.0.1:{HTTP_PORT}")
+            def one(i):
+                code = "import subprocess\\nsubprocess.Popen(['sleep', '100'])\\nprint(%d * 2)" % i
+                r = run_code(RunCodeRequest(code=code, language="python"), max_attempts=1)
+                assert r.status == "Success" and r.run_result.stdout == "%d\\n" % (i * 2), (i, r)
+            with ThreadPoolExecutor(64) as pool:
+                list(pool.map(one, range(1000)))
+            print("1000 calls ok")
+        """)
+        out = subprocess.run([sandbox_fusion_python(), "-c", script], capture_output=True,
+                             text=True, timeout=600)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr[-4000:])
+        self.assertIn("1000 calls ok", out.stdout)
+        daemon = str(self.daemon.proc.pid)
+        deadline = time.monotonic() + 10
+        while True:
+            left = fncall_leftovers(daemon)
+            if not any(left.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.assertEqual(left, {"processes": [], "mounts": [], "cgroups": []})
+
+
+# FnCall calls run as uids from 3 * 2^30 up (fncall/src/container.rs, DEFAULT_UID_BASE).
+CALL_UID_BASE = 3 << 30
+
+
+def fncall_leftovers(daemon_pid: str) -> dict:
+    """What calls of the daemon's FnCall workers left: processes of a call uid (but the python
+    stages made ahead, named fncall-ready), mounts in a zygote's namespace beyond its root and
+    /dev, and worker cgroups (v1 memory hierarchy, named <daemon pid>-w<n>) without a zygote."""
+    processes, mounts, zygotes = [], [], 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name = status.splitlines()[0]
+        uid = int(next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1])
+        if uid >= CALL_UID_BASE and name != "Name:\tfncall-ready":
+            processes.append(f"{pid} {name}")
+        comm, rest = stat.rsplit(") ", 1)
+        if comm.endswith("(fncall-zygote") and rest.split()[1] == daemon_pid:
+            zygotes += 1
+            try:
+                count = len(Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
+            except OSError:
+                continue
+            if count != 2:
+                mounts.append(f"zygote {pid}: {count} mounts")
+    groups = Path("/sys/fs/cgroup/memory/dsec-fncall")
+    cgroups = []
+    if groups.is_dir():
+        mine = sorted(g.name for g in groups.iterdir() if g.name.startswith(daemon_pid + "-w"))
+        if len(mine) > zygotes:
+            cgroups = [f"{len(mine)} worker groups for {zygotes} zygotes: {mine}"]
+    return {"processes": processes, "mounts": mounts, "cgroups": cgroups}
 
 
 if __name__ == "__main__":

@@ -219,9 +219,11 @@ impl Rtnl {
         self.call(msg, &format!("create veth {host}"))
     }
 
-    /// Makes the bridge port `index` isolated (no frames to other isolated ports) and up.
-    pub(super) fn isolate_and_up(&mut self, index: u32) -> Result<(), NetError> {
-        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, IFF_UP, IFF_UP));
+    /// Makes the bridge port `index` isolated (no frames to other isolated ports), and up
+    /// if `up`.
+    pub(super) fn isolate(&mut self, index: u32, up: bool) -> Result<(), NetError> {
+        let flags = if up { IFF_UP } else { 0 };
+        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, flags, IFF_UP));
         let info = msg.begin(IFLA_LINKINFO);
         msg.name(IFLA_INFO_SLAVE_KIND, "bridge");
         let data = msg.begin(IFLA_INFO_SLAVE_DATA);
@@ -229,6 +231,14 @@ impl Rtnl {
         msg.end(data);
         msg.end(info);
         self.call(msg, "isolate the bridge port")
+    }
+
+    /// Renames the stopped link `index` to `name` and brings it up (one request: the kernel
+    /// renames before it changes the flags).
+    pub(super) fn rename_and_up(&mut self, index: u32, name: &str) -> Result<(), NetError> {
+        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, IFF_UP, IFF_UP));
+        msg.name(IFLA_IFNAME, name);
+        self.call(msg, &format!("rename a pooled veth to {name}"))
     }
 
     pub(super) fn up(&mut self, index: u32) -> Result<(), NetError> {

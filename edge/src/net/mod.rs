@@ -13,6 +13,7 @@
 
 pub mod policy;
 
+mod conntrack;
 mod dns;
 mod libnft;
 mod link;
@@ -762,14 +763,22 @@ fn remove_elements(table: &str, addr: Ipv4Addr, named: Option<Named>) {
     }
 }
 
-/// Deletes the connection tracking entries of connections the address opened.
+/// Deletes the connection tracking entries of connections the address opened: in this
+/// process (`conntrack.rs`), or through the `conntrack` program if that fails (a kernel
+/// without ctnetlink's dump filter).
 fn flush_conntrack(addr: Ipv4Addr) {
-    // Exit status 1 with "0 flow entries" when there were none.
-    let _ = Command::new("conntrack")
-        .args(["-D", "-s", &addr.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    match conntrack::delete_from(addr) {
+        Ok(_) => {}
+        Err(err) => {
+            tracing::debug!(%err, %addr, "conntrack through netlink failed; running the conntrack program");
+            // Exit status 1 with "0 flow entries" when there were none.
+            let _ = Command::new("conntrack")
+                .args(["-D", "-s", &addr.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
 }
 
 /// Runs `ip -batch -` with `commands`, in the network namespace `netns` if given.

@@ -41,6 +41,7 @@ const RTN_UNICAST: u8 = 1;
 
 /// A netlink socket (route, or netfilter for conntrack), in the network namespace of the
 /// thread that opened it.
+#[derive(Debug)]
 pub(super) struct Rtnl {
     fd: OwnedFd,
     seq: u32,
@@ -341,6 +342,14 @@ pub(super) fn configure_inside(
     prefix: u8,
     gateway: Ipv4Addr,
 ) -> Result<(), NetError> {
+    let (mut rtnl, eth0) = open_inside(netns)?;
+    rtnl.add_address(eth0, addr, prefix)?;
+    rtnl.add_default_route(eth0, gateway)
+}
+
+/// A route socket inside the network namespace `netns` (it stays there: a socket's
+/// namespace is the one it was made in), with `lo` and `eth0` up; and `eth0`'s index.
+pub(super) fn open_inside(netns: &std::fs::File) -> Result<(Rtnl, u32), NetError> {
     let ns = netns
         .try_clone()
         .map_err(|e| failed("duplicate the namespace descriptor", e))?;
@@ -355,9 +364,8 @@ pub(super) fn configure_inside(
         let mut rtnl = Rtnl::open()?;
         rtnl.up(index_of("lo")?)?;
         let eth0 = index_of("eth0")?;
-        rtnl.add_address(eth0, addr, prefix)?;
         rtnl.up(eth0)?;
-        rtnl.add_default_route(eth0, gateway)
+        Ok((rtnl, eth0))
     })
     .join()
     .unwrap_or_else(|_| Err(NetError::Setup("the netlink thread panicked".into())))

@@ -416,22 +416,29 @@ impl Network {
         let started = Instant::now();
         let pooled = matches!(links, Links::Pooled(_));
         let (host, netns) = match links {
+            Links::Pooled(mut pooled) => {
+                let host = link::Rtnl::open()
+                    .and_then(|mut rtnl| rtnl.rename_and_up(pooled.host_index, &veth))
+                    .and_then(|()| {
+                        let eth0 = pooled.eth0;
+                        pooled.inside.add_address(eth0, addr, self.pool.1)?;
+                        pooled.inside.add_default_route(eth0, self.gateway)
+                    });
+                (host, None)
+            }
             Links::Make(netns) => {
                 let host = link::Rtnl::open().and_then(|mut rtnl| {
                     rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
                     rtnl.isolate(link::index_of(&veth)?, true)
                 });
-                (host, netns)
-            }
-            Links::Pooled(pooled) => {
-                let host = link::Rtnl::open()
-                    .and_then(|mut rtnl| rtnl.rename_and_up(pooled.host_index, &veth));
-                (host, pooled.netns)
+                (host, Some(netns))
             }
         };
         let host_us = started.elapsed().as_micros() as u64;
-        let inside =
-            host.and_then(|()| link::configure_inside(&netns, addr, self.pool.1, self.gateway));
+        let inside = host.and_then(|()| match &netns {
+            Some(netns) => link::configure_inside(netns, addr, self.pool.1, self.gateway),
+            None => Ok(()),
+        });
         let links_us = started.elapsed().as_micros() as u64;
         let (rules, rules_took) = rules.join().unwrap_or_else(|_| {
             (

@@ -5,7 +5,7 @@
 //! more when namespace teardowns hold the rtnl lock at the same time). A background
 //! thread keeps a few ready, so a container create takes one (its agent joins the
 //! namespace instead of making its own) and only renames the host end, brings it up and
-//! gives `eth0` its address. A pooled namespace is held only by its descriptor here: it
+//! gives `eth0` its address and route (through a socket already inside). A pooled namespace is held only by its descriptor here: it
 //! and its veth vanish when that is closed (a daemon that dies leaves nothing behind).
 
 use std::fs::File;
@@ -27,6 +27,10 @@ const RETRY: Duration = Duration::from_secs(2);
 pub struct PooledNetns {
     pub(super) netns: File,
     pub(super) host_index: u32,
+    /// A route socket inside the namespace (`lo` and `eth0` are up already) and `eth0`'s
+    /// index: the address and route need no thread joining the namespace at create.
+    pub(super) inside: link::Rtnl,
+    pub(super) eth0: u32,
 }
 
 impl PooledNetns {
@@ -141,8 +145,13 @@ fn prepare(bridge: &str) -> Result<PooledNetns, NetError> {
     }
     rtnl.add_veth(&host_link, bridge_index, "eth0", &netns)?;
     let host_index = link::index_of(&host_link)?;
-    let pooled = PooledNetns { netns, host_index };
     // Dropped on failure: the namespace and its veth go with the descriptor.
-    rtnl.isolate(pooled.host_index, false)?;
-    Ok(pooled)
+    rtnl.isolate(host_index, false)?;
+    let (inside, eth0) = link::open_inside(&netns)?;
+    Ok(PooledNetns {
+        netns,
+        host_index,
+        inside,
+        eth0,
+    })
 }

@@ -729,11 +729,10 @@ async fn create_delete_and_adoption_leak_nothing() {
             .lines()
             .filter(|l| l.contains("network attached"))
             .filter_map(|l| {
-                let plain: String = l
-                    .split('\x1b')
-                    .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
-                    .collect();
-                let value = plain.split(&format!("{name}=")).nth(1)?;
+                let value = without_colours(l)
+                    .split(&format!("{name}="))
+                    .nth(1)?
+                    .to_string();
                 value
                     .split(|c: char| !c.is_ascii_digit())
                     .next()?
@@ -750,14 +749,7 @@ async fn create_delete_and_adoption_leak_nothing() {
     // Sequential creates find a namespace made ahead (the pool refills between them).
     let pooled = log
         .lines()
-        .filter(|l| l.contains("network setup parts"))
-        .filter(|l| {
-            let plain: String = l
-                .split('\x1b')
-                .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
-                .collect();
-            plain.contains("pooled=true")
-        })
+        .filter(|l| l.contains("network setup parts") && without_colours(l).contains("pooled=true"))
         .count();
     assert!(
         pooled >= CYCLES * 9 / 10,
@@ -830,6 +822,13 @@ async fn create_delete_and_adoption_leak_nothing() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A log line without tracing's colour codes.
+fn without_colours(line: &str) -> String {
+    line.split('\x1b')
+        .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
+        .collect()
 }
 
 /// Resolves `name` in the sandbox through its resolv.conf: the addresses, or None when the

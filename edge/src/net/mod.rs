@@ -434,6 +434,9 @@ impl Network {
                 (host, Some(netns))
             }
         };
+        if pooled {
+            self.veth_pool.refill();
+        }
         let host_us = started.elapsed().as_micros() as u64;
         let inside = host.and_then(|()| match &netns {
             Some(netns) => link::configure_inside(netns, addr, self.pool.1, self.gateway),

@@ -71,10 +71,21 @@ impl VethPool {
         pool
     }
 
+    /// A ready namespace, if there is one. The filler makes the next one after the taker's
+    /// setup ([`VethPool::refill`]: both need the rtnl lock, and a new bridge port holds it
+    /// for milliseconds on a large bridge), or at once when the pool ran dry.
     pub(super) fn take(&self) -> Option<PooledNetns> {
-        let taken = self.ready.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        self.wake.notify_one();
+        let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = ready.pop();
+        if ready.is_empty() {
+            self.wake.notify_one();
+        }
         taken
+    }
+
+    /// Lets the filler make up for what was taken.
+    pub(super) fn refill(&self) {
+        self.wake.notify_one();
     }
 
     /// Ends the filler and drops the ready namespaces (their veths go with them).

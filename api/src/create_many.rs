@@ -1,7 +1,7 @@
 //! `Sandboxes.CreateMany`: the bound on one call and the per-request result, shared by the
 //! node daemon, the apiserver, the sim nodes and the SDKs.
 
-use crate::v1::{CreateSandboxResult, Sandbox};
+use crate::v1::{CreateSandboxRequest, CreateSandboxResult, CreateSandboxesRequest, Sandbox};
 
 /// Most creates one CreateMany carries.
 pub const MAX_CREATES_PER_CALL: usize = 256;
@@ -15,6 +15,15 @@ pub fn check_count(count: usize) -> Result<(), tonic::Status> {
             "CreateMany carries {count} requests: give 1 to {MAX_CREATES_PER_CALL} (split larger bursts into several calls)"
         )))
     }
+}
+
+/// The requests of a CreateMany call, checked for their count.
+pub fn requests(
+    call: tonic::Request<CreateSandboxesRequest>,
+) -> Result<Vec<CreateSandboxRequest>, tonic::Status> {
+    let requests = call.into_inner().requests;
+    check_count(requests.len())?;
+    Ok(requests)
 }
 
 impl CreateSandboxResult {

@@ -172,8 +172,7 @@ impl Sandboxes for SimApi {
         &self,
         request: Request<CreateSandboxesRequest>,
     ) -> Result<Response<CreateSandboxesResponse>, Status> {
-        let requests = request.into_inner().requests;
-        dsec_api::create_many::check_count(requests.len())?;
+        let requests = dsec_api::create_many::requests(request)?;
         let results = requests
             .into_iter()
             .map(|item| CreateSandboxResult::from_result(self.create_one(item)))

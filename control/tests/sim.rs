@@ -11,7 +11,7 @@ use dsec_api::v1::network_labels_client::NetworkLabelsClient;
 use dsec_api::v1::sandboxes_client::SandboxesClient;
 use dsec_api::v1::*;
 use dsec_control::api::{self, ApiConfig};
-use dsec_control::iam::Iam;
+use dsec_control::iam::{Action, Iam, Outcome};
 use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
@@ -402,7 +402,7 @@ async fn a_sandbox_its_node_runs_without_a_reservation_is_charged_from_heartbeat
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
     let dir = tempfile::tempdir().unwrap();
-    let (_store, mut client) = cluster(
+    let (store, mut client) = cluster(
         dir.path(),
         Resources::new(6, 1000, 1_000_000, 1_000_000),
         100,
@@ -433,6 +433,38 @@ async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
         );
     }
     assert_eq!(listed(&mut client).await.len(), 6);
+    // Audited: one record naming the five sandboxes made, one per refused create.
+    let mut made_ids: Vec<String> = made
+        .iter()
+        .map(|r| r.as_ref().unwrap().id.clone())
+        .collect();
+    made_ids.sort();
+    let iam = Iam::new(store.clone());
+    let mut audited = (Vec::new(), 0);
+    for _ in 0..100 {
+        let log = iam.audit_log("acme", 1000).await.unwrap();
+        let creates = log.iter().filter(|r| r.action == Action::SandboxCreate);
+        let mut targets: Vec<Vec<String>> = creates
+            .clone()
+            .filter(|r| r.outcome == Outcome::Allowed)
+            .filter_map(|r| r.target.as_ref())
+            .map(|t| {
+                let mut ids: Vec<String> = t.split(',').map(str::to_string).collect();
+                ids.sort();
+                ids
+            })
+            .filter(|ids| ids.len() > 1)
+            .collect();
+        let failed = creates
+            .filter(|r| matches!(r.outcome, Outcome::Failed { .. }))
+            .count();
+        audited = (targets.pop().unwrap_or_default(), failed);
+        if audited == (made_ids.clone(), 3) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(audited, (made_ids, 3));
     for sandbox in made.into_iter().map(Result::unwrap) {
         let got = client
             .get(GetSandboxRequest {

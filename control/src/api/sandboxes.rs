@@ -360,35 +360,39 @@ impl Sandboxes for SandboxesApi {
                 other.project
             )));
         }
-        // One authorization for the call; each create is placed, charged and audited as a
-        // lone Create (the reservations of one project still share batched commits).
-        let caller = Arc::new(
-            self.0
-                .authorize(&metadata, &project, Action::SandboxCreate)
-                .await?,
-        );
+        // One authorization for the call; each create is placed and charged as a lone Create
+        // (the reservations of one project still share batched commits).
+        let caller = self
+            .0
+            .authorize(&metadata, &project, Action::SandboxCreate)
+            .await?;
         let mut creates = tokio::task::JoinSet::new();
         for (index, item) in message.requests.into_iter().enumerate() {
-            let (api, project, caller) = (
-                SandboxesApi(self.0.clone()),
-                project.clone(),
-                caller.clone(),
-            );
-            creates.spawn(async move {
-                let result = api.create_placed(item, project.clone()).await;
-                let target = result.as_ref().ok().map(|s| s.id.clone());
-                let result = api
-                    .0
-                    .audited(&caller, &project, Action::SandboxCreate, target, result)
-                    .await;
-                (index, result)
-            });
+            let (api, project) = (SandboxesApi(self.0.clone()), project.clone());
+            creates.spawn(async move { (index, api.create_placed(item, project).await) });
         }
         let mut results = vec![CreateSandboxResult::default(); creates.len()];
         while let Some(joined) = creates.join_next().await {
             let (index, result) = joined
                 .map_err(|e| Status::internal(format!("a create of CreateMany panicked: {e}")))?;
             results[index] = CreateSandboxResult::from_result(result);
+        }
+        // One audit record for the sandboxes the call made (their ids), one per failed create.
+        let made: Vec<&str> = results
+            .iter()
+            .filter_map(|r| r.sandbox.as_ref().map(|s| s.id.as_str()))
+            .collect();
+        if !made.is_empty() {
+            let target = Some(made.join(","));
+            self.0
+                .audit(&caller, &project, Action::SandboxCreate, target, Ok(()))
+                .await;
+        }
+        for failed in results.iter().filter(|r| r.sandbox.is_none()) {
+            let status = Status::new(failed.code.into(), failed.message.clone());
+            self.0
+                .audit(&caller, &project, Action::SandboxCreate, None, Err(&status))
+                .await;
         }
         Ok(Response::new(CreateSandboxesResponse { results }))
     }

@@ -452,8 +452,7 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         &self,
         request: Request<CreateSandboxesRequest>,
     ) -> Result<Response<CreateSandboxesResponse>, Status> {
-        let requests = request.into_inner().requests;
-        dsec_api::create_many::check_count(requests.len())?;
+        let requests = dsec_api::create_many::requests(request)?;
         // Each one exactly as a lone Create, concurrently (admission decides per sandbox).
         let mut creates = tokio::task::JoinSet::new();
         for (index, item) in requests.into_iter().enumerate() {

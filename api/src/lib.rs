@@ -37,6 +37,7 @@ pub mod node {
     }
 }
 
+pub mod create_many;
 pub mod sandbox_id;
 #[cfg(feature = "tls")]
 pub mod tls;

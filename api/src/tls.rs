@@ -17,7 +17,8 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+pub use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_rustls::rustls::pki_types::{PrivateKeyDer, ServerName, UnixTime};
 use tokio_rustls::rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use tokio_rustls::rustls::server::{ParsedCertificate, WebPkiClientVerifier};
 use tokio_rustls::TlsAcceptor;
@@ -25,6 +26,9 @@ use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 pub use tokio_rustls::rustls::CertificateError;
 pub use tokio_rustls::server::TlsStream;
+
+mod connections;
+pub use connections::{Closable, Connections};
 
 /// The name every apiserver certificate carries; nodes check apiservers against it, so they
 /// can reach an apiserver at any address.
@@ -154,6 +158,25 @@ pub fn accept(
     listener: TcpListener,
     acceptor: TlsAcceptor,
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
+    accept_mapped(listener, acceptor, |tls| tls)
+}
+
+/// [`accept`], each connection tracked in `connections` so that the server can close it
+/// later (a revoked client certificate).
+pub fn accept_closable(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    connections: Arc<Connections>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<Closable<TlsStream<TcpStream>>>> {
+    accept_mapped(listener, acceptor, move |tls| connections.track(tls))
+}
+
+fn accept_mapped<T: Send + 'static>(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    map: impl Fn(TlsStream<TcpStream>) -> T + Send + Sync + 'static,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<T>> {
+    let map = Arc::new(map);
     let (sender, receiver) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -175,11 +198,12 @@ pub fn accept(
             let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();
             let sender = sender.clone();
+            let map = map.clone();
             tokio::spawn(async move {
                 if let Ok(Ok(tls)) =
                     tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
                 {
-                    let _ = sender.send(Ok(tls)).await;
+                    let _ = sender.send(Ok(map(tls))).await;
                 }
             });
         }

@@ -1,6 +1,7 @@
 //! `dsec`: run commands in fresh sandboxes, inspect what this host can run, start the node
 //! daemon (`up`) and drive it (create, ls, exec, cp, ...).
 
+mod allocator;
 mod cluster;
 mod cp;
 mod fncall;
@@ -322,6 +323,9 @@ fn fn_command(endpoint: &str, command: fncall::FnCommand, json: bool) -> Result<
         .map_err(CliError::Runtime)?;
     Ok(runtime.block_on(fncall::run(endpoint, command, json))?)
 }
+
+#[global_allocator]
+static ALLOCATOR: allocator::ByCommand = allocator::ByCommand;
 
 fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_env("DSEC_LOG")

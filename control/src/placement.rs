@@ -308,8 +308,34 @@ impl NodeState {
 struct PlacerState {
     /// In name order, so that a seeded placer is reproducible.
     nodes: BTreeMap<String, NodeState>,
+    /// The keys of `nodes`, in the same order: random candidates are drawn from it.
+    names: Vec<String>,
+    /// How many nodes hold each image (an image no node holds needs no preference scan).
+    image_holders: HashMap<String, usize>,
     rng: fastrand::Rng,
 }
+
+impl PlacerState {
+    fn count_images(&mut self, images: &BTreeSet<String>, added: bool) {
+        for image in images {
+            if added {
+                *self.image_holders.entry(image.clone()).or_default() += 1;
+            } else if let Some(count) = self.image_holders.get_mut(image) {
+                *count -= 1;
+                if *count == 0 {
+                    self.image_holders.remove(image);
+                }
+            }
+        }
+    }
+
+    fn rebuild_names(&mut self) {
+        self.names = self.nodes.keys().cloned().collect();
+    }
+}
+
+/// Random draws one pick makes before it falls back to scanning every node.
+const SAMPLE_DRAWS: usize = 16;
 
 /// One apiserver's view of the nodes, with its own in-flight creates; see the module doc.
 #[derive(Debug)]
@@ -365,6 +391,8 @@ impl Placer {
         Placer {
             state: Mutex::new(PlacerState {
                 nodes: BTreeMap::new(),
+                names: Vec::new(),
+                image_holders: HashMap::new(),
                 rng: fastrand::Rng::with_seed(seed),
             }),
             choices: choices.max(1),
@@ -378,7 +406,8 @@ impl Placer {
     /// A node registered or heartbeated: its report replaces what we knew, and creates it
     /// accepted before the report stop counting on top of it.
     pub fn update_node(&self, record: NodeRecord) {
-        let mut state = self.lock();
+        let mut guard = self.lock();
+        let state = &mut *guard;
         let now = now_ms();
         let ttl = RECENT_CREATE_TTL.as_millis() as u64;
         match state.nodes.get_mut(&record.name) {
@@ -389,9 +418,18 @@ impl Placer {
                     .recent
                     .iter()
                     .fold(Resources::ZERO, |sum, (_, r)| sum.plus(*r));
-                node.record = record;
+                if node.record.images != record.images {
+                    let old = std::mem::take(&mut node.record.images);
+                    let new = record.images.clone();
+                    node.record = record;
+                    state.count_images(&old, false);
+                    state.count_images(&new, true);
+                } else {
+                    node.record = record;
+                }
             }
             None => {
+                let images = record.images.clone();
                 state.nodes.insert(
                     record.name.clone(),
                     NodeState {
@@ -402,6 +440,8 @@ impl Placer {
                         recent_sum: Resources::ZERO,
                     },
                 );
+                state.count_images(&images, true);
+                state.rebuild_names();
             }
         }
     }
@@ -414,7 +454,11 @@ impl Placer {
 
     /// A node's lease expired or it left.
     pub fn remove_node(&self, name: &str) {
-        self.lock().nodes.remove(name);
+        let mut state = self.lock();
+        if let Some(node) = state.nodes.remove(name) {
+            state.count_images(&node.record.images, false);
+            state.rebuild_names();
+        }
     }
 
     /// The operator flags this placer last saw for a node.
@@ -448,6 +492,26 @@ impl Placer {
     ) -> Result<Ticket<'_>, PlacementError> {
         let mut guard = self.lock();
         let state = &mut *guard;
+        // No node holds the image: no preference to weigh, so k random fitting nodes are
+        // drawn directly (the same choice as from the full list of fitting nodes, without
+        // scanning it); too few found in a few draws (a full or filtered cluster) scans.
+        let image_held = request
+            .image
+            .as_ref()
+            .is_some_and(|image| state.image_holders.contains_key(image));
+        if !image_held {
+            if let Some(name) = self.draw(state, request, exclude) {
+                if let Some(node) = state.nodes.get_mut(&name) {
+                    node.in_flight = node.in_flight.plus(request.resources);
+                }
+                return Ok(Ticket {
+                    placer: self,
+                    node: name,
+                    resources: request.resources,
+                    done: false,
+                });
+            }
+        }
         // Sized once: growing it node by node cost a few reallocations per create.
         let mut fit: Vec<(&String, f64, bool)> = Vec::with_capacity(state.nodes.len());
         let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
@@ -523,6 +587,47 @@ impl Placer {
             resources: request.resources,
             done: false,
         })
+    }
+
+    /// The least loaded of k distinct random fitting nodes, if a few draws find k.
+    fn draw(
+        &self,
+        state: &mut PlacerState,
+        request: &PlacementRequest,
+        exclude: &[String],
+    ) -> Option<String> {
+        let count = state.names.len();
+        let k = self.choices;
+        if count < k {
+            return None;
+        }
+        let mut drawn: Vec<usize> = Vec::with_capacity(SAMPLE_DRAWS);
+        let mut best: Option<(usize, f64)> = None;
+        let mut found = 0;
+        for _ in 0..SAMPLE_DRAWS {
+            let i = state.rng.usize(..count);
+            if drawn.contains(&i) {
+                continue;
+            }
+            drawn.push(i);
+            let name = &state.names[i];
+            if exclude.contains(name) {
+                continue;
+            }
+            let node = state.nodes.get(name)?;
+            if node.unfit(request).is_some() {
+                continue;
+            }
+            let load = node.load();
+            if best.is_none_or(|(_, best_load)| load < best_load) {
+                best = Some((i, load));
+            }
+            found += 1;
+            if found == k {
+                return best.map(|(i, _)| state.names[i].clone());
+            }
+        }
+        None
     }
 
     /// Places with retries: `attempt(node)` creates on that node; a refusal tries another

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use dsec_api::tls::{CertificateDer, Connections};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
@@ -103,11 +104,44 @@ fn check_fingerprint(text: &str) -> Result<(), RevocationError> {
     }
 }
 
+/// The record (if any, in a current copy) that refuses `cert`: its fingerprint, or every
+/// certificate of a node it names.
+fn refusal(mirror: &Mirror<RevokedNode>, cert: &CertificateDer<'_>) -> Option<RevokedNode> {
+    let revoked = mirror.under(keys::REVOKED_NODES)?;
+    if revoked.is_empty() {
+        return None;
+    }
+    let shown = fingerprint(cert);
+    revoked.into_iter().find(|record| {
+        record.fingerprints.contains(&shown)
+            || record.all_certificates
+                && dsec_api::tls::certificate_names(
+                    cert,
+                    &dsec_api::tls::node_server_name(&record.node),
+                )
+    })
+}
+
+/// On every change of the copy, closes the open connections whose certificate it now
+/// refuses (their calls end; the node's reconnect is refused in the handshake).
+async fn close_revoked(mirror: Arc<Mirror<RevokedNode>>, connections: Arc<Connections>) {
+    let mut changes = mirror.changes();
+    while changes.changed().await.is_ok() {
+        let closed = connections.close_where(|cert| refusal(&mirror, cert).is_some());
+        if closed > 0 {
+            tracing::warn!(closed, "closed connections of revoked node certificates");
+        }
+    }
+}
+
 /// One replica's view of the revoked node list; dropping it stops its watch.
 pub struct NodeRevocations {
     store: Arc<dyn Store>,
     mirror: Arc<Mirror<RevokedNode>>,
+    /// The apiserver's open TLS connections, closed when their certificate is revoked.
+    connections: Arc<Connections>,
     task: tokio::task::JoinHandle<()>,
+    closer: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for NodeRevocations {
@@ -119,6 +153,7 @@ impl std::fmt::Debug for NodeRevocations {
 impl Drop for NodeRevocations {
     fn drop(&mut self) {
         self.task.abort();
+        self.closer.abort();
     }
 }
 
@@ -127,11 +162,21 @@ impl NodeRevocations {
     pub fn start(store: Arc<dyn Store>) -> Self {
         let mirror = Mirror::new(keys::REVOKED_NODES);
         let task = tokio::spawn(mirror.clone().follow(store.clone()));
+        let connections = Connections::new();
+        let closer = tokio::spawn(close_revoked(mirror.clone(), connections.clone()));
         NodeRevocations {
             store,
             mirror,
+            connections,
             task,
+            closer,
         }
+    }
+
+    /// The open connections the apiserver's TLS port tracks (`dsec_api::tls::accept_closable`):
+    /// those of a certificate revoked later are closed as the revocation reaches this copy.
+    pub fn connections(&self) -> Arc<Connections> {
+        self.connections.clone()
     }
 
     /// Whether the copy is current (tests wait for it).
@@ -176,29 +221,12 @@ impl NodeRevocations {
     /// (which then read the store) refuse it.
     pub fn handshake_check(&self) -> dsec_api::tls::ClientCheck {
         let mirror = self.mirror.clone();
-        Arc::new(move |cert| {
-            let Some(revoked) = mirror.under(keys::REVOKED_NODES) else {
-                return Ok(());
-            };
-            if revoked.is_empty() {
-                return Ok(());
+        Arc::new(move |cert| match refusal(&mirror, cert) {
+            Some(record) => {
+                tracing::warn!(node = %record.node, "refused a revoked node certificate in the TLS handshake");
+                Err(dsec_api::tls::CertificateError::Revoked)
             }
-            let shown = fingerprint(cert);
-            let refused = revoked.iter().find(|record| {
-                record.fingerprints.contains(&shown)
-                    || record.all_certificates
-                        && dsec_api::tls::certificate_names(
-                            cert,
-                            &dsec_api::tls::node_server_name(&record.node),
-                        )
-            });
-            match refused {
-                Some(record) => {
-                    tracing::warn!(node = %record.node, fingerprint = %shown, "refused a revoked node certificate in the TLS handshake");
-                    Err(dsec_api::tls::CertificateError::Revoked)
-                }
-                None => Ok(()),
-            }
+            None => Ok(()),
         })
     }
 

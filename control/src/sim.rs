@@ -106,13 +106,9 @@ fn demand(vcpus: i32, memory_mib: i64, disk_mib: i64) -> (u64, u64, u64) {
     (vcpus, memory_mib, disk_mib)
 }
 
-#[tonic::async_trait]
-impl Sandboxes for SimApi {
-    async fn create(
-        &self,
-        request: Request<CreateSandboxRequest>,
-    ) -> Result<Response<Sandbox>, Status> {
-        let request = request.into_inner();
+impl SimApi {
+    /// One create, admitted against the node's fake capacity.
+    fn create_one(&self, request: CreateSandboxRequest) -> Result<Sandbox, Status> {
         let node = &self.0;
         if dsec_api::sandbox_id::SandboxId::node_of(&request.sandbox_id) != Some(&node.name) {
             return Err(Status::invalid_argument(format!(
@@ -124,7 +120,7 @@ impl Sandboxes for SimApi {
             demand(request.vcpus, request.memory_mib, request.disk_mib);
         let mut held = node.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(existing) = held.sandboxes.get(&request.sandbox_id) {
-            return Ok(Response::new(existing.clone()));
+            return Ok(existing.clone());
         }
         let cap = node.capacity;
         if held.sandboxes.len() as u64 >= cap.sandboxes
@@ -159,7 +155,29 @@ impl Sandboxes for SimApi {
         held.memory_mib += memory_mib;
         held.disk_mib += disk_mib;
         held.sandboxes.insert(sandbox.id.clone(), sandbox.clone());
-        Ok(Response::new(sandbox))
+        Ok(sandbox)
+    }
+}
+
+#[tonic::async_trait]
+impl Sandboxes for SimApi {
+    async fn create(
+        &self,
+        request: Request<CreateSandboxRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        self.create_one(request.into_inner()).map(Response::new)
+    }
+
+    async fn create_many(
+        &self,
+        request: Request<CreateSandboxesRequest>,
+    ) -> Result<Response<CreateSandboxesResponse>, Status> {
+        let requests = dsec_api::create_many::requests(request)?;
+        let results = requests
+            .into_iter()
+            .map(|item| CreateSandboxResult::from_result(self.create_one(item)))
+            .collect();
+        Ok(Response::new(CreateSandboxesResponse { results }))
     }
 
     async fn get(&self, request: Request<GetSandboxRequest>) -> Result<Response<Sandbox>, Status> {

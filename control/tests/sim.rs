@@ -11,7 +11,7 @@ use dsec_api::v1::network_labels_client::NetworkLabelsClient;
 use dsec_api::v1::sandboxes_client::SandboxesClient;
 use dsec_api::v1::*;
 use dsec_control::api::{self, ApiConfig};
-use dsec_control::iam::Iam;
+use dsec_control::iam::{Action, Iam, Outcome};
 use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
@@ -394,4 +394,96 @@ async fn a_sandbox_its_node_runs_without_a_reservation_is_charged_from_heartbeat
         quotas.get(&project).await.unwrap().used,
         Resources::sandbox(1, 64, 64)
     );
+}
+
+/// CreateMany through the apiserver: each request is admitted and charged as a lone Create,
+/// the ones over the project's quota fail on their own (RESOURCE_EXHAUSTED naming the project
+/// and resource) and the rest are made; malformed calls fail as a whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, mut client) = cluster(
+        dir.path(),
+        Resources::new(6, 1000, 1_000_000, 1_000_000),
+        100,
+    )
+    .await;
+    first_create(&mut client).await;
+    let many = |count: usize| CreateSandboxesRequest {
+        requests: (0..count).map(|_| small()).collect(),
+        project: "acme/sim".into(),
+    };
+    let results = client
+        .create_many(many(8))
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(results.len(), 8);
+    let (made, refused): (Vec<_>, Vec<_>) = results
+        .into_iter()
+        .map(CreateSandboxResult::into_result)
+        .partition(Result::is_ok);
+    assert_eq!(made.len(), 5, "{refused:?}");
+    for status in refused.iter().map(|r| r.as_ref().unwrap_err()) {
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("acme/sim") && status.message().contains("sandboxes"),
+            "{status:?}"
+        );
+    }
+    assert_eq!(listed(&mut client).await.len(), 6);
+    // Audited: one record naming the five sandboxes made, one per refused create.
+    let mut made_ids: Vec<String> = made
+        .iter()
+        .map(|r| r.as_ref().unwrap().id.clone())
+        .collect();
+    made_ids.sort();
+    let iam = Iam::new(store.clone());
+    let mut audited = (Vec::new(), 0);
+    for _ in 0..100 {
+        let log = iam.audit_log("acme", 1000).await.unwrap();
+        let creates = log.iter().filter(|r| r.action == Action::SandboxCreate);
+        let mut targets: Vec<Vec<String>> = creates
+            .clone()
+            .filter(|r| r.outcome == Outcome::Allowed)
+            .filter_map(|r| r.target.as_ref())
+            .map(|t| {
+                let mut ids: Vec<String> = t.split(',').map(str::to_string).collect();
+                ids.sort();
+                ids
+            })
+            .filter(|ids| ids.len() > 1)
+            .collect();
+        let failed = creates
+            .filter(|r| matches!(r.outcome, Outcome::Failed { .. }))
+            .count();
+        audited = (targets.pop().unwrap_or_default(), failed);
+        if audited == (made_ids.clone(), 3) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(audited, (made_ids, 3));
+    for sandbox in made.into_iter().map(Result::unwrap) {
+        let got = client
+            .get(GetSandboxRequest {
+                sandbox_id: sandbox.id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(got.project, "acme/sim");
+    }
+
+    for count in [0, dsec_api::create_many::MAX_CREATES_PER_CALL + 1] {
+        let e = client.create_many(many(count)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
+    let mut elsewhere = many(2);
+    elsewhere.requests[1].project = "acme/other".into();
+    let e = client.create_many(elsewhere).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("acme/other"), "{e:?}");
+    assert_eq!(listed(&mut client).await.len(), 6);
 }

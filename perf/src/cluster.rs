@@ -31,6 +31,8 @@ pub struct ClusterOpts {
     pub rounds: usize,
     pub replicas: Vec<usize>,
     pub real_samples: usize,
+    /// Creates per call, per mode: 0 = one Create per sandbox, N = CreateMany of N.
+    pub batches: Vec<usize>,
 }
 
 /// Processes this run started, killed (by pid) when dropped.
@@ -323,29 +325,58 @@ struct Burst {
     first_error: Option<String>,
 }
 
-async fn burst(clients: &[Client], creates: usize) -> Burst {
+/// `creates` sandboxes from every client at once, `batch` per call (0: one Create each).
+/// A sandbox's latency is its call's.
+async fn burst(clients: &[Client], creates: usize, batch: usize) -> Burst {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
+    let per_call = batch.max(1);
     for client in clients {
         let (client, next) = (client.clone(), next.clone());
         tasks.spawn(async move {
             let mut latencies = Vec::new();
             let mut failed = 0;
             let mut first_error = None;
-            while next.fetch_add(1, Ordering::Relaxed) < creates {
+            let request = || dsec_sdk::CreateSandboxRequest {
+                memory_mib: 64,
+                disk_mib: 64,
+                vcpus: 1,
+                ..Default::default()
+            };
+            loop {
+                let taken = next.fetch_add(per_call, Ordering::Relaxed);
+                if taken >= creates {
+                    break;
+                }
+                let count = per_call.min(creates - taken);
                 let t0 = Instant::now();
-                let request = dsec_sdk::CreateSandboxRequest {
-                    memory_mib: 64,
-                    disk_mib: 64,
-                    vcpus: 1,
-                    ..Default::default()
+                let results: Vec<Result<(), String>> = if batch == 0 {
+                    vec![client
+                        .create(request())
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())]
+                } else {
+                    match client
+                        .create_many((0..count).map(|_| request()).collect())
+                        .await
+                    {
+                        Ok(results) => results
+                            .into_iter()
+                            .map(|r| r.map(drop).map_err(|e| e.to_string()))
+                            .collect(),
+                        Err(e) => vec![Err(e.to_string()); count],
+                    }
                 };
-                match client.create(request).await {
-                    Ok(_) => latencies.push(t0.elapsed().as_secs_f64() * 1e3),
-                    Err(e) => {
-                        failed += 1;
-                        first_error.get_or_insert(e.to_string());
+                let ms = t0.elapsed().as_secs_f64() * 1e3;
+                for result in results {
+                    match result {
+                        Ok(_) => latencies.push(ms),
+                        Err(e) => {
+                            failed += 1;
+                            first_error.get_or_insert(e);
+                        }
                     }
                 }
             }
@@ -396,12 +427,16 @@ fn placement(
         Ok::<_, String>(clients)
     })?;
     // A small warm-up: connections, caches, the placer's view.
-    let warm = runtime.block_on(burst(&clients, o.clients * 2));
-    if warm.failed > 0 {
-        return Err(format!("warm-up creates failed: {:?}", warm.first_error));
+    for &batch in &o.batches {
+        let warm = runtime.block_on(burst(&clients, o.clients * 2 * batch.max(1), batch));
+        if warm.failed > 0 {
+            return Err(format!("warm-up creates failed: {:?}", warm.first_error));
+        }
     }
     let mut rounds = Vec::new();
-    for round in 0..o.rounds {
+    for (round, batch) in
+        (0..o.rounds).flat_map(|round| o.batches.iter().map(move |&batch| (round, batch)))
+    {
         let pids: Vec<u32> = plane
             .api_pids
             .iter()
@@ -412,7 +447,7 @@ fn placement(
         let cpu0: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
         let self0 = cpu_seconds(std::process::id());
         let rev0 = etcd_revision(plane.etcd_port)?;
-        let result = runtime.block_on(burst(&clients, o.creates));
+        let result = runtime.block_on(burst(&clients, o.creates, batch));
         let rev1 = etcd_revision(plane.etcd_port)?;
         let cpu1: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
         let self1 = cpu_seconds(std::process::id());
@@ -422,6 +457,7 @@ fn placement(
         let summary = Summary::of(&result.latencies_ms);
         let line = json!({
             "round": round,
+            "batch": batch,
             "creates": result.latencies_ms.len(),
             "failed": result.failed,
             "first_error": result.first_error,
@@ -436,7 +472,9 @@ fn placement(
                 "clients": (self1 - self0) * 1e3 / done,
             },
         });
-        eprintln!("dsec-perf cluster: {replicas} apiserver(s), round {round}: {line}");
+        eprintln!(
+            "dsec-perf cluster: {replicas} apiserver(s), batch {batch}, round {round}: {line}"
+        );
         rounds.push(line);
     }
     drop(clients);
@@ -556,14 +594,23 @@ pub fn run(o: &ClusterOpts) -> Result<(String, Value), String> {
         "placement: {} sim nodes, {} creates per round from {} clients, {} rounds (medians over rounds)\n",
         o.nodes, o.creates, o.clients, o.rounds
     );
-    table += "replicas | creates/s | p50 ms | p99 ms | etcd txns/create | CPU ms/create: apiservers, etcd, sim nodes | failed\n";
+    table += "replicas |      per call | creates/s | p50 ms | p99 ms | etcd txns/create | CPU ms/create: apiservers, etcd, sim nodes, clients | failed\n";
     let median = |values: &mut Vec<f64>| {
         values.sort_by(f64::total_cmp);
         values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
     };
     let mut summaries = Vec::new();
-    for p in &placements {
-        let rounds = p["rounds"].as_array().cloned().unwrap_or_default();
+    for (p, &batch) in placements
+        .iter()
+        .flat_map(|p| o.batches.iter().map(move |b| (p, b)))
+    {
+        let rounds: Vec<Value> = p["rounds"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| r["batch"].as_u64() == Some(batch as u64))
+            .collect();
         let pick = |f: &dyn Fn(&Value) -> Option<f64>| -> Vec<f64> {
             rounds.iter().filter_map(f).collect()
         };
@@ -576,15 +623,21 @@ pub fn run(o: &ClusterOpts) -> Result<(String, Value), String> {
         }));
         let etcd = median(&mut pick(&|r| r["cpu_ms_per_create"]["etcd"].as_f64()));
         let sim = median(&mut pick(&|r| r["cpu_ms_per_create"]["sim_nodes"].as_f64()));
+        let clients = median(&mut pick(&|r| r["cpu_ms_per_create"]["clients"].as_f64()));
         let failed: u64 = rounds.iter().filter_map(|r| r["failed"].as_u64()).sum();
+        let mode = if batch == 0 {
+            "Create".to_string()
+        } else {
+            format!("CreateMany {batch}")
+        };
         table += &format!(
-            "{:>8} | {:>9.0} | {:>6.1} | {:>6.1} | {:>16.2} | {:.3}, {:.3}, {:.3} | {}\n",
-            p["replicas"], rate, p50, p99, txns, api, etcd, sim, failed
+            "{:>8} | {:>13} | {:>9.0} | {:>6.1} | {:>6.1} | {:>16.2} | {:.3}, {:.3}, {:.3}, {:.3} | {}\n",
+            p["replicas"], mode, rate, p50, p99, txns, api, etcd, sim, clients, failed
         );
         summaries.push(json!({
-            "replicas": p["replicas"], "creates_per_s": rate, "p50_ms": p50, "p99_ms": p99,
+            "replicas": p["replicas"], "batch": batch, "creates_per_s": rate, "p50_ms": p50, "p99_ms": p99,
             "etcd_write_txns_per_create": txns,
-            "cpu_ms_per_create": {"apiservers": api, "etcd": etcd, "sim_nodes": sim},
+            "cpu_ms_per_create": {"apiservers": api, "etcd": etcd, "sim_nodes": sim, "clients": clients},
             "failed": failed,
         }));
     }
@@ -604,7 +657,7 @@ pub fn run(o: &ClusterOpts) -> Result<(String, Value), String> {
     let doc = json!({
         "options": {
             "nodes": o.nodes, "creates": o.creates, "clients": o.clients, "rounds": o.rounds,
-            "replicas": o.replicas, "real_samples": o.real_samples,
+            "replicas": o.replicas, "real_samples": o.real_samples, "batch": o.batches,
             "apiserver": o.apiserver.as_ref().map(|p| p.display().to_string())
                 .unwrap_or_else(|| format!("{} control", o.dsec.display())),
         },

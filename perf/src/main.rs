@@ -431,6 +431,10 @@ struct ClusterArgs {
     /// Real create -> first exec samples per path (0 skips the real node).
     #[arg(long, default_value_t = 20)]
     real_samples: usize,
+    /// Creates per call, comma-separated: 0 = one Create per sandbox, N = CreateMany of N.
+    /// Each round runs every mode in turn, so they alternate.
+    #[arg(long, default_value = "0", value_delimiter = ',')]
+    batch: Vec<usize>,
     #[arg(long)]
     json: Option<PathBuf>,
     #[arg(long)]
@@ -454,6 +458,7 @@ fn cluster_cmd(a: ClusterArgs) -> Result<(), String> {
         rounds: a.rounds.max(1),
         replicas: a.replicas.clone(),
         real_samples: a.real_samples,
+        batches: a.batch.clone(),
     };
     let result = cluster::run(&opts);
     finish_workdir(a.keep_workdir, &workdir);

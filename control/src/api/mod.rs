@@ -229,7 +229,14 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
     match acceptor {
         Some(acceptor) => {
             router
-                .serve_with_incoming_shutdown(dsec_api::tls::accept(listener, acceptor), shutdown)
+                .serve_with_incoming_shutdown(
+                    dsec_api::tls::accept_closable(
+                        listener,
+                        acceptor,
+                        shared.revocations.connections(),
+                    ),
+                    shutdown,
+                )
                 .await
         }
         None => {

@@ -342,6 +342,61 @@ impl Sandboxes for SandboxesApi {
         answer
     }
 
+    async fn create_many(
+        &self,
+        request: Request<CreateSandboxesRequest>,
+    ) -> Result<Response<CreateSandboxesResponse>, Status> {
+        let (metadata, _, message) = request.into_parts();
+        dsec_api::create_many::check_count(message.requests.len())?;
+        let project = auth::project(&message.project, &metadata)?;
+        if let Some((index, other)) = message
+            .requests
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.project.is_empty() && r.project != project.as_str())
+        {
+            return Err(Status::invalid_argument(format!(
+                "request {index} of CreateMany names project {:?}, the call {project}: one call creates in one project",
+                other.project
+            )));
+        }
+        // One authorization for the call; each create is placed and charged as a lone Create
+        // (the reservations of one project still share batched commits).
+        let caller = self
+            .0
+            .authorize(&metadata, &project, Action::SandboxCreate)
+            .await?;
+        let mut creates = tokio::task::JoinSet::new();
+        for (index, item) in message.requests.into_iter().enumerate() {
+            let (api, project) = (SandboxesApi(self.0.clone()), project.clone());
+            creates.spawn(async move { (index, api.create_placed(item, project).await) });
+        }
+        let mut results = vec![CreateSandboxResult::default(); creates.len()];
+        while let Some(joined) = creates.join_next().await {
+            let (index, result) = joined
+                .map_err(|e| Status::internal(format!("a create of CreateMany panicked: {e}")))?;
+            results[index] = CreateSandboxResult::from_result(result);
+        }
+        // One audit record for the sandboxes the call made (their ids), one per failed create.
+        let made: Vec<&str> = results
+            .iter()
+            .filter_map(|r| r.sandbox.as_ref().map(|s| s.id.as_str()))
+            .collect();
+        if !made.is_empty() {
+            let target = Some(made.join(","));
+            self.0
+                .audit(&caller, &project, Action::SandboxCreate, target, Ok(()))
+                .await;
+        }
+        for failed in results.iter().filter(|r| r.sandbox.is_none()) {
+            let status = Status::new(failed.code.into(), failed.message.clone());
+            self.0
+                .audit(&caller, &project, Action::SandboxCreate, None, Err(&status))
+                .await;
+        }
+        Ok(Response::new(CreateSandboxesResponse { results }))
+    }
+
     async fn get(&self, request: Request<GetSandboxRequest>) -> Result<Response<Sandbox>, Status> {
         let (metadata, _, message) = request.into_parts();
         let id = message.sandbox_id.clone();

@@ -19,6 +19,8 @@ pub(crate) struct Mirror<T> {
     /// None while the copy is not known to be current (before the first listing, after a
     /// watch failure).
     records: RwLock<Option<BTreeMap<String, T>>>,
+    /// Bumped on every change of the copy (listing, event, loss), for [`Mirror::changes`].
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
@@ -26,11 +28,18 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
         Arc::new(Mirror {
             prefix,
             records: RwLock::new(None),
+            changed: tokio::sync::watch::Sender::new(0),
         })
     }
 
     fn set(&self, records: Option<BTreeMap<String, T>>) {
         *self.records.write().unwrap_or_else(|e| e.into_inner()) = records;
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Told after each change of the copy.
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     pub(crate) fn is_current(&self) -> bool {
@@ -105,6 +114,8 @@ impl<T: DeserializeOwned + Clone + Send + Sync + 'static> Mirror<T> {
                 Some(record) => records.insert(event.key, record),
                 None => records.remove(&event.key),
             };
+            drop(guard);
+            self.changed.send_modify(|n| *n += 1);
         }
         Err("the store closed the watch".into())
     }

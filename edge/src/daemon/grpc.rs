@@ -448,6 +448,33 @@ impl sandboxes_server::Sandboxes for SandboxesService {
         }
     }
 
+    async fn create_many(
+        &self,
+        request: Request<CreateSandboxesRequest>,
+    ) -> Result<Response<CreateSandboxesResponse>, Status> {
+        let requests = dsec_api::create_many::requests(request)?;
+        // Each one exactly as a lone Create, concurrently (admission decides per sandbox).
+        let mut creates = tokio::task::JoinSet::new();
+        for (index, item) in requests.into_iter().enumerate() {
+            let service = SandboxesService(self.0.clone());
+            creates.spawn(async move {
+                let created = <SandboxesService as sandboxes_server::Sandboxes>::create(
+                    &service,
+                    Request::new(item),
+                )
+                .await;
+                (index, created.map(Response::into_inner))
+            });
+        }
+        let mut results = vec![CreateSandboxResult::default(); creates.len()];
+        while let Some(joined) = creates.join_next().await {
+            let (index, created) = joined
+                .map_err(|e| Status::internal(format!("a create of CreateMany panicked: {e}")))?;
+            results[index] = CreateSandboxResult::from_result(created);
+        }
+        Ok(Response::new(CreateSandboxesResponse { results }))
+    }
+
     async fn get(
         &self,
         request: Request<GetSandboxRequest>,

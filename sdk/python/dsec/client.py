@@ -8,7 +8,7 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import (AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
+from typing import (Any, AsyncIterator, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, Union)
 
 import grpc
@@ -443,6 +443,38 @@ def _create_request(backend: str, image: str, vcpus: int, memory_mib: int, disk_
 #: node never makes two sandboxes of one call).
 CREATE_ATTEMPTS = 3
 
+#: Most creates one CreateMany call carries (``create_many`` splits longer lists).
+MAX_CREATES_PER_CALL = 256
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _create_many_requests(specs, project: str) -> List[pb.CreateSandboxesRequest]:
+    """``create`` keyword arguments per sandbox -> CreateMany calls of at most
+    MAX_CREATES_PER_CALL (each request with its own request_id, reused by a retry)."""
+    reqs = []
+    for spec in specs:
+        spec = dict(spec)
+        reqs.append(_create_request(
+            spec.pop("backend", ""), spec.pop("image", ""), spec.pop("vcpus", 0),
+            spec.pop("memory_mib", 0), spec.pop("disk_mib", 0), spec.pop("env", None),
+            spec.pop("ttl", 0), spec.pop("idle_timeout", 0), spec.pop("labels", None),
+            spec.pop("pids_limit", 0), spec.pop("allow_internet", False),
+            spec.pop("request_id", None), spec.pop("public_ports", ())))
+        if spec:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"create_many: unknown create arguments {sorted(spec)}")
+    return [pb.CreateSandboxesRequest(requests=reqs[i:i + MAX_CREATES_PER_CALL], project=project)
+            for i in range(0, len(reqs), MAX_CREATES_PER_CALL)]
+
+
+def _create_result(result: pb.CreateSandboxResult):
+    """A CreateMany result: its SandboxInfo, or the DsecError a lone create would raise."""
+    if result.code == 0 and result.HasField("sandbox"):
+        return SandboxInfo._from(result.sandbox)
+    code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
+    return _ERRORS.get(code, DsecError)(code, result.message)
+
 
 def _timeout_ms(timeout: Optional[float]) -> int:
     """Seconds -> the API's milliseconds; a negative timeout is refused here, before the call
@@ -864,6 +896,26 @@ class Client:
                               request_id, public_ports)
         req.from_snapshot = snapshot
         return self._create(req)
+
+    def create_many(self, specs: Iterable[Mapping[str, Any]]) -> List[Union["Sandbox", DsecError]]:
+        """Many sandboxes in few calls (CreateMany, up to 256 per call): ``specs`` holds
+        :meth:`create`'s keyword arguments per sandbox. One entry per spec, in order: the
+        Sandbox, or the DsecError that sandbox's create would have raised (e.g.
+        ResourceExhausted naming the project over quota); the others are not affected."""
+        out: List[Union["Sandbox", DsecError]] = []
+        for call in _create_many_requests(specs, self.project):
+            for attempt in range(1, CREATE_ATTEMPTS + 1):
+                try:
+                    answer = self._call(self._sandboxes.CreateMany, call)
+                    break
+                except Unavailable:
+                    if attempt == CREATE_ATTEMPTS:
+                        raise
+                    time.sleep(0.2 * 2 ** attempt)
+            for result in answer.results:
+                r = _create_result(result)
+                out.append(r if isinstance(r, DsecError) else Sandbox(self, r))
+        return out
 
     def _create(self, req: pb.CreateSandboxRequest) -> "Sandbox":
         req.project = self.project
@@ -1323,6 +1375,24 @@ class AsyncClient:
                               request_id, public_ports)
         req.from_snapshot = snapshot
         return await self._create(req)
+
+    async def create_many(self, specs: Iterable[Mapping[str, Any]]
+                          ) -> List[Union["AsyncSandbox", DsecError]]:
+        """asyncio twin of :meth:`Client.create_many`."""
+        out: List[Union["AsyncSandbox", DsecError]] = []
+        for call in _create_many_requests(specs, self.project):
+            for attempt in range(1, CREATE_ATTEMPTS + 1):
+                try:
+                    answer = await self._call(self._sandboxes.CreateMany, call)
+                    break
+                except Unavailable:
+                    if attempt == CREATE_ATTEMPTS:
+                        raise
+                    await asyncio.sleep(0.2 * 2 ** attempt)
+            for result in answer.results:
+                r = _create_result(result)
+                out.append(r if isinstance(r, DsecError) else AsyncSandbox(self, r))
+        return out
 
     async def _create(self, req: pb.CreateSandboxRequest) -> "AsyncSandbox":
         req.project = self.project

@@ -152,6 +152,30 @@ class ResourceUsage(_message.Message):
     pids: int
     def __init__(self, memory_bytes: _Optional[int] = ..., cpu_usage_ns: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
+class CreateSandboxesRequest(_message.Message):
+    __slots__ = ("requests", "project")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[CreateSandboxRequest]
+    project: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[CreateSandboxRequest, _Mapping]]] = ..., project: _Optional[str] = ...) -> None: ...
+
+class CreateSandboxResult(_message.Message):
+    __slots__ = ("sandbox", "code", "message")
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    sandbox: Sandbox
+    code: int
+    message: str
+    def __init__(self, sandbox: _Optional[_Union[Sandbox, _Mapping]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CreateSandboxesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CreateSandboxResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[CreateSandboxResult, _Mapping]]] = ...) -> None: ...
+
 class Sandbox(_message.Message):
     __slots__ = ("id", "backend", "image", "state", "vcpus", "memory_mib", "disk_mib", "pids_limit", "labels", "created_at_unix_ms", "expires_at_unix_ms", "idle_timeout_seconds", "last_activity_unix_ms", "pid", "parent_id", "usage", "network", "memory_limit_bytes", "request_id", "access_token", "public_ports", "death_reason", "died_at_unix_ms", "project", "node")
     class LabelsEntry(_message.Message):

@@ -42,6 +42,11 @@ class SandboxesStub:
                 request_serializer=dsec__pb2.CreateSandboxRequest.SerializeToString,
                 response_deserializer=dsec__pb2.Sandbox.FromString,
                 _registered_method=True)
+        self.CreateMany = channel.unary_unary(
+                '/dsec.v1.Sandboxes/CreateMany',
+                request_serializer=dsec__pb2.CreateSandboxesRequest.SerializeToString,
+                response_deserializer=dsec__pb2.CreateSandboxesResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/dsec.v1.Sandboxes/Get',
                 request_serializer=dsec__pb2.GetSandboxRequest.SerializeToString,
@@ -101,6 +106,16 @@ class SandboxesServicer:
 
     def Create(self, request, context):
         """Creates a sandbox and returns once its agent answers (state RUNNING).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateMany(self, request, context):
+        """Up to 256 creates in one call (a trainer's burst): each is admitted, charged and created
+        as a lone Create would be, concurrently; one result per request, in order. A failure of
+        one (over quota, no room, bad spec) is its result's code and message, not the call's; the
+        call itself fails only when it is malformed or not authorized.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +201,11 @@ def add_SandboxesServicer_to_server(servicer, server):
                     request_deserializer=dsec__pb2.CreateSandboxRequest.FromString,
                     response_serializer=dsec__pb2.Sandbox.SerializeToString,
             ),
+            'CreateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateMany,
+                    request_deserializer=dsec__pb2.CreateSandboxesRequest.FromString,
+                    response_serializer=dsec__pb2.CreateSandboxesResponse.SerializeToString,
+            ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=dsec__pb2.GetSandboxRequest.FromString,
@@ -266,6 +286,33 @@ class Sandboxes:
             '/dsec.v1.Sandboxes/Create',
             dsec__pb2.CreateSandboxRequest.SerializeToString,
             dsec__pb2.Sandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Sandboxes/CreateMany',
+            dsec__pb2.CreateSandboxesRequest.SerializeToString,
+            dsec__pb2.CreateSandboxesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1497,9 +1544,11 @@ class Network:
 
 
 class NetworkLabelsStub:
-    """Label-wide policy changes, served by nodes (a service of its own so that servers of
-    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
-    a List and one SetNetworkPolicy per sandbox).
+    """Label-wide policy changes, served by nodes and by the apiserver (a service of its own so
+    that servers of `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the
+    SDKs fall back to a List and one SetNetworkPolicy per sandbox). The apiserver selects
+    within the call's project (editor) on every node; a failure with an empty sandbox_id is a
+    node it could not ask.
     """
 
     def __init__(self, channel):
@@ -1516,9 +1565,11 @@ class NetworkLabelsStub:
 
 
 class NetworkLabelsServicer:
-    """Label-wide policy changes, served by nodes (a service of its own so that servers of
-    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
-    a List and one SetNetworkPolicy per sandbox).
+    """Label-wide policy changes, served by nodes and by the apiserver (a service of its own so
+    that servers of `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the
+    SDKs fall back to a List and one SetNetworkPolicy per sandbox). The apiserver selects
+    within the call's project (editor) on every node; a failure with an empty sandbox_id is a
+    node it could not ask.
     """
 
     def SetNetworkPolicyByLabels(self, request, context):
@@ -1547,9 +1598,11 @@ def add_NetworkLabelsServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NetworkLabels:
-    """Label-wide policy changes, served by nodes (a service of its own so that servers of
-    `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the SDKs fall back to
-    a List and one SetNetworkPolicy per sandbox).
+    """Label-wide policy changes, served by nodes and by the apiserver (a service of its own so
+    that servers of `Network` need not implement it; elsewhere it is UNIMPLEMENTED and the
+    SDKs fall back to a List and one SetNetworkPolicy per sandbox). The apiserver selects
+    within the call's project (editor) on every node; a failure with an empty sandbox_id is a
+    node it could not ask.
     """
 
     @staticmethod

@@ -498,6 +498,63 @@ impl Client {
         }
     }
 
+    /// Many creates in few calls (`CreateMany`, up to 256 per call; more are split): one
+    /// result per request, in order; each fails or succeeds on its own as `create` would
+    /// (e.g. over quota), and a call the server could not take at all (UNAVAILABLE) is sent
+    /// again with the same request ids, so nothing is created twice.
+    pub async fn create_many(
+        &self,
+        requests: Vec<CreateSandboxRequest>,
+    ) -> Result<Vec<Result<Sandbox>>> {
+        let mut results = Vec::with_capacity(requests.len());
+        let mut requests = requests.into_iter().peekable();
+        while requests.peek().is_some() {
+            let chunk: Vec<CreateSandboxRequest> = requests
+                .by_ref()
+                .take(dsec_api::create_many::MAX_CREATES_PER_CALL)
+                .map(|mut request| {
+                    if request.request_id.is_empty() {
+                        request.request_id = new_request_id();
+                    }
+                    request
+                })
+                .collect();
+            let call = CreateSandboxesRequest {
+                requests: chunk,
+                project: self.credentials.project().to_string(),
+            };
+            let mut attempt = 1;
+            let answer = loop {
+                match self.sandboxes().create_many(call.clone()).await {
+                    Ok(answer) => break answer.into_inner(),
+                    Err(status)
+                        if status.code() == tonic::Code::Unavailable
+                            && attempt < CREATE_ATTEMPTS =>
+                    {
+                        tokio::time::sleep(std::time::Duration::from_millis(200 << attempt)).await;
+                        attempt += 1;
+                    }
+                    Err(status) => return Err(status.into()),
+                }
+            };
+            if answer.results.len() != call.requests.len() {
+                return Err(tonic::Status::internal(format!(
+                    "CreateMany answered {} results for {} requests: the server is broken",
+                    answer.results.len(),
+                    call.requests.len()
+                ))
+                .into());
+            }
+            results.extend(
+                answer
+                    .results
+                    .into_iter()
+                    .map(|r| r.into_result().map_err(Error::from)),
+            );
+        }
+        Ok(results)
+    }
+
     pub async fn get(&self, id: &str) -> Result<Sandbox> {
         Ok(self
             .sandboxes()

@@ -7,6 +7,7 @@ teardown removes every process, cgroup and directory it created, also after a fa
 """
 
 import asyncio
+import grpc
 import http.client
 import os
 import shutil
@@ -217,6 +218,31 @@ class ApiTest(NodeTest):
 
         took = asyncio.run(main())
         print(f"\n100 concurrent creates + exec: {took:.2f} s ({100 / took:.0f}/s)")
+        self.assertClean()
+
+    def test_create_many_on_the_node(self):
+        """The node's CreateMany: one result per spec, in order; a bad spec fails alone."""
+        specs = [dict(memory_mib=64, disk_mib=16, labels={"many": "yes"}),
+                 dict(memory_mib=64, disk_mib=16, image="no-such-image"),
+                 dict(memory_mib=64, disk_mib=16, env={"WHICH": "third"}, labels={"many": "yes"})]
+        first, bad, third = self.client.create_many(specs)
+        self.assertIsInstance(bad, dsec.DsecError)
+        self.assertIn("no-such-image", bad.details)
+        self.assertEqual(first.exec("echo one").text, "one\n")
+        self.assertEqual(third.exec("echo $WHICH").text, "third\n")
+        self.assertEqual(sorted(sb.id for sb in self.client.list({"many": "yes"})),
+                         sorted([first.id, third.id]))
+        # Over 256 in one call: the whole call is refused, nothing is made.
+        pb = dsec.dsec_pb2
+        too_many = pb.CreateSandboxesRequest(requests=[
+            pb.CreateSandboxRequest(memory_mib=64, request_id=f"many-{i}")
+            for i in range(257)])
+        with self.assertRaises(grpc.RpcError) as e:
+            self.client._sandboxes.CreateMany(too_many)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(len(self.client.list({"many": "yes"})), 2)
+        for sb in (first, third):
+            sb.delete()
         self.assertClean()
 
     def test_list_pages_through_everything(self):

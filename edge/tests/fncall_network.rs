@@ -126,8 +126,7 @@ impl TestNet {
         ]
     }
 
-    /// Host links on the bridge (networked workers' veths; not the node's pooled ones,
-    /// `dsp*`, made ahead for container creates).
+    /// Host links on the bridge (networked workers' veths).
     fn veths(&self) -> Vec<String> {
         std::fs::read_dir("/sys/class/net")
             .unwrap()
@@ -136,7 +135,6 @@ impl TestNet {
                 std::fs::read_link(e.path().join("master")).is_ok_and(|m| m.ends_with(&self.bridge))
             })
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| !name.starts_with("dsp"))
             .collect()
     }
 

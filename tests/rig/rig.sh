@@ -21,7 +21,8 @@
 # qemu-system-x86_64, its libraries and firmware, for side-by-side runs.
 #
 # Environment: RIG_KERNEL (L1 kernel, default: guest-kernel build output),
-#   RIG_TIMEOUT (seconds, default 900), RIG_MEM (MiB, default 2048),
+#   RIG_TIMEOUT (seconds, default 900), RIG_MEM (MiB, default 2048), RIG_RETRIES (`run`
+#   tries a fresh L1 again when one times out or ends without RIG-EXIT; default 1),
 #   RIG_LOG (keep the raw serial log here), DSEC_CACHE (default /var/cache/dsec).
 set -euo pipefail
 
@@ -290,6 +291,12 @@ case $cmd in
     run)
         [[ $# -ge 1 ]] || die "usage: rig.sh run SCRIPT [--qemu] [FILE...]"
         rc=0; run_l1 "$@" || rc=$?
+        # 124/125: the L1 itself hung or died (a wedged TCG L1 has been seen), not a test
+        # verdict; a test's own failures come with a RIG-EXIT line and are never retried.
+        if (( rc == 124 || rc == 125 )) && (( ${RIG_RETRIES:-1} > 0 )); then
+            log "RETRY: the L1 ended with status $rc (no RIG-EXIT): one more try in a fresh L1 (RIG_RETRIES=0: none)"
+            rc=0; run_l1 "$@" || rc=$?
+        fi
         exit "$rc" ;;
     guest-initramfs) guest_initramfs || exit 2 ;;
     direct)

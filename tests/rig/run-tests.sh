@@ -94,7 +94,7 @@ elif [[ ! -f $DEBIAN_IMG ]]; then
 else
     # mke2fs formats the per-sandbox upper disk (the edge runs mkfs.ext4).
     mke2fs_bin=$(PATH=$PATH:/usr/sbin:/sbin command -v mke2fs) || mke2fs_bin=/sbin/mke2fs
-    RIG_MEM=${RIG_MEM:-3072} RIG_TIMEOUT=${RIG_TIMEOUT:-1500} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
+    RIG_MEM=${RIG_MEM:-3072} RIG_TIMEOUT=${RIG_TIMEOUT:-900} "$HERE/rig.sh" run "$HERE/tests/debian-image.sh" \
         "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$mke2fs_bin=/bin/mkfs.ext4" \
         /etc/mke2fs.conf=/etc/mke2fs.conf "$kdir/vmlinux=/dsec/kernel/vmlinux" \
         "$AGENT_IMG=/dsec/images/debian/initramfs.cpio" "$DEBIAN_IMG=/dsec/images/debian/rootfs.img" \

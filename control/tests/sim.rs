@@ -15,7 +15,7 @@ use dsec_control::iam::{Action, Iam, Outcome};
 use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
-use dsec_control::sim::{self, SimCapacity};
+use dsec_control::sim::{self, SimCalls, SimCapacity};
 use dsec_control::store::{EmbeddedStore, Store};
 
 fn free_addr() -> SocketAddr {
@@ -38,7 +38,7 @@ async fn cluster(
     quota: Resources,
     per_node: u64,
 ) -> (Arc<dyn Store>, Client) {
-    let (store, client, _, _) = cluster_at(dir, quota, per_node).await;
+    let (store, client, _, _) = cluster_at(dir, quota, per_node, Arc::default()).await;
     (store, client)
 }
 
@@ -47,6 +47,7 @@ async fn cluster_at(
     dir: &std::path::Path,
     quota: Resources,
     per_node: u64,
+    calls: Arc<SimCalls>,
 ) -> (Arc<dyn Store>, Client, SocketAddr, String) {
     let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir).unwrap());
     let token = api::init(store.clone(), "acme", "root")
@@ -77,13 +78,14 @@ async fn cluster_at(
         memory_mib: 100_000,
         disk_mib: 100_000,
     };
-    tokio::spawn(sim::serve(
+    tokio::spawn(sim::serve_counted(
         "s",
         3,
         first,
         capacity,
         vec![listen.to_string()],
         None,
+        calls,
     ));
 
     let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();
@@ -247,8 +249,13 @@ async fn a_create_whose_reservation_fails_after_its_node_made_it_is_undone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_label_wide_policy_change_reaches_the_projects_sandboxes_on_every_node() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, mut client, listen, token) =
-        cluster_at(dir.path(), Resources::new(100, 100, 100_000, 100_000), 10).await;
+    let (store, mut client, listen, token) = cluster_at(
+        dir.path(),
+        Resources::new(100, 100, 100_000, 100_000),
+        10,
+        Arc::default(),
+    )
+    .await;
     Iam::new(store.clone())
         .create_project(&"acme".parse().unwrap(), "other")
         .await
@@ -489,4 +496,71 @@ async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("acme/other"), "{e:?}");
     assert_eq!(listed(&mut client).await.len(), 6);
+}
+
+/// A CreateMany over several nodes reaches each node it lands on as one node-side CreateMany
+/// (no lone Creates): the apiserver places the whole call, then groups it by node. Past the
+/// nodes' capacity the extra creates fail on their own (RESOURCE_EXHAUSTED) and the rest
+/// are made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_many_reaches_each_node_in_one_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(SimCalls::default());
+    let (store, mut client, _, _) = cluster_at(
+        dir.path(),
+        Resources::new(100, 100, 100_000, 100_000),
+        12,
+        calls.clone(),
+    )
+    .await;
+    all_registered(&store).await;
+    let many = |count: usize| CreateSandboxesRequest {
+        requests: (0..count).map(|_| small()).collect(),
+        project: "acme/sim".into(),
+    };
+    let before = calls.by_node();
+    let made: Vec<Sandbox> = client
+        .create_many(many(30))
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.into_result().unwrap())
+        .collect();
+    assert_eq!(made.len(), 30);
+    let nodes: std::collections::BTreeSet<String> = made.iter().map(|s| s.node.clone()).collect();
+    assert!(nodes.len() > 1, "30 creates on 3 nodes all on {nodes:?}");
+    let after = calls.by_node();
+    assert_eq!(after.len(), 3, "{after:?}");
+    for (node, count) in &after {
+        let was = before.get(node).copied().unwrap_or_default();
+        assert_eq!(count.creates, was.creates, "node {node} got lone creates");
+        assert_eq!(
+            count.create_manys - was.create_manys,
+            u64::from(nodes.contains(node)),
+            "node {node}: {after:?}"
+        );
+    }
+    let project = "acme/sim".parse().unwrap();
+    let quotas = Quotas::new(store.clone());
+    assert_eq!(quotas.get(&project).await.unwrap().used.sandboxes, 30);
+
+    // 6 places left on the nodes: 6 of 10 made, 4 refused, only the 6 charged.
+    let results: Vec<_> = client
+        .create_many(many(10))
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(CreateSandboxResult::into_result)
+        .collect();
+    let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(refused.len(), 4, "{results:?}");
+    for status in refused {
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    }
+    assert_eq!(quotas.get(&project).await.unwrap().used.sandboxes, 36);
+    assert_eq!(listed(&mut client).await.len(), 36);
 }

@@ -3,6 +3,7 @@
 //! fake capacity (then the apiserver tries another node, and a full cluster is
 //! RESOURCE_EXHAUSTED), and List/Get/Delete go through to them.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +16,7 @@ use dsec_control::iam::{Action, Iam, Outcome};
 use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
-use dsec_control::sim::{self, SimCalls, SimCapacity};
+use dsec_control::sim::{self, CallCount, SimCalls, SimCapacity};
 use dsec_control::store::{EmbeddedStore, Store};
 
 fn free_addr() -> SocketAddr {
@@ -136,6 +137,19 @@ async fn all_registered(store: &Arc<dyn Store>) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("the sim nodes did not all register in 5 s");
+}
+
+/// The sandboxes a CreateMany made, every one of its creates expected to succeed.
+async fn made_by(client: &mut Client, request: CreateSandboxesRequest) -> Vec<Sandbox> {
+    client
+        .create_many(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.into_result().unwrap())
+        .collect()
 }
 
 async fn listed(client: &mut Client) -> Vec<Sandbox> {
@@ -499,9 +513,9 @@ async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
 }
 
 /// A CreateMany over several nodes reaches each node it lands on as one node-side CreateMany
-/// (no lone Creates): the apiserver places the whole call, then groups it by node. Past the
-/// nodes' capacity the extra creates fail on their own (RESOURCE_EXHAUSTED) and the rest
-/// are made.
+/// (no lone Creates): the apiserver places the whole call, alike creates in chunks of up to
+/// 8 per node, then groups it by node. Past the nodes' capacity the extra creates fail on
+/// their own (RESOURCE_EXHAUSTED) and the rest are made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_many_reaches_each_node_in_one_call() {
     let dir = tempfile::tempdir().unwrap();
@@ -518,30 +532,40 @@ async fn a_create_many_reaches_each_node_in_one_call() {
         requests: (0..count).map(|_| small()).collect(),
         project: "acme/sim".into(),
     };
+    // 8 alike creates: one chunk, one node, one call.
     let before = calls.by_node();
-    let made: Vec<Sandbox> = client
-        .create_many(many(30))
-        .await
-        .unwrap()
-        .into_inner()
-        .results
-        .into_iter()
-        .map(|r| r.into_result().unwrap())
-        .collect();
-    assert_eq!(made.len(), 30);
+    let made = made_by(&mut client, many(8)).await;
     let nodes: std::collections::BTreeSet<String> = made.iter().map(|s| s.node.clone()).collect();
-    assert!(nodes.len() > 1, "30 creates on 3 nodes all on {nodes:?}");
+    assert_eq!(nodes.len(), 1, "{made:?}");
     let after = calls.by_node();
-    assert_eq!(after.len(), 3, "{after:?}");
-    for (node, count) in &after {
-        let was = before.get(node).copied().unwrap_or_default();
-        assert_eq!(count.creates, was.creates, "node {node} got lone creates");
-        assert_eq!(
-            count.create_manys - was.create_manys,
-            u64::from(nodes.contains(node)),
-            "node {node}: {after:?}"
-        );
-    }
+    let new_calls = |before: &BTreeMap<String, CallCount>, after: &BTreeMap<String, CallCount>| {
+        after
+            .iter()
+            .map(|(node, count)| {
+                let was = before.get(node).copied().unwrap_or_default();
+                assert_eq!(count.creates, was.creates, "node {node} got lone creates");
+                (node.clone(), count.create_manys - was.create_manys)
+            })
+            .filter(|(_, calls)| *calls > 0)
+            .collect::<BTreeMap<String, u64>>()
+    };
+    let one_each = |nodes: &std::collections::BTreeSet<String>| {
+        nodes
+            .iter()
+            .map(|n| (n.clone(), 1))
+            .collect::<BTreeMap<String, u64>>()
+    };
+    assert_eq!(new_calls(&before, &after), one_each(&nodes));
+    // 22 more over the three nodes: each node used gets one call.
+    let before = after;
+    let made = made_by(&mut client, many(22)).await;
+    assert_eq!(made.len(), 22);
+    let nodes: std::collections::BTreeSet<String> = made.iter().map(|s| s.node.clone()).collect();
+    assert!(
+        nodes.len() > 1,
+        "22 creates on 3 nodes of 12 all on {nodes:?}"
+    );
+    assert_eq!(new_calls(&before, &calls.by_node()), one_each(&nodes));
     let project = "acme/sim".parse().unwrap();
     let quotas = Quotas::new(store.clone());
     assert_eq!(quotas.get(&project).await.unwrap().used.sandboxes, 30);

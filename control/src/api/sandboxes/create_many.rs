@@ -1,11 +1,12 @@
-//! `Sandboxes.CreateMany` through the apiserver: every create of the call is placed first
-//! (power of k choices; each pick counts as in flight, so the call spreads as lone creates
-//! do), the creates are grouped by node and each group goes to its node as one node-side
-//! CreateMany while (or after) the group's reservations are queued at once. A create its
+//! `Sandboxes.CreateMany` through the apiserver: every create of the call is placed first,
+//! alike creates in chunks of up to [`NODE_CHUNK`] per node (power of k choices for the
+//! chunk; each create counts as in flight), the creates are grouped by node and each group
+//! goes to its node as one node-side CreateMany while (or after) the group's reservations
+//! are queued at once. A create its
 //! node refuses (full, going away) is placed again on another node in the next round, up to
 //! `max_nodes_per_create` rounds, as a lone create retries.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use dsec_api::sandbox_id::SandboxId;
@@ -18,6 +19,10 @@ use crate::iam::ProjectPath;
 use crate::placement::{PlacementError, Ticket};
 use crate::quota::{QuotaResult, Reservation};
 use crate::resources::Resources;
+
+/// Alike creates (same size, backend, image and node labels) placed on one node together:
+/// the node gets them in one call, at the cost of spreading in steps of this many.
+const NODE_CHUNK: usize = 8;
 
 /// One create of the call, with the nodes that refused it so far.
 struct Item {
@@ -71,15 +76,48 @@ impl SandboxesApi {
             if pending.is_empty() {
                 break;
             }
-            // Place the whole round first, then group by node.
+            // Place the whole round first, in chunks of alike creates (one node per chunk),
+            // then group by node.
             let mut groups: BTreeMap<String, Vec<(Item, Ticket<'_>)>> = BTreeMap::new();
-            for item in pending.drain(..) {
-                match shared.placer.pick(&item.prepared.placement, &item.refused) {
-                    Ok(ticket) => groups
-                        .entry(ticket.node().to_string())
-                        .or_default()
-                        .push((item, ticket)),
-                    Err(e) => results[item.index] = Some(Err(item.unplaced(Some(e)))),
+            let mut unplaced: VecDeque<Item> = pending.drain(..).collect();
+            while let Some(first) = unplaced.front() {
+                let alike = unplaced
+                    .iter()
+                    .take(NODE_CHUNK)
+                    .take_while(|i| {
+                        i.prepared.placement == first.prepared.placement
+                            && i.refused == first.refused
+                    })
+                    .count();
+                let mut size = alike;
+                let picked = loop {
+                    match shared
+                        .placer
+                        .pick_many(&first.prepared.placement, size, &first.refused)
+                    {
+                        Ok(tickets) => break Ok(tickets),
+                        // No node has room for the whole chunk: a smaller one may fit.
+                        Err(_) if size > 1 => size /= 2,
+                        Err(e) => break Err(e),
+                    }
+                };
+                match picked {
+                    Ok(tickets) => {
+                        for ticket in tickets {
+                            let Some(item) = unplaced.pop_front() else {
+                                break;
+                            };
+                            groups
+                                .entry(ticket.node().to_string())
+                                .or_default()
+                                .push((item, ticket));
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(item) = unplaced.pop_front() {
+                            results[item.index] = Some(Err(item.unplaced(Some(e))));
+                        }
+                    }
                 }
             }
             let mut calls = tokio::task::JoinSet::new();

@@ -1,6 +1,8 @@
 //! Container workers: a zygote (the image's python3 running zygote.py) in its own mount,
-//! network, ipc and uts namespaces, with the image as a read-only root. Each call is a fork
-//! of it in fresh pid and mount namespaces (see zygote.py); the hot path spawns nothing else.
+//! network, ipc and uts namespaces, with the image as a read-only root. Each call's init is
+//! the compiled call init (init/call_init.rs) spawned by the zygote in fresh pid and mount
+//! namespaces; a python call's code runs in the one fork of the zygote made into them ahead
+//! of the call (see zygote.py); the hot path spawns nothing else.
 
 use std::ffi::CString;
 use std::io;
@@ -709,6 +711,32 @@ impl RootSetup {
                 Ok(())
             }
         }
+        /// `path` bound over itself, then read-only, nosuid, nodev (and executable: a bind
+        /// mount has its own flags).
+        fn bind_read_only(path: &CString, flags: libc::c_ulong) -> io::Result<()> {
+            let null = std::ptr::null::<libc::c_char>();
+            // SAFETY: mount on a NUL-terminated string that outlives the calls.
+            unsafe {
+                ok(libc::mount(
+                    path.as_ptr(),
+                    path.as_ptr(),
+                    null,
+                    libc::MS_BIND | flags,
+                    std::ptr::null(),
+                ))?;
+                ok(libc::mount(
+                    null,
+                    path.as_ptr(),
+                    null,
+                    libc::MS_REMOUNT
+                        | libc::MS_BIND
+                        | libc::MS_RDONLY
+                        | libc::MS_NOSUID
+                        | libc::MS_NODEV,
+                    std::ptr::null(),
+                ))
+            }
+        }
         let null = std::ptr::null::<libc::c_char>();
         // Always a network namespace of its own: a worker never shares the host's.
         let flags =
@@ -739,24 +767,7 @@ impl RootSetup {
                 libc::MS_REC | libc::MS_PRIVATE,
                 std::ptr::null(),
             ))?;
-            ok(libc::mount(
-                self.rootfs.as_ptr(),
-                self.rootfs.as_ptr(),
-                null,
-                libc::MS_BIND | libc::MS_REC,
-                std::ptr::null(),
-            ))?;
-            ok(libc::mount(
-                null,
-                self.rootfs.as_ptr(),
-                null,
-                libc::MS_REMOUNT
-                    | libc::MS_BIND
-                    | libc::MS_RDONLY
-                    | libc::MS_NOSUID
-                    | libc::MS_NODEV,
-                std::ptr::null(),
-            ))?;
+            bind_read_only(&self.rootfs, libc::MS_REC)?;
             ok(libc::mount(
                 c"tmpfs".as_ptr(),
                 self.dev.as_ptr(),
@@ -791,24 +802,7 @@ impl RootSetup {
                     written += n as usize;
                 }
                 libc::close(fd);
-                ok(libc::mount(
-                    self.call_init.as_ptr(),
-                    self.call_init.as_ptr(),
-                    null,
-                    libc::MS_BIND,
-                    std::ptr::null(),
-                ))?;
-                ok(libc::mount(
-                    null,
-                    self.call_init.as_ptr(),
-                    null,
-                    libc::MS_REMOUNT
-                        | libc::MS_BIND
-                        | libc::MS_RDONLY
-                        | libc::MS_NOSUID
-                        | libc::MS_NODEV,
-                    std::ptr::null(),
-                ))?;
+                bind_read_only(&self.call_init, 0)?;
             }
             ok(libc::chdir(self.rootfs.as_ptr()))?;
             ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;

@@ -1,8 +1,10 @@
 # FnCall zygote: runs inside a worker (its own mount, network, ipc and uts namespaces, the
 # image as a read-only root). It preloads the language's runtime once, then serves one call
-# at a time: fork a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
+# at a time: start a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
 # tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
-# unprivileged uid and writes the result frame straight to the engine. When the call init
+# unprivileged uid and writes the result frame straight to the engine. Container workers
+# spawn the compiled init (INIT_PATH) and fork only the python stage; VM workers fork the
+# init from this zygote (call_init below). When the call init
 # exits, its pid namespace dies and takes every process of the call with it. The zygote was
 # started inside the worker's cgroup, so calls are born there (moving a process between
 # cgroups costs an RCU grace period: milliseconds).
@@ -239,6 +241,27 @@ def stage(req, argv, stdin_fd, timeout):
     return supervise(req, handle, timeout)
 
 
+def run_when_ordered(order_r, fail_w):
+    """A python stage made ahead: waits for its order (limits and the code's path; an empty
+    pipe: the call never came), then runs the code in this warm interpreter."""
+    msg = b""
+    while True:
+        chunk = os.read(order_r, 65536)
+        if not chunk:
+            break
+        msg += chunk
+    os.close(order_r)
+    if not msg:
+        # The call never came (or could not be set up): nothing to run.
+        os.close(fail_w)
+        os._exit(0)
+    set_name(b"fncall-call")
+    order = json.loads(msg)
+    set_limits(order)
+    os.close(fail_w)
+    run_python_here(order["path"])
+
+
 def python_ahead(stdin_fd, uid):
     """The python stage forked before its call arrives: privileges dropped, seccomp on, it
     waits on a pipe for its limits and the path of the code, then runs it in this warm
@@ -248,22 +271,7 @@ def python_ahead(stdin_fd, uid):
 
     def then(fail_w):
         set_name(b"fncall-ready")
-        msg = b""
-        while True:
-            chunk = os.read(go_r, 65536)
-            if not chunk:
-                break
-            msg += chunk
-        os.close(go_r)
-        if not msg:
-            # The call never came (or could not be set up): nothing to run.
-            os.close(fail_w)
-            os._exit(0)
-        set_name(b"fncall-call")
-        order = json.loads(msg)
-        set_limits(order)
-        os.close(fail_w)
-        run_python_here(order["path"])
+        run_when_ordered(go_r, fail_w)
 
     try:
         handle = fork_stage(stdin_fd, uid, then)
@@ -549,22 +557,7 @@ def fork_stage_into(init_pid, order_r, out_w, err_w, fail_w, stdin_fd):
                 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
                 os.chdir("/work")
                 drop_privileges(CALL_UID)
-                msg = b""
-                while True:
-                    chunk = os.read(order_r, 65536)
-                    if not chunk:
-                        break
-                    msg += chunk
-                os.close(order_r)
-                if not msg:
-                    # The call never came (or could not be set up): nothing to run.
-                    os.close(fail_w)
-                    os._exit(0)
-                set_name(b"fncall-call")
-                order = json.loads(msg)
-                set_limits(order)
-                os.close(fail_w)
-                run_python_here(order["path"])
+                run_when_ordered(order_r, fail_w)
             except BaseException as e:
                 try:
                     os.write(fail_w, ("cannot start the stage: %s" % e).encode())

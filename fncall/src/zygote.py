@@ -9,10 +9,10 @@
 # started inside the worker's cgroup, so calls are born there (moving a process between
 # cgroups costs an RCU grace period: milliseconds).
 #
-# Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a JSON
-# request. Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
+# Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a
+# request (JSON for call_init below; tagged records for the compiled init). Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
 # call init's wait status (from the zygote) once it is gone.
-import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io, traceback, types, builtins, socket, fcntl
+import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io, traceback, types, builtins
 
 LANG = sys.argv[1]
 MAX_REQUEST = int(sys.argv[2])
@@ -31,6 +31,8 @@ PRELOAD = sys.argv[8] if len(sys.argv) > 8 else "full"
 # interpreter (its stage), not two. Absent (VM workers): each call's init is a fork of this
 # zygote running call_init below.
 INIT_PATH = sys.argv[9] if len(sys.argv) > 9 else None
+if INIT_PATH is not None:
+    import socket, fcntl
 # A ready init's exit status when the engine closed the request pipe: the zygote ends too.
 EXIT_NO_MORE_CALLS = 3
 

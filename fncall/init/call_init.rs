@@ -14,7 +14,8 @@
 //! zygote's SOCK_SEQPACKET socket; python only: 4 stdout, 5 stderr, 6 order (write ends and
 //! read ends of the stage's pipes, as the init sees them), 7 stage failure, 8 stdin memfd.
 //!
-//! Zygote <-> init messages: "r" (mounts ready) or "f" + why; zygote: "s" (stage forked:
+//! Zygote <-> init messages: "r" + the number of the init's descriptor of its root (mounts
+//! ready) or "f" + why; zygote: "s" (stage forked:
 //! pid 2 of this namespace) or "n" + why, "g" (the call's turn), "x" + the stage's wait
 //! status (i32, big-endian) once the zygote reaped it.
 
@@ -140,7 +141,9 @@ fn main() {
     unsafe { fcntl(3, F_SETFD, FD_CLOEXEC) };
     let mut setup = setup(&args);
     let message = match &setup {
-        Ok(_) => b"r".to_vec(),
+        // With the descriptor of our root, which the zygote takes (pidfd_getfd) for the
+        // python stage: setns alone would give it the namespace's first root, not ours.
+        Ok(s) => format!("r{}", s.root.as_raw_fd()).into_bytes(),
         Err(e) => [b"f", e.as_bytes()].concat(),
     };
     if zygote.write_all(&message).is_err() {
@@ -211,6 +214,8 @@ fn read_request() -> Option<Vec<u8>> {
 
 struct Setup {
     uid: u32,
+    /// This namespace's root, open until the call: the python stage chroots to it.
+    root: File,
     stdin: File,
     python: Option<PythonStage>,
 }
@@ -259,6 +264,7 @@ fn setup(args: &[String]) -> Res<Setup> {
             "mount /proc",
         )?;
     }
+    let root = File::open("/").map_err(|e| format!("open /: {e}"))?;
     // The zygote is shielded from the OOM killer; the call is its first choice.
     std::fs::write("/proc/self/oom_score_adj", "1000")
         .map_err(|e| format!("oom_score_adj: {e}"))?;
@@ -272,6 +278,7 @@ fn setup(args: &[String]) -> Res<Setup> {
     let stdin = unsafe { File::from_raw_fd(fd) };
     Ok(Setup {
         uid,
+        root,
         stdin,
         python: None,
     })

@@ -189,6 +189,22 @@ def run_python_here(path):
     os._exit(code)
 
 
+def become_stage(stdin_fd, out_w, err_w, keep, uid):
+    """In a stage's process: stdio on its pipes, no descriptor but `keep`, /work as its
+    directory, the call's uid and seccomp filter."""
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    low = 3
+    for fd in sorted(fd for fd in keep if fd is not None and fd > 2):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 65536)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.chdir("/work")
+    drop_privileges(uid)
+
+
 def fork_stage(stdin_fd, uid, then):
     """Forks a stage's process: its stdio on fresh pipes, /work as its directory, the call's
     uid and seccomp filter; it then runs `then(fail_w)` (which execs or runs python code and
@@ -201,18 +217,7 @@ def fork_stage(stdin_fd, uid, then):
     if pid == 0:
         set_name(b"fncall-call")
         try:
-            os.dup2(stdin_fd, 0)
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            keep = sorted(fd for fd in (fail_w, GO_FD[0]) if fd is not None and fd > 2)
-            low = 3
-            for fd in keep:
-                os.closerange(low, fd)
-                low = fd + 1
-            os.closerange(low, 65536)
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            os.chdir("/work")
-            drop_privileges(uid)
+            become_stage(stdin_fd, out_w, err_w, (fail_w, GO_FD[0]), uid)
             then(fail_w)
         except BaseException as e:
             try:
@@ -534,31 +539,34 @@ def send(sock, message):
         pass
 
 
-def fork_stage_into(init_pid, order_r, out_w, err_w, fail_w, stdin_fd):
+SYS_PIDFD_GETFD = 438
+
+
+def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_fd):
     """Forks the python stage into the init's namespaces (pid namespace: pending from
-    prepare's unshare; mount namespace: setns through the init's pidfd)."""
+    prepare's unshare; mount namespace: setns through the init's pidfd, then a chroot to the
+    init's root, whose descriptor is taken from the init: setns alone sets the namespace's
+    first root, which is not the worker's image when the engine runs chrooted)."""
     init_fd = os.pidfd_open(init_pid)
+    root_fd = -1
     try:
+        root_fd = libc.syscall(SYS_PIDFD_GETFD, init_fd, root_number, 0)
+        if root_fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, "pidfd_getfd of the init's root: %s" % os.strerror(err))
         pid = os.fork()
         if pid == 0:
             set_name(b"fncall-ready")
             try:
                 libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 check(libc.setns(init_fd, CLONE_NEWNS), "enter the call's mount namespace")
+                os.fchdir(root_fd)
+                os.chroot(".")
+                os.close(root_fd)
                 # The zygote is shielded from the OOM killer; the call is its first choice.
                 with open("/proc/self/oom_score_adj", "w") as f:
                     f.write("1000")
-                os.dup2(stdin_fd, 0)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                low = 3
-                for fd in sorted((fail_w, order_r)):
-                    os.closerange(low, fd)
-                    low = fd + 1
-                os.closerange(low, 65536)
-                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-                os.chdir("/work")
-                drop_privileges(CALL_UID)
+                become_stage(stdin_fd, out_w, err_w, (fail_w, order_r), CALL_UID)
                 run_when_ordered(order_r, fail_w)
             except BaseException as e:
                 try:
@@ -569,6 +577,8 @@ def fork_stage_into(init_pid, order_r, out_w, err_w, fail_w, stdin_fd):
         return pid
     finally:
         os.close(init_fd)
+        if root_fd >= 0:
+            os.close(root_fd)
 
 
 def spawn_init():
@@ -600,9 +610,9 @@ def spawn_init():
             pass
         stage_pid = None
         if stage_ends is not None:
-            if ready == b"r":
+            if ready[:1] == b"r":
                 try:
-                    stage_pid = fork_stage_into(pid, *stage_ends)
+                    stage_pid = fork_stage_into(pid, int(ready[1:]), *stage_ends)
                     send(mine, b"s")
                 except OSError as e:
                     send(mine, b"n" + str(e).encode())

@@ -1,6 +1,8 @@
 //! Container workers: a zygote (the image's python3 running zygote.py) in its own mount,
-//! network, ipc and uts namespaces, with the image as a read-only root. Each call is a fork
-//! of it in fresh pid and mount namespaces (see zygote.py); the hot path spawns nothing else.
+//! network, ipc and uts namespaces, with the image as a read-only root. Each call's init is
+//! the compiled call init (init/call_init.rs) spawned by the zygote in fresh pid and mount
+//! namespaces; a python call's code runs in the one fork of the zygote made into them ahead
+//! of the call (see zygote.py); the hot path spawns nothing else.
 
 use std::ffi::CString;
 use std::io;
@@ -25,6 +27,11 @@ use crate::request::{CallRequest, CallResult, StageResult, StageStatus};
 use crate::worker::{Outcome, PoolKey, Worker, WorkerFactory};
 
 pub(crate) const ZYGOTE: &str = include_str!("zygote.py");
+/// The compiled call init (init/call_init.rs, built by build.rs): each call's pid 1, spawned
+/// by the zygote, so a python call forks the interpreter once (its stage), not twice.
+const CALL_INIT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fncall-init"));
+/// Where the call init is in a worker: a read-only, executable bind mount in its /dev.
+const CALL_INIT_PATH: &str = "/dev/fncall-init";
 /// The zygote's command line: reads zygote.py from a pipe (argv[1]) rather than carrying it
 /// on a command line everyone can read.
 const BOOTSTRAP: &str = "import os, sys\nfd = int(sys.argv.pop(1))\nsrc = b''\nwhile True:\n    chunk = os.read(fd, 65536)\n    if not chunk:\n        break\n    src += chunk\nos.close(fd)\nexec(compile(src, 'zygote.py', 'exec'))\n";
@@ -201,6 +208,7 @@ impl WorkerFactory for ContainerFactory {
             .arg(self.limits.inodes.to_string())
             .arg(uid.to_string())
             .arg(if key.lean { "lean" } else { "full" })
+            .arg(CALL_INIT_PATH)
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
             // The zygote forks per call: no BLAS thread pools (a fork keeps only one thread).
@@ -357,8 +365,8 @@ impl ContainerWorker {
         Ok((kind, buf))
     }
 
-    fn request_json(&self, call: &CallRequest) -> Vec<u8> {
-        request_json(call, self.uid, &self.limits)
+    fn request(&self, call: &CallRequest) -> Vec<u8> {
+        init_request(call, self.uid, &self.limits)
     }
 
     /// Sends the request; returns the result frame, or the init's wait status when it died
@@ -435,6 +443,64 @@ pub(crate) fn request_json(call: &CallRequest, uid: u32, limits: &CallLimits) ->
     .into_bytes()
 }
 
+/// A call as the compiled call init reads it: records of a tag byte, a big-endian u32
+/// length and the bytes (no JSON, no base64: files and stdin go as they are).
+pub(crate) fn init_request(call: &CallRequest, uid: u32, limits: &CallLimits) -> Vec<u8> {
+    fn record(out: &mut Vec<u8>, tag: u8, value: &[u8]) {
+        out.push(tag);
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value);
+    }
+    let files: usize = call.files.values().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(call.code.len() + call.stdin.len() + files + 1024);
+    let main = call.language.main_file();
+    record(&mut out, b'L', call.language.as_str().as_bytes());
+    record(&mut out, b'M', main.as_bytes());
+    record(&mut out, b'N', main.as_bytes());
+    record(&mut out, b'D', call.code.as_bytes());
+    for (name, data) in &call.files {
+        record(&mut out, b'N', name.as_bytes());
+        record(&mut out, b'D', data);
+    }
+    for name in &call.fetch_files {
+        record(&mut out, b'F', name.as_bytes());
+    }
+    record(&mut out, b'I', &call.stdin);
+    // CPU time: the wall limit rounded up (the wall limit is the one that counts).
+    let cpu_seconds = call
+        .run_timeout
+        .max(call.compile_timeout)
+        .as_secs_f64()
+        .ceil() as u64
+        + 1;
+    let numbers = [
+        u64::from(uid),
+        call.compile_timeout.as_millis() as u64,
+        call.run_timeout.as_millis() as u64,
+        cpu_seconds,
+        u64::from(limits.processes),
+        limits.output_bytes,
+        limits.file_bytes,
+        limits.open_files,
+        limits.fetch_bytes,
+    ];
+    let numbers: Vec<String> = numbers.iter().map(u64::to_string).collect();
+    record(&mut out, b'T', numbers.join(" ").as_bytes());
+    // The python stage's order, as zygote.py's set_limits reads it.
+    let order = serde_json::json!({
+        "limits": {
+            "processes": limits.processes,
+            "file_bytes": limits.file_bytes,
+            "open_files": limits.open_files,
+        },
+        "cpu_seconds": cpu_seconds,
+    })
+    .to_string();
+    // The init puts it after the stage's path: the object's fields without their braces.
+    record(&mut out, b'J', &order.as_bytes()[1..order.len() - 1]);
+    out
+}
+
 pub(crate) fn wait_status(payload: &[u8]) -> io::Result<i32> {
     let bytes: [u8; 4] = payload
         .try_into()
@@ -459,7 +525,7 @@ impl Worker for ContainerWorker {
                     .map_err(|e| FnCallError::CallNetwork(format!("policy task: {e}")))??;
             }
         }
-        let request = self.request_json(call);
+        let request = self.request(call);
         let deadline = call.compile_timeout + call.run_timeout + GRACE;
         let answer = match tokio::time::timeout(deadline, self.exchange(&request)).await {
             Ok(Ok(answer)) => answer,
@@ -578,6 +644,10 @@ pub(crate) fn parse_result(raw: &[u8]) -> std::result::Result<CallResult, String
 struct RootSetup {
     rootfs: CString,
     dev: CString,
+    /// The /dev tmpfs's options: room for the call init.
+    dev_options: CString,
+    /// Where the call init is written (in the worker's /dev, before pivot_root).
+    call_init: CString,
     dev_nodes: Vec<(CString, libc::dev_t)>,
     /// `cgroup.procs` of the worker's groups: the zygote joins them before it execs.
     cgroup_procs: Vec<i32>,
@@ -609,6 +679,14 @@ impl RootSetup {
         Ok(Self {
             rootfs: cstr(rootfs.as_os_str().as_bytes())?,
             dev: cstr(dev.as_os_str().as_bytes())?,
+            dev_options: cstr(
+                format!(
+                    "size={}k,nr_inodes=64,mode=755",
+                    CALL_INIT.len() / 1024 + 128
+                )
+                .as_bytes(),
+            )?,
+            call_init: cstr(rootfs.join(&CALL_INIT_PATH[1..]).as_os_str().as_bytes())?,
             dev_nodes: nodes
                 .iter()
                 .map(|(name, major, minor)| {
@@ -631,6 +709,32 @@ impl RootSetup {
                 Err(io::Error::last_os_error())
             } else {
                 Ok(())
+            }
+        }
+        /// `path` bound over itself, then read-only, nosuid, nodev (and executable: a bind
+        /// mount has its own flags).
+        fn bind_read_only(path: &CString, flags: libc::c_ulong) -> io::Result<()> {
+            let null = std::ptr::null::<libc::c_char>();
+            // SAFETY: mount on a NUL-terminated string that outlives the calls.
+            unsafe {
+                ok(libc::mount(
+                    path.as_ptr(),
+                    path.as_ptr(),
+                    null,
+                    libc::MS_BIND | flags,
+                    std::ptr::null(),
+                ))?;
+                ok(libc::mount(
+                    null,
+                    path.as_ptr(),
+                    null,
+                    libc::MS_REMOUNT
+                        | libc::MS_BIND
+                        | libc::MS_RDONLY
+                        | libc::MS_NOSUID
+                        | libc::MS_NODEV,
+                    std::ptr::null(),
+                ))
             }
         }
         let null = std::ptr::null::<libc::c_char>();
@@ -663,34 +767,42 @@ impl RootSetup {
                 libc::MS_REC | libc::MS_PRIVATE,
                 std::ptr::null(),
             ))?;
-            ok(libc::mount(
-                self.rootfs.as_ptr(),
-                self.rootfs.as_ptr(),
-                null,
-                libc::MS_BIND | libc::MS_REC,
-                std::ptr::null(),
-            ))?;
-            ok(libc::mount(
-                null,
-                self.rootfs.as_ptr(),
-                null,
-                libc::MS_REMOUNT
-                    | libc::MS_BIND
-                    | libc::MS_RDONLY
-                    | libc::MS_NOSUID
-                    | libc::MS_NODEV,
-                std::ptr::null(),
-            ))?;
+            bind_read_only(&self.rootfs, libc::MS_REC)?;
             ok(libc::mount(
                 c"tmpfs".as_ptr(),
                 self.dev.as_ptr(),
                 c"tmpfs".as_ptr(),
                 libc::MS_NOSUID | libc::MS_NOEXEC,
-                c"size=64k,nr_inodes=64,mode=755".as_ptr().cast(),
+                self.dev_options.as_ptr().cast(),
             ))?;
             for (path, dev) in &self.dev_nodes {
                 ok(libc::mknod(path.as_ptr(), libc::S_IFCHR | 0o666, *dev))?;
                 ok(libc::chmod(path.as_ptr(), 0o666))?;
+            }
+            {
+                // The call init: written into /dev (noexec), then bound over itself read-only
+                // and executable (a bind mount has its own flags), for the zygote to spawn.
+                let fd = libc::open(
+                    self.call_init.as_ptr(),
+                    libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                    0o755,
+                );
+                ok(fd)?;
+                let mut written = 0;
+                while written < CALL_INIT.len() {
+                    let n = libc::write(
+                        fd,
+                        CALL_INIT[written..].as_ptr().cast(),
+                        CALL_INIT.len() - written,
+                    );
+                    if n <= 0 {
+                        libc::close(fd);
+                        return Err(io::Error::last_os_error());
+                    }
+                    written += n as usize;
+                }
+                libc::close(fd);
+                bind_read_only(&self.call_init, 0)?;
             }
             ok(libc::chdir(self.rootfs.as_ptr()))?;
             ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;

@@ -12,6 +12,13 @@ pub mod sandboxfusion;
 pub mod vm;
 pub mod worker;
 
+// The call init (a program of its own, see build.rs) compiled here too: its unit tests run
+// against the engine's side of the request format, and lints see it.
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../init/call_init.rs"]
+mod call_init;
+
 pub use container::{CallLimits, ContainerFactory};
 pub use engine::{Engine, EngineConfig};
 pub use error::{FnCallError, Result};

@@ -1,14 +1,16 @@
 # FnCall zygote: runs inside a worker (its own mount, network, ipc and uts namespaces, the
 # image as a read-only root). It preloads the language's runtime once, then serves one call
-# at a time: fork a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
+# at a time: start a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
 # tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
-# unprivileged uid and writes the result frame straight to the engine. When the call init
+# unprivileged uid and writes the result frame straight to the engine. Container workers
+# spawn the compiled init (INIT_PATH) and fork only the python stage; VM workers fork the
+# init from this zygote (call_init below). When the call init
 # exits, its pid namespace dies and takes every process of the call with it. The zygote was
 # started inside the worker's cgroup, so calls are born there (moving a process between
 # cgroups costs an RCU grace period: milliseconds).
 #
-# Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a JSON
-# request. Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
+# Frames (both ways): 4-byte big-endian length, then the payload. Engine -> zygote: a
+# request (JSON for call_init below; tagged records for the compiled init). Zygote side -> engine: b"R" + JSON result (from the call init), then b"E" + the
 # call init's wait status (from the zygote) once it is gone.
 import os, sys, struct, signal, ctypes, json, time, select, resource, base64, io, traceback, types, builtins
 
@@ -24,6 +26,13 @@ CALL_UID = int(sys.argv[7])
 # "lean": python without the heavy preloads (numpy), for calls whose code does not name them
 # (the engine decides); its forks and exits cost less. Absent (VM workers): "full".
 PRELOAD = sys.argv[8] if len(sys.argv) > 8 else "full"
+# The compiled call init (container workers: fncall/init/call_init.rs, in the worker's /dev):
+# each call's init is spawned from it (vfork + exec), so a python call costs one fork of this
+# interpreter (its stage), not two. Absent (VM workers): each call's init is a fork of this
+# zygote running call_init below.
+INIT_PATH = sys.argv[9] if len(sys.argv) > 9 else None
+if INIT_PATH is not None:
+    import socket, fcntl
 # A ready init's exit status when the engine closed the request pipe: the zygote ends too.
 EXIT_NO_MORE_CALLS = 3
 
@@ -180,6 +189,22 @@ def run_python_here(path):
     os._exit(code)
 
 
+def become_stage(stdin_fd, out_w, err_w, keep, uid):
+    """In a stage's process: stdio on its pipes, no descriptor but `keep`, /work as its
+    directory, the call's uid and seccomp filter."""
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    low = 3
+    for fd in sorted(fd for fd in keep if fd is not None and fd > 2):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 65536)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.chdir("/work")
+    drop_privileges(uid)
+
+
 def fork_stage(stdin_fd, uid, then):
     """Forks a stage's process: its stdio on fresh pipes, /work as its directory, the call's
     uid and seccomp filter; it then runs `then(fail_w)` (which execs or runs python code and
@@ -192,18 +217,7 @@ def fork_stage(stdin_fd, uid, then):
     if pid == 0:
         set_name(b"fncall-call")
         try:
-            os.dup2(stdin_fd, 0)
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
-            keep = sorted(fd for fd in (fail_w, GO_FD[0]) if fd is not None and fd > 2)
-            low = 3
-            for fd in keep:
-                os.closerange(low, fd)
-                low = fd + 1
-            os.closerange(low, 65536)
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            os.chdir("/work")
-            drop_privileges(uid)
+            become_stage(stdin_fd, out_w, err_w, (fail_w, GO_FD[0]), uid)
             then(fail_w)
         except BaseException as e:
             try:
@@ -234,6 +248,27 @@ def stage(req, argv, stdin_fd, timeout):
     return supervise(req, handle, timeout)
 
 
+def run_when_ordered(order_r, fail_w):
+    """A python stage made ahead: waits for its order (limits and the code's path; an empty
+    pipe: the call never came), then runs the code in this warm interpreter."""
+    msg = b""
+    while True:
+        chunk = os.read(order_r, 65536)
+        if not chunk:
+            break
+        msg += chunk
+    os.close(order_r)
+    if not msg:
+        # The call never came (or could not be set up): nothing to run.
+        os.close(fail_w)
+        os._exit(0)
+    set_name(b"fncall-call")
+    order = json.loads(msg)
+    set_limits(order)
+    os.close(fail_w)
+    run_python_here(order["path"])
+
+
 def python_ahead(stdin_fd, uid):
     """The python stage forked before its call arrives: privileges dropped, seccomp on, it
     waits on a pipe for its limits and the path of the code, then runs it in this warm
@@ -243,22 +278,7 @@ def python_ahead(stdin_fd, uid):
 
     def then(fail_w):
         set_name(b"fncall-ready")
-        msg = b""
-        while True:
-            chunk = os.read(go_r, 65536)
-            if not chunk:
-                break
-            msg += chunk
-        os.close(go_r)
-        if not msg:
-            # The call never came (or could not be set up): nothing to run.
-            os.close(fail_w)
-            os._exit(0)
-        set_name(b"fncall-call")
-        order = json.loads(msg)
-        set_limits(order)
-        os.close(fail_w)
-        run_python_here(order["path"])
+        run_when_ordered(go_r, fail_w)
 
     try:
         handle = fork_stage(stdin_fd, uid, then)
@@ -497,9 +517,155 @@ def prepare():
     return pid, go_w
 
 
+# Compiled-init mode. Per call: the init is spawned (pid 1 of a fresh pid namespace), makes
+# its mounts and says "r" on its socket; the python stage is forked from here into that pid
+# namespace and the init's mount namespace (pid 2 there), drops to the call's uid, filters
+# itself and waits for its order from the init. The zygote reaps the stage (its parent) and
+# hands the init its wait status ("x"); it never reads a request nor a call's output.
+STAGE_FDS = 5  # the init's fds 4-8: stdout, stderr, order, failure (read/write ends), stdin
+
+
+def high_fd(fd):
+    """A copy of fd above the spawn's targets (3-8), so dup2 never overwrites a source."""
+    copy = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16)
+    os.close(fd)
+    return copy
+
+
+def send(sock, message):
+    try:
+        sock.send(message, socket.MSG_NOSIGNAL)
+    except OSError:
+        pass
+
+
+SYS_PIDFD_GETFD = 438
+
+
+def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_fd):
+    """Forks the python stage into the init's namespaces (pid namespace: pending from
+    prepare's unshare; mount namespace: setns through the init's pidfd, then a chroot to the
+    init's root, whose descriptor is taken from the init: setns alone sets the namespace's
+    first root, which is not the worker's image when the engine runs chrooted)."""
+    init_fd = os.pidfd_open(init_pid)
+    root_fd = -1
+    try:
+        root_fd = libc.syscall(SYS_PIDFD_GETFD, init_fd, root_number, 0)
+        if root_fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, "pidfd_getfd of the init's root: %s" % os.strerror(err))
+        pid = os.fork()
+        if pid == 0:
+            set_name(b"fncall-ready")
+            try:
+                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                check(libc.setns(init_fd, CLONE_NEWNS), "enter the call's mount namespace")
+                os.fchdir(root_fd)
+                os.chroot(".")
+                os.close(root_fd)
+                # The zygote is shielded from the OOM killer; the call is its first choice.
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("1000")
+                become_stage(stdin_fd, out_w, err_w, (fail_w, order_r), CALL_UID)
+                run_when_ordered(order_r, fail_w)
+            except BaseException as e:
+                try:
+                    os.write(fail_w, ("cannot start the stage: %s" % e).encode())
+                except OSError:
+                    pass
+            os._exit(127)
+        return pid
+    finally:
+        os.close(init_fd)
+        if root_fd >= 0:
+            os.close(root_fd)
+
+
+def spawn_init():
+    """Spawns the next call's init into a fresh pid namespace and, for python, forks its
+    stage into it. Returns (init pid, socket to it, stage pid or None)."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sources = [theirs.detach()]
+    stage_ends = None
+    if LANG == "python":
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        order_r, order_w = os.pipe()
+        fail_r, fail_w = os.pipe()
+        stdin_fd = os.memfd_create("stdin")
+        sources += [out_r, err_r, order_w, fail_r, os.dup(stdin_fd)]
+        stage_ends = (order_r, out_w, err_w, fail_w, stdin_fd)
+    sources = [high_fd(fd) for fd in sources]
+    actions = [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(sources)]
+    check(libc.unshare(CLONE_NEWPID), "unshare pid namespace")
+    try:
+        pid = os.posix_spawn(INIT_PATH, [INIT_PATH, SECCOMP_HEX, str(WORK_KIB), str(WORK_INODES),
+                                         str(CALL_UID), LANG], {}, file_actions=actions)
+        for fd in sources:
+            os.close(fd)
+        ready = b""
+        try:
+            ready = mine.recv(4096)
+        except OSError:
+            pass
+        stage_pid = None
+        if stage_ends is not None:
+            if ready[:1] == b"r":
+                try:
+                    stage_pid = fork_stage_into(pid, int(ready[1:]), *stage_ends)
+                    send(mine, b"s")
+                except OSError as e:
+                    send(mine, b"n" + str(e).encode())
+            for fd in stage_ends:
+                os.close(fd)
+    finally:
+        check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
+    return pid, mine, stage_pid
+
+
+def serve_with_compiled_init():
+    # Stage pid -> its init's socket: where its wait status goes once reaped.
+    stages = {}
+    ended = {}
+
+    def reap_until(target):
+        while target not in ended:
+            pid, status = os.waitpid(-1, 0)
+            sock = stages.pop(pid, None)
+            if sock is not None:
+                send(sock, b"x" + struct.pack(">i", status))
+            ended[pid] = status
+        return ended.pop(target)
+
+    def next_init():
+        pid, sock, stage_pid = spawn_init()
+        if stage_pid is not None:
+            stages[stage_pid] = sock
+        return pid, sock, stage_pid
+
+    current = next_init()
+    write_frame(1, b"H", b"")
+    while True:
+        pid, sock, stage_pid = current
+        send(sock, b"g")
+        if stage_pid is not None:
+            # The stage's status goes to its init first; the next init is made meanwhile
+            # it answers.
+            reap_until(stage_pid)
+        current = next_init()
+        status = reap_until(pid)
+        sock.close()
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_NO_MORE_CALLS:
+            return
+        write_frame(1, b"E", struct.pack(">i", status))
+
+
 def main():
     set_name(b"fncall-zygote")
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if INIT_PATH is not None:
+        serve_with_compiled_init()
+        return
     # The zygote never reads a request: each call's init reads its own, so nothing of a
     # call is ever in the memory the next call is forked from.
     current = prepare()

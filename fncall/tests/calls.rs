@@ -252,7 +252,8 @@ fn call_processes() -> Vec<String> {
 }
 
 /// Mount counts of this process's zygotes (children named fncall-zygote): a worker's namespace
-/// holds its root and /dev; a call's mounts live and die in the call's own namespace.
+/// holds its root, /dev and the call init bound in /dev; a call's mounts live and die in the
+/// call's own namespace.
 fn zygote_mounts() -> Vec<(String, usize)> {
     let me = std::process::id().to_string();
     let mut found = Vec::new();
@@ -323,7 +324,7 @@ async fn a_thousand_concurrent_calls_leave_nothing_behind() {
     let zygotes = zygote_mounts();
     assert!(!zygotes.is_empty(), "no zygote found");
     assert!(
-        zygotes.iter().all(|(_, mounts)| *mounts == 2),
+        zygotes.iter().all(|(_, mounts)| *mounts == 3),
         "mounts left in workers' namespaces: {zygotes:?}"
     );
     eprintln!("1000 python calls at concurrency 64: {elapsed:?}");
@@ -410,6 +411,30 @@ async fn the_calls_init_is_filtered() {
             text(&got.stdout),
             "2\n",
             "{language:?}: {}",
+            text(&got.stderr)
+        );
+    }
+}
+
+/// One interpreter fork per python call: the call's pid 1 is the compiled call init (not a
+/// fork of the zygote), and the call's python process is pid 2, forked by the zygote
+/// (outside the call's namespace: parent pid 0 as the call sees it) into the init's
+/// namespaces; it still runs in the warm interpreter (the zygote's preloaded modules), under
+/// the seccomp filter and the call's uid, and the call's processes are just those two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_call_is_one_fork_of_the_zygote_beside_a_compiled_init() {
+    let engine = engine();
+    let code = "import os, sys\n\
+        init = open('/proc/1/cmdline', 'rb').read().split(b'\\0')[0].decode()\n\
+        seccomp = [l for l in open('/proc/self/status') if l.startswith('Seccomp:')][0].split()[1]\n\
+        procs = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n\
+        print(init, os.getpid(), os.getppid(), seccomp, os.getuid() > 0, procs, 'statistics' in sys.modules)";
+    for round in 0..3 {
+        let got = run(&engine, Language::Python, code).await.run.unwrap();
+        assert_eq!(
+            text(&got.stdout),
+            "/dev/fncall-init 2 0 2 True [1, 2] True\n",
+            "round {round}: {}",
             text(&got.stderr)
         );
     }

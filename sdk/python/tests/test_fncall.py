@@ -198,8 +198,8 @@ CALL_UID_BASE = 3 << 30
 
 def fncall_leftovers(daemon_pid: str) -> dict:
     """What calls of the daemon's FnCall workers left: processes of a call uid (but the python
-    stages made ahead, named fncall-ready), mounts in a zygote's namespace beyond its root and
-    /dev, and worker cgroups (v1 memory hierarchy, named <daemon pid>-w<n>) without a zygote."""
+    stages made ahead, named fncall-ready), mounts in a zygote's namespace beyond its root,
+    /dev and the call init bound in /dev, and worker cgroups (v1 memory hierarchy, named <daemon pid>-w<n>) without a zygote."""
     processes, mounts, zygotes = [], [], 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -218,7 +218,7 @@ def fncall_leftovers(daemon_pid: str) -> dict:
                 count = len(Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
             except OSError:
                 continue
-            if count != 2:
+            if count != 3:
                 mounts.append(f"zygote {pid}: {count} mounts")
     groups = Path("/sys/fs/cgroup/memory/dsec-fncall")
     cgroups = []

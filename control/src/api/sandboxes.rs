@@ -359,7 +359,7 @@ impl Sandboxes for SandboxesApi {
             .audited(&caller, &project, Action::SandboxCreate, target, result)
             .await
             .map(Response::new);
-        // Where a create's time goes (DSEC_LOG=dsec_control=debug): the steps' end times.
+        // Where a create's time goes (RUST_LOG=dsec_control=debug): the steps' end times.
         tracing::debug!(
             authorized_us = authorized.as_micros() as u64,
             placed_us = placed.as_micros() as u64,

@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, Notify};
@@ -236,7 +236,12 @@ impl Reserver {
         loop {
             if in_flight.is_empty() && !lost.is_empty() {
                 // Lost batches commit again, reading the record afresh if need be.
-                chain = self.commit_usual(&project, &mut lost).await;
+                while !lost.is_empty() {
+                    let take = lost.len().min(BATCH_MAX);
+                    let batch = lost.drain(..take).collect();
+                    self.commit(&project, batch).await;
+                }
+                chain = self.chain_from_known(&project);
                 continue;
             }
             let batch = {
@@ -278,7 +283,12 @@ impl Reserver {
                         self.finished(&project, done, &mut chain, &mut lost, &mut newest);
                     }
                     lost.extend(batch);
-                    chain = self.commit_usual(&project, &mut lost).await;
+                    while !lost.is_empty() {
+                        let take = lost.len().min(BATCH_MAX);
+                        let batch = lost.drain(..take).collect();
+                        self.commit(&project, batch).await;
+                    }
+                    chain = self.chain_from_known(&project);
                 }
             }
         }
@@ -310,21 +320,6 @@ impl Reserver {
         }
     }
 
-    /// Commits `waiting` the usual way (nothing may be in flight), in batches; then what the
-    /// next batch may chain to.
-    async fn commit_usual(
-        &self,
-        project: &ProjectPath,
-        waiting: &mut Vec<Pending>,
-    ) -> Option<Chain> {
-        while !waiting.is_empty() {
-            let take = waiting.len().min(BATCH_MAX);
-            let batch = waiting.drain(..take).collect();
-            self.commit(project, batch).await;
-        }
-        self.chain_from_known(project)
-    }
-
     /// What the next batch may expect: the record this replica last wrote (kept, not taken).
     fn chain_from_known(&self, project: &ProjectPath) -> Option<Chain> {
         let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
@@ -347,6 +342,7 @@ impl Reserver {
 
     async fn commit(&self, project: &ProjectPath, mut batch: Vec<Pending>) {
         let started = Instant::now();
+        let waited = batch.iter().map(|p| p.queued).min().map(|t| started - t);
         // The record the previous batch wrote: it may be stale, so it may allow (the
         // transaction then fails if it changed) but never refuse.
         // Kept meanwhile for `likely_fits`; replaced by what this batch writes.
@@ -397,8 +393,17 @@ impl Reserver {
                     continue;
                 }
                 record.used = record.used.plus(p.resources);
-                let reservation;
-                (txn, reservation) = with_reservation(txn, project, &p, at_ms);
+                let reservation = Reservation {
+                    sandbox: p.sandbox.clone(),
+                    node: p.node.clone(),
+                    project: project.clone(),
+                    resources: p.resources,
+                    at_ms,
+                };
+                let key = keys::reservation(&p.node, &p.sandbox);
+                txn = txn
+                    .when(Compare::absent(&key))
+                    .then(Op::put(&key, to_json(&reservation)));
                 accepted.push((p, reservation));
             }
             if accepted.is_empty() {
@@ -422,7 +427,17 @@ impl Reserver {
                             key: quota.key,
                         },
                     );
-                    answer_committed(accepted, started, false);
+                    tracing::debug!(
+                        %project,
+                        size = accepted.len(),
+                        waited_us = waited.unwrap_or_default().as_micros() as u64,
+                        txn_us = started.elapsed().as_micros() as u64,
+                        attempt,
+                        "reservation batch committed"
+                    );
+                    for (p, reservation) in accepted {
+                        let _ = p.reply.send(Ok(reservation));
+                    }
                     return;
                 }
                 Ok(_) => {}
@@ -466,47 +481,6 @@ impl Reserver {
     }
 }
 
-/// Answers a committed batch's reservations. Where its time went (DSEC_LOG=dsec_control=debug):
-/// the oldest one's wait in the queue and the commit since `started`.
-fn answer_committed(accepted: Vec<(Pending, Reservation)>, started: Instant, chained: bool) {
-    let waited = accepted
-        .iter()
-        .map(|(p, _)| p.queued)
-        .min()
-        .map_or(Duration::ZERO, |t| started.saturating_duration_since(t));
-    tracing::debug!(
-        size = accepted.len(),
-        waited_us = waited.as_micros() as u64,
-        txn_us = started.elapsed().as_micros() as u64,
-        chained,
-        "reservation batch committed"
-    );
-    for (p, reservation) in accepted {
-        let _ = p.reply.send(Ok(reservation));
-    }
-}
-
-/// `txn` with `p`'s reservation key written (it must be absent: an id is taken once).
-fn with_reservation(
-    txn: Txn,
-    project: &ProjectPath,
-    p: &Pending,
-    at_ms: u64,
-) -> (Txn, Reservation) {
-    let reservation = Reservation {
-        sandbox: p.sandbox.clone(),
-        node: p.node.clone(),
-        project: project.clone(),
-        resources: p.resources,
-        at_ms,
-    };
-    let key = keys::reservation(&p.node, &p.sandbox);
-    let txn = txn
-        .when(Compare::absent(&key))
-        .then(Op::put(&key, to_json(&reservation)));
-    (txn, reservation)
-}
-
 /// The transaction of a batch chained to `base` (every reservation fits in it, checked by
 /// the caller), its reservations, and the record it writes.
 fn chained(
@@ -520,8 +494,17 @@ fn chained(
     let mut accepted = Vec::with_capacity(batch.len());
     for p in batch {
         record.used = record.used.plus(p.resources);
-        let reservation;
-        (txn, reservation) = with_reservation(txn, project, &p, at_ms);
+        let reservation = Reservation {
+            sandbox: p.sandbox.clone(),
+            node: p.node.clone(),
+            project: project.clone(),
+            resources: p.resources,
+            at_ms,
+        };
+        let key = keys::reservation(&p.node, &p.sandbox);
+        txn = txn
+            .when(Compare::absent(&key))
+            .then(Op::put(&key, to_json(&reservation)));
         accepted.push((p, reservation));
     }
     let value = to_json(&record);
@@ -543,9 +526,23 @@ async fn send_chained(
     writes: Chain,
 ) -> Sent {
     let started = Instant::now();
+    let waited = accepted
+        .iter()
+        .map(|(p, _)| p.queued)
+        .min()
+        .map(|t| started - t);
     match quotas.store.txn(txn).await {
         Ok(outcome) if outcome.succeeded => {
-            answer_committed(accepted, started, true);
+            tracing::debug!(
+                size = accepted.len(),
+                waited_us = waited.unwrap_or_default().as_micros() as u64,
+                txn_us = started.elapsed().as_micros() as u64,
+                order,
+                "reservation batch committed (chained)"
+            );
+            for (p, reservation) in accepted {
+                let _ = p.reply.send(Ok(reservation));
+            }
             let written = KeyValue {
                 key: writes.key.clone(),
                 value: writes.value,

@@ -284,7 +284,7 @@ async fn create_on(
         }
         outcomes.push(outcome);
     }
-    // Where a group's time goes (DSEC_LOG=dsec_control=debug): when its reservations and
+    // Where a group's time goes (RUST_LOG=dsec_control=debug): when its reservations and
     // its node's answer came, from the start of both.
     tracing::debug!(
         node,

@@ -184,31 +184,14 @@ pub(crate) use on_both_stores;
 pub struct Counting {
     inner: Arc<dyn Store>,
     reads: AtomicUsize,
-    /// Added to every transaction (a store far away).
-    txn_delay: Duration,
-    txns_now: AtomicUsize,
-    txns_most: AtomicUsize,
 }
 
 impl Counting {
     pub fn over(inner: Arc<dyn Store>) -> Arc<Self> {
-        Self::slow(inner, Duration::ZERO)
-    }
-
-    /// As [`Counting::over`], each transaction taking `txn_delay` longer.
-    pub fn slow(inner: Arc<dyn Store>, txn_delay: Duration) -> Arc<Self> {
         Arc::new(Counting {
             inner,
             reads: AtomicUsize::new(0),
-            txn_delay,
-            txns_now: AtomicUsize::new(0),
-            txns_most: AtomicUsize::new(0),
         })
-    }
-
-    /// The most transactions that were under way at once.
-    pub fn most_txns_at_once(&self) -> usize {
-        self.txns_most.load(Ordering::SeqCst)
     }
 
     /// Gets and ranges so far.
@@ -239,12 +222,7 @@ impl Store for Counting {
         self.inner.delete(key).await
     }
     async fn txn(&self, txn: Txn) -> StoreResult<TxnOutcome> {
-        let now = self.txns_now.fetch_add(1, Ordering::SeqCst) + 1;
-        self.txns_most.fetch_max(now, Ordering::SeqCst);
-        tokio::time::sleep(self.txn_delay).await;
-        let outcome = self.inner.txn(txn).await;
-        self.txns_now.fetch_sub(1, Ordering::SeqCst);
-        outcome
+        self.inner.txn(txn).await
     }
     async fn grant_lease(&self, ttl: Duration) -> StoreResult<LeaseId> {
         self.inner.grant_lease(ttl).await

@@ -13,7 +13,6 @@ on_both_stores!(
     concurrent_delegations_never_overrun_the_parent,
     reconciling_a_node_makes_usage_exact,
     a_burst_of_batches_reads_the_quota_record_once,
-    batches_of_one_project_commit_pipelined_and_stay_exact,
 );
 
 fn path(text: &str) -> ProjectPath {
@@ -465,53 +464,4 @@ async fn a_burst_of_batches_reads_the_quota_record_once(store: Arc<dyn Store>) {
         .unwrap();
     assert!(reserver.likely_fits(&rl, sandboxes(8)));
     assert!(!reserver.likely_fits(&rl, sandboxes(9)));
-}
-
-/// While a project's batch commits the next ones are sent (chained to the record it writes),
-/// and the guarantees hold: 600 reservers arriving in waves against a limit of 400, with a
-/// plain reserver racing on the same record.
-async fn batches_of_one_project_commit_pipelined_and_stay_exact(store: Arc<dyn Store>) {
-    const LIMIT: u64 = 400;
-    let (_, rl) = rl_limited_to(&store, LIMIT).await;
-    // The plain reserver writes past the counting store: only the batches are counted.
-    let plain = Quotas::new(store.clone());
-    let slow = crate::testing::Counting::slow(store, Duration::from_millis(20));
-    let quotas = Quotas::new(slow.clone());
-    let reserver = Reserver::new(quotas.clone());
-    reserver
-        .reserve(&rl, "n0", "sb-first", sandboxes(1))
-        .await
-        .unwrap();
-    let mut tasks = Vec::new();
-    for i in 0..600 {
-        if i % 20 == 0 {
-            tokio::time::sleep(Duration::from_millis(3)).await;
-        }
-        if i == 300 {
-            let (plain, rl) = (plain.clone(), rl.clone());
-            tasks.push(tokio::spawn(async move {
-                plain.reserve(&rl, "n9", "sb-plain", sandboxes(1)).await
-            }));
-        }
-        let (reserver, rl) = (reserver.clone(), rl.clone());
-        tasks.push(tokio::spawn(async move {
-            let node = format!("n{}", i % 4);
-            reserver
-                .reserve(&rl, &node, &format!("sb-{i}"), sandboxes(1))
-                .await
-        }));
-    }
-    let mut granted = 1;
-    for task in tasks {
-        match task.await.unwrap() {
-            Ok(_) => granted += 1,
-            Err(e) => assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}"),
-        }
-    }
-    assert_eq!(granted, LIMIT);
-    assert_eq!(quotas.get(&rl).await.unwrap().used, sandboxes(LIMIT));
-    assert!(
-        slow.most_txns_at_once() > 1,
-        "the project's batches committed one at a time"
-    );
 }

@@ -143,7 +143,6 @@ impl std::fmt::Debug for Quotas {
 }
 
 /// A quota record as read, with what a transaction must compare against.
-#[derive(Clone)]
 struct Read {
     record: QuotaRecord,
     kv: Option<KeyValue>,

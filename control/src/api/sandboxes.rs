@@ -373,7 +373,6 @@ impl Sandboxes for SandboxesApi {
         &self,
         request: Request<CreateSandboxesRequest>,
     ) -> Result<Response<CreateSandboxesResponse>, Status> {
-        let started = std::time::Instant::now();
         let (metadata, _, message) = request.into_parts();
         dsec_api::create_many::check_count(message.requests.len())?;
         let project = auth::project(&message.project, &metadata)?;
@@ -394,7 +393,6 @@ impl Sandboxes for SandboxesApi {
             .0
             .authorize(&metadata, &project, Action::SandboxCreate)
             .await?;
-        let authorized = started.elapsed();
         let results: Vec<CreateSandboxResult> = self
             .create_batch(message.requests, &project)
             .await
@@ -418,12 +416,6 @@ impl Sandboxes for SandboxesApi {
                 .audit(&caller, &project, Action::SandboxCreate, None, Err(&status))
                 .await;
         }
-        tracing::debug!(
-            count = results.len(),
-            authorized_us = authorized.as_micros() as u64,
-            answered_us = started.elapsed().as_micros() as u64,
-            "create many timing"
-        );
         Ok(Response::new(CreateSandboxesResponse { results }))
     }
 

@@ -8,20 +8,11 @@
 //! The record a batch wrote is kept for the project's next batch, which compares against it
 //! instead of reading it first: a burst costs one transaction per batch and no read. When
 //! something else changed the record the transaction fails and the record is read again.
-//!
-//! Batches are pipelined: while one commits, up to [`PIPELINE_DEPTH`] more may be sent, each
-//! expecting the exact record the one before it writes (a value compare: its revision is not
-//! known yet). A batch waits for its own round trip only, not its predecessor's. Only a batch
-//! whose every reservation fits in the record its predecessor writes is sent so; it never
-//! refuses. One whose predecessor lost (or that etcd applied first) fails its compare, writes
-//! nothing and commits again the usual way once the pipeline is empty.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 
 use super::{
     back_off, QuotaError, QuotaRecord, QuotaResult, Quotas, Read, Reservation, CAS_ATTEMPTS,
@@ -39,42 +30,11 @@ const KNOWN_MAX: usize = 10_000;
 /// 128 operations by default; each reservation is one put, the record one more).
 pub const BATCH_MAX: usize = 100;
 
-/// Batches of one project a replica has in flight at once (etcd commits concurrent
-/// transactions in one fsync).
-pub const PIPELINE_DEPTH: usize = 4;
-
 struct Pending {
     node: String,
     sandbox: String,
     resources: Resources,
-    queued: Instant,
     reply: oneshot::Sender<QuotaResult<Reservation>>,
-}
-
-/// A project's reservations waiting for a batch, and the wake-up of its committing task.
-struct Queue {
-    pending: Vec<Pending>,
-    arrived: Arc<Notify>,
-}
-
-/// The quota record the last batch sent writes if it commits: what the next one expects.
-#[derive(Clone)]
-struct Chain {
-    key: String,
-    record: QuotaRecord,
-    value: Vec<u8>,
-}
-
-/// How a pipelined batch ended (its reservations are answered, except a lost batch's).
-enum Sent {
-    Committed {
-        order: u64,
-        written: Read,
-    },
-    /// A compare failed: nothing written; these commit again.
-    Lost(Vec<Pending>),
-    /// The store failed: answered with the error; what it holds is unknown.
-    Failed,
 }
 
 /// Batches [`Quotas::reserve`] per project; cheap to clone.
@@ -82,7 +42,7 @@ enum Sent {
 pub struct Reserver {
     quotas: Quotas,
     /// Projects with a commit under way, and what waits for the next one.
-    queues: Arc<Mutex<HashMap<ProjectPath, Queue>>>,
+    queues: Arc<Mutex<HashMap<ProjectPath, Vec<Pending>>>>,
     /// The quota record each project's last batch wrote (used once, by its next batch).
     known: Arc<Mutex<HashMap<ProjectPath, Read>>>,
 }
@@ -144,7 +104,6 @@ impl Reserver {
         sandboxes: Vec<(String, Resources)>,
     ) -> Vec<QuotaResult<Reservation>> {
         let mut answers = Vec::with_capacity(sandboxes.len());
-        let queued = Instant::now();
         let pending: Vec<Pending> = sandboxes
             .into_iter()
             .map(|(sandbox, resources)| {
@@ -154,7 +113,6 @@ impl Reserver {
                     node: node.to_string(),
                     sandbox,
                     resources,
-                    queued,
                     reply,
                 }
             })
@@ -163,16 +121,11 @@ impl Reserver {
             let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
             match queues.get_mut(project) {
                 Some(queue) => {
-                    queue.pending.extend(pending);
-                    queue.arrived.notify_one();
+                    queue.extend(pending);
                     false
                 }
                 None => {
-                    let queue = Queue {
-                        pending,
-                        arrived: Arc::default(),
-                    };
-                    queues.insert(project.clone(), queue);
+                    queues.insert(project.clone(), pending);
                     true
                 }
             }
@@ -203,8 +156,7 @@ impl Reserver {
             queues
                 .get(project)
                 .map(|q| {
-                    q.pending
-                        .iter()
+                    q.iter()
                         .fold(Resources::ZERO, |sum, p| sum.plus(p.resources))
                 })
                 .unwrap_or(Resources::ZERO)
@@ -219,117 +171,21 @@ impl Reserver {
     }
 
     async fn drain(&self, project: ProjectPath) {
-        let Some(arrived) = self
-            .queues
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&project)
-            .map(|q| q.arrived.clone())
-        else {
-            return;
-        };
-        // Polled by this task alone, so batches go out in the order they chain.
-        let mut in_flight = FuturesUnordered::new();
-        let mut chain: Option<Chain> = None;
-        let (mut sent, mut newest) = (0u64, 0u64);
-        let mut lost: Vec<Pending> = Vec::new();
         loop {
-            if in_flight.is_empty() && !lost.is_empty() {
-                // Lost batches commit again, reading the record afresh if need be.
-                while !lost.is_empty() {
-                    let take = lost.len().min(BATCH_MAX);
-                    let batch = lost.drain(..take).collect();
-                    self.commit(&project, batch).await;
-                }
-                chain = self.chain_from_known(&project);
-                continue;
-            }
             let batch = {
                 let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
                 let Some(queue) = queues.get_mut(&project) else {
                     return;
                 };
-                if queue.pending.is_empty() && in_flight.is_empty() && lost.is_empty() {
+                if queue.is_empty() {
                     queues.remove(&project);
                     return;
                 }
-                if in_flight.len() >= PIPELINE_DEPTH || !lost.is_empty() {
-                    Vec::new()
-                } else {
-                    let take = queue.pending.len().min(BATCH_MAX);
-                    queue.pending.drain(..take).collect::<Vec<_>>()
-                }
+                let take = queue.len().min(BATCH_MAX);
+                queue.drain(..take).collect::<Vec<_>>()
             };
-            if batch.is_empty() {
-                tokio::select! {
-                    Some(done) = in_flight.next() => {
-                        self.finished(&project, done, &mut chain, &mut lost, &mut newest);
-                    }
-                    _ = arrived.notified() => {}
-                }
-                continue;
-            }
-            match chain.take() {
-                Some(base) if fits_all(&base.record, &batch) => {
-                    sent += 1;
-                    let (txn, accepted, next) = chained(&project, &base, batch);
-                    chain = Some(next.clone());
-                    in_flight.push(send_chained(self.quotas.clone(), txn, accepted, sent, next));
-                }
-                _ => {
-                    // Nothing to chain to, or the batch may need a refusal: wait for what is
-                    // in flight, then commit against a record read or known.
-                    while let Some(done) = in_flight.next().await {
-                        self.finished(&project, done, &mut chain, &mut lost, &mut newest);
-                    }
-                    lost.extend(batch);
-                    while !lost.is_empty() {
-                        let take = lost.len().min(BATCH_MAX);
-                        let batch = lost.drain(..take).collect();
-                        self.commit(&project, batch).await;
-                    }
-                    chain = self.chain_from_known(&project);
-                }
-            }
+            self.commit(&project, batch).await;
         }
-    }
-
-    /// Takes in a pipelined batch's end: a committed one is remembered if no later one
-    /// committed first; a lost or failed one breaks the chain.
-    fn finished(
-        &self,
-        project: &ProjectPath,
-        done: Sent,
-        chain: &mut Option<Chain>,
-        lost: &mut Vec<Pending>,
-        newest: &mut u64,
-    ) {
-        match done {
-            Sent::Committed { order, written } => {
-                if order > *newest {
-                    *newest = order;
-                    self.remember(project, written);
-                }
-            }
-            Sent::Lost(batch) => {
-                tracing::debug!(%project, size = batch.len(), "chained reservation batch lost");
-                *chain = None;
-                lost.extend(batch);
-            }
-            Sent::Failed => *chain = None,
-        }
-    }
-
-    /// What the next batch may expect: the record this replica last wrote (kept, not taken).
-    fn chain_from_known(&self, project: &ProjectPath) -> Option<Chain> {
-        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
-        let read = known.get(project)?;
-        let kv = read.kv.as_ref()?;
-        Some(Chain {
-            key: read.key.clone(),
-            record: read.record,
-            value: kv.value.clone(),
-        })
     }
 
     fn remember(&self, project: &ProjectPath, read: Read) {
@@ -341,17 +197,13 @@ impl Reserver {
     }
 
     async fn commit(&self, project: &ProjectPath, mut batch: Vec<Pending>) {
-        let started = Instant::now();
-        let waited = batch.iter().map(|p| p.queued).min().map(|t| started - t);
         // The record the previous batch wrote: it may be stale, so it may allow (the
         // transaction then fails if it changed) but never refuse.
-        // Kept meanwhile for `likely_fits`; replaced by what this batch writes.
         let mut remembered = self
             .known
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(project)
-            .cloned();
+            .remove(project);
         let mut fresh = None;
         for attempt in 0..CAS_ATTEMPTS {
             let (read, may_refuse) = match (remembered.take(), fresh.take()) {
@@ -427,14 +279,6 @@ impl Reserver {
                             key: quota.key,
                         },
                     );
-                    tracing::debug!(
-                        %project,
-                        size = accepted.len(),
-                        waited_us = waited.unwrap_or_default().as_micros() as u64,
-                        txn_us = started.elapsed().as_micros() as u64,
-                        attempt,
-                        "reservation batch committed"
-                    );
                     for (p, reservation) in accepted {
                         let _ = p.reply.send(Ok(reservation));
                     }
@@ -477,93 +321,6 @@ impl Reserver {
             let _ = p.reply.send(Err(QuotaError::Contended(format!(
                 "the quota of {project}"
             ))));
-        }
-    }
-}
-
-/// The transaction of a batch chained to `base` (every reservation fits in it, checked by
-/// the caller), its reservations, and the record it writes.
-fn chained(
-    project: &ProjectPath,
-    base: &Chain,
-    batch: Vec<Pending>,
-) -> (Txn, Vec<(Pending, Reservation)>, Chain) {
-    let mut record = base.record;
-    let mut txn = Txn::default().when(Compare::holds(&base.key, base.value.clone()));
-    let at_ms = now_ms();
-    let mut accepted = Vec::with_capacity(batch.len());
-    for p in batch {
-        record.used = record.used.plus(p.resources);
-        let reservation = Reservation {
-            sandbox: p.sandbox.clone(),
-            node: p.node.clone(),
-            project: project.clone(),
-            resources: p.resources,
-            at_ms,
-        };
-        let key = keys::reservation(&p.node, &p.sandbox);
-        txn = txn
-            .when(Compare::absent(&key))
-            .then(Op::put(&key, to_json(&reservation)));
-        accepted.push((p, reservation));
-    }
-    let value = to_json(&record);
-    txn = txn.then(Op::put(&base.key, value.clone()));
-    let next = Chain {
-        key: base.key.clone(),
-        record,
-        value,
-    };
-    (txn, accepted, next)
-}
-
-/// Sends a chained batch and answers its reservations, unless it lost its compare.
-async fn send_chained(
-    quotas: Quotas,
-    txn: Txn,
-    accepted: Vec<(Pending, Reservation)>,
-    order: u64,
-    writes: Chain,
-) -> Sent {
-    let started = Instant::now();
-    let waited = accepted
-        .iter()
-        .map(|(p, _)| p.queued)
-        .min()
-        .map(|t| started - t);
-    match quotas.store.txn(txn).await {
-        Ok(outcome) if outcome.succeeded => {
-            tracing::debug!(
-                size = accepted.len(),
-                waited_us = waited.unwrap_or_default().as_micros() as u64,
-                txn_us = started.elapsed().as_micros() as u64,
-                order,
-                "reservation batch committed (chained)"
-            );
-            for (p, reservation) in accepted {
-                let _ = p.reply.send(Ok(reservation));
-            }
-            let written = KeyValue {
-                key: writes.key.clone(),
-                value: writes.value,
-                mod_revision: outcome.revision,
-                lease: None,
-            };
-            Sent::Committed {
-                order,
-                written: Read {
-                    record: writes.record,
-                    kv: Some(written),
-                    key: writes.key,
-                },
-            }
-        }
-        Ok(_) => Sent::Lost(accepted.into_iter().map(|(p, _)| p).collect()),
-        Err(e) => {
-            for (p, _) in accepted {
-                let _ = p.reply.send(Err(shared_error(&e)));
-            }
-            Sent::Failed
         }
     }
 }

@@ -11,7 +11,6 @@ on_both_stores!(
     put_get_delete,
     range_returns_only_the_prefix_in_key_order,
     transaction_applies_all_or_nothing,
-    a_value_compare_chains_a_write_to_one_not_yet_read,
     concurrent_compare_and_swap_loses_no_update,
     kept_alive_lease_keeps_its_keys_and_expiry_deletes_them,
     revoked_lease_deletes_its_keys_and_refuses_new_ones,
@@ -85,33 +84,6 @@ async fn transaction_applies_all_or_nothing(store: Arc<dyn Store>) {
         .then(Op::delete("t/b"));
     assert!(store.txn(fresh).await.unwrap().succeeded);
     assert_eq!(store.get("t/b").await.unwrap(), None);
-}
-
-async fn a_value_compare_chains_a_write_to_one_not_yet_read(store: Arc<dyn Store>) {
-    // Absent: a value compare fails (even against empty bytes).
-    let on_absent = Txn::default()
-        .when(Compare::holds("v/a", Vec::new()))
-        .then(Op::put("v/b", b"x".to_vec()));
-    assert!(!store.txn(on_absent).await.unwrap().succeeded);
-    assert_eq!(store.get("v/b").await.unwrap(), None);
-
-    // Two writes sent together, the second expecting what the first writes: applied in
-    // order both succeed; the second sent alone first fails and writes nothing.
-    store.put("v/a", b"1".to_vec(), None).await.unwrap();
-    let first = Txn::default()
-        .when(Compare::holds("v/a", b"1".to_vec()))
-        .then(Op::put("v/a", b"2".to_vec()));
-    let second = Txn::default()
-        .when(Compare::holds("v/a", b"2".to_vec()))
-        .then(Op::put("v/a", b"3".to_vec()));
-    assert!(!store.txn(second.clone()).await.unwrap().succeeded);
-    assert_eq!(store.get("v/a").await.unwrap().unwrap().value, b"1");
-    assert!(store.txn(first.clone()).await.unwrap().succeeded);
-    assert!(store.txn(second).await.unwrap().succeeded);
-    assert_eq!(store.get("v/a").await.unwrap().unwrap().value, b"3");
-    // The first's condition no longer holds.
-    assert!(!store.txn(first).await.unwrap().succeeded);
-    assert_eq!(store.get("v/a").await.unwrap().unwrap().value, b"3");
 }
 
 async fn concurrent_compare_and_swap_loses_no_update(store: Arc<dyn Store>) {

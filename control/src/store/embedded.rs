@@ -543,14 +543,10 @@ impl Store for EmbeddedStore {
 
     async fn txn(&self, txn: Txn) -> StoreResult<TxnOutcome> {
         let mut state = self.lock();
-        let holds = txn.compares.iter().all(|c| {
-            c.holds_for(
-                state
-                    .kvs
-                    .get(&c.key)
-                    .map(|e| (e.value.as_slice(), e.mod_revision)),
-            )
-        });
+        let holds = txn
+            .compares
+            .iter()
+            .all(|c| state.kvs.get(&c.key).map_or(0, |e| e.mod_revision) == c.mod_revision);
         if !holds || txn.ops.is_empty() {
             return Ok(TxnOutcome {
                 succeeded: holds,

@@ -10,8 +10,8 @@ use etcd_client::{
 use tokio::sync::mpsc;
 
 use super::{
-    check_ttl, EventKind, Expect, KeyValue, LeaseId, Op, Range, Revision, Store, StoreError,
-    StoreResult, Txn, TxnOutcome, Watch, WatchEvent,
+    check_ttl, EventKind, KeyValue, LeaseId, Op, Range, Revision, Store, StoreError, StoreResult,
+    Txn, TxnOutcome, Watch, WatchEvent,
 };
 
 /// A store in an etcd cluster; cheap to clone (one shared HTTP/2 channel).
@@ -199,14 +199,7 @@ impl Store for EtcdStore {
         let compares: Vec<EtcdCompare> = txn
             .compares
             .iter()
-            .map(|c| match &c.expect {
-                Expect::ModRevision(revision) => {
-                    EtcdCompare::mod_revision(self.full(&c.key), CompareOp::Equal, *revision)
-                }
-                Expect::Value(value) => {
-                    EtcdCompare::value(self.full(&c.key), CompareOp::Equal, value.clone())
-                }
-            })
+            .map(|c| EtcdCompare::mod_revision(self.full(&c.key), CompareOp::Equal, c.mod_revision))
             .collect();
         let mut lease = None;
         let ops: Vec<TxnOp> = txn

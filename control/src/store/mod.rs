@@ -42,21 +42,11 @@ pub struct Range {
     pub revision: Revision,
 }
 
-/// A condition of a transaction on one key.
+/// A condition of a transaction: the key was last written at `mod_revision` (0: it is absent).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Compare {
     pub key: String,
-    pub expect: Expect,
-}
-
-/// What a [`Compare`] expects of its key.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Expect {
-    /// Last written at this revision (0: the key is absent).
-    ModRevision(Revision),
-    /// Present and holding exactly these bytes, whenever it was written: a writer can chain
-    /// a transaction to one not yet committed, whose value it knows but whose revision not.
-    Value(Vec<u8>),
+    pub mod_revision: Revision,
 }
 
 impl Compare {
@@ -64,7 +54,7 @@ impl Compare {
     pub fn absent(key: impl Into<String>) -> Self {
         Compare {
             key: key.into(),
-            expect: Expect::ModRevision(0),
+            mod_revision: 0,
         }
     }
 
@@ -72,7 +62,7 @@ impl Compare {
     pub fn unchanged(kv: &KeyValue) -> Self {
         Compare {
             key: kv.key.clone(),
-            expect: Expect::ModRevision(kv.mod_revision),
+            mod_revision: kv.mod_revision,
         }
     }
 
@@ -80,23 +70,7 @@ impl Compare {
     pub fn as_read(key: &str, read: Option<&KeyValue>) -> Self {
         Compare {
             key: key.to_string(),
-            expect: Expect::ModRevision(read.map_or(0, |kv| kv.mod_revision)),
-        }
-    }
-
-    /// The key holds `value` (present).
-    pub fn holds(key: impl Into<String>, value: Vec<u8>) -> Self {
-        Compare {
-            key: key.into(),
-            expect: Expect::Value(value),
-        }
-    }
-
-    /// Whether the condition holds for the key's current state (`None`: absent).
-    pub fn holds_for(&self, current: Option<(&[u8], Revision)>) -> bool {
-        match &self.expect {
-            Expect::ModRevision(revision) => current.map_or(0, |(_, r)| r) == *revision,
-            Expect::Value(value) => current.is_some_and(|(v, _)| v == value.as_slice()),
+            mod_revision: read.map_or(0, |kv| kv.mod_revision),
         }
     }
 }

@@ -211,25 +211,14 @@ async fn create_on(
     let requests: Vec<CreateSandboxRequest> = creates.into_iter().map(|(r, _)| r).collect();
     let ids: Vec<String> = requests.iter().map(|r| r.sandbox_id.clone()).collect();
     let overlapped = shared.reserver.likely_fits(project, total);
-    let started = std::time::Instant::now();
-    let (mut reserved_at, mut created_at) = (None, None);
     let (reserved, created): (Vec<QuotaResult<Reservation>>, Vec<Result<Sandbox, Status>>) =
         if overlapped {
             tokio::join!(
-                async {
-                    let reserved = shared.reserver.reserve_many(project, node, claims).await;
-                    reserved_at = Some(started.elapsed());
-                    reserved
-                },
-                async {
-                    let created = node_create_many(&shared, node, requests).await;
-                    created_at = Some(started.elapsed());
-                    created
-                }
+                shared.reserver.reserve_many(project, node, claims),
+                node_create_many(&shared, node, requests)
             )
         } else {
             let reserved = shared.reserver.reserve_many(project, node, claims).await;
-            reserved_at = Some(started.elapsed());
             let to_node: Vec<CreateSandboxRequest> = requests
                 .into_iter()
                 .zip(&reserved)
@@ -237,7 +226,6 @@ async fn create_on(
                 .map(|(request, _)| request)
                 .collect();
             let mut made = node_create_many(&shared, node, to_node).await.into_iter();
-            created_at = Some(started.elapsed());
             let created = reserved
                 .iter()
                 .map(|r| match r {
@@ -284,17 +272,7 @@ async fn create_on(
         }
         outcomes.push(outcome);
     }
-    // Where a group's time goes (RUST_LOG=dsec_control=debug): when its reservations and
-    // its node's answer came, from the start of both.
-    tracing::debug!(
-        node,
-        count,
-        overlapped,
-        reserved_us = reserved_at.unwrap_or_default().as_micros() as u64,
-        node_us = created_at.unwrap_or_default().as_micros() as u64,
-        answered_us = started.elapsed().as_micros() as u64,
-        "CreateMany group answered"
-    );
+    tracing::debug!(node, count, overlapped, "CreateMany group answered");
     outcomes
 }
 

@@ -188,40 +188,6 @@ pub fn populate(mem: &GuestMemory, guest_addr: u64, len: usize) {
     };
 }
 
-/// Maps the pages of a restored guest's memory file into our page tables on a background
-/// thread (`MADV_POPULATE_READ`, read-only: nothing is copied), so the guest's first touch
-/// of a page finds it mapped instead of faulting into the page cache (in the rig a restored
-/// guest's first command took ~1.7-2.4 s of such faults, ~0.9-2.1 s with this). Best effort:
-/// kernels before 5.14 refuse the advice, and a range unmapped meanwhile (VMM ending) is
-/// skipped. Costs one page-table page per 2 MiB of guest memory.
-pub fn populate_read_in_background(mem: &GuestMemory) {
-    let ranges = host_ranges(mem);
-    let _ = std::thread::Builder::new()
-        .name("populate".into())
-        .spawn(move || {
-            crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
-            populate_read(&ranges);
-        });
-}
-
-/// (host address, length) of every region.
-fn host_ranges(mem: &GuestMemory) -> Vec<(usize, usize)> {
-    mem.iter()
-        .filter_map(|region| {
-            let host = region.get_host_address(MemoryRegionAddress(0)).ok()?;
-            Some((host as usize, region.len() as usize))
-        })
-        .collect()
-}
-
-fn populate_read(ranges: &[(usize, usize)]) {
-    for &(host, len) in ranges {
-        // SAFETY: madvise only inspects the range; POPULATE_READ faults pages in as reads
-        // would and never changes their contents, whatever is mapped there.
-        unsafe { libc::madvise(host as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
-    }
-}
-
 /// Hands every region to KVM, optionally with dirty-page logging (for diff snapshots).
 pub fn register(vm: &VmFd, mem: &GuestMemory, dirty_log: bool) -> Result<(), MemoryError> {
     for (slot, region) in mem.iter().enumerate() {
@@ -491,51 +457,6 @@ mod tests {
         let l = layout_for(4 << 30);
         assert_eq!(l[0].file_offset, 0);
         assert_eq!(l[1].file_offset, l[0].size);
-    }
-
-    /// A KiB field (`Rss:`, `Anonymous:`) of the mapping that starts at `host`, from
-    /// /proc/self/smaps.
-    fn smaps_kib(host: usize, field: &str) -> u64 {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let start = format!("{host:x}-");
-        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
-        lines.next().expect("the mapping is in smaps");
-        let line = lines.find(|l| l.starts_with(field)).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse().unwrap()
-    }
-
-    #[test]
-    fn populate_read_maps_a_restored_file_without_copying() {
-        let layout = layout_for(4 << 20);
-        let path = std::env::temp_dir().join(format!("dsec-mem-populate-{}", std::process::id()));
-        std::fs::write(&path, vec![7u8; 4 << 20]).unwrap();
-        let mem = from_file(File::open(&path).unwrap(), &layout).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        let ranges = host_ranges(&mem);
-        assert_eq!(ranges.len(), 1);
-        let host = ranges[0].0;
-        assert_eq!(
-            smaps_kib(host, "Rss:"),
-            0,
-            "nothing is mapped before a touch"
-        );
-        populate_read(&ranges);
-        assert_eq!(smaps_kib(host, "Rss:"), 4 << 10, "every page is mapped");
-        assert_eq!(
-            smaps_kib(host, "Anonymous:"),
-            0,
-            "mapped from the file, not copied"
-        );
-        mem.write_obj(1u64, GuestAddress(0)).unwrap();
-        assert_eq!(
-            smaps_kib(host, "Anonymous:"),
-            4,
-            "a write copies only its page"
-        );
-        assert_eq!(
-            mem.read_obj::<u64>(GuestAddress(8)).unwrap(),
-            0x0707_0707_0707_0707
-        );
     }
 
     #[test]

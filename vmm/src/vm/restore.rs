@@ -191,11 +191,7 @@ impl Vm {
         };
         let prewarmed = shell_mem.is_some();
         let (mem, uffd) = match &overrides.lazy {
-            None => {
-                let mem = restore_memory(dir, &state, shell_mem)?;
-                memory::populate_read_in_background(&mem);
-                (mem, None)
-            }
+            None => (restore_memory(dir, &state, shell_mem)?, None),
             Some(lazy) => {
                 let (mem, handler) = restore_memory_lazily(dir, &state, lazy, shell_mem)?;
                 (mem, Some(handler))

@@ -589,6 +589,35 @@ impl Placer {
         })
     }
 
+    /// Chooses one node for `count` creates of `request` together (it must fit all of them;
+    /// chosen as [`Placer::pick`] chooses for their sum): one ticket per create, each
+    /// counting one create in flight until committed or dropped.
+    pub fn pick_many(
+        &self,
+        request: &PlacementRequest,
+        count: usize,
+        exclude: &[String],
+    ) -> Result<Vec<Ticket<'_>>, PlacementError> {
+        if count <= 1 {
+            return self.pick(request, exclude).map(|ticket| vec![ticket]);
+        }
+        let together = PlacementRequest {
+            resources: request.resources.times(count as u64),
+            ..request.clone()
+        };
+        let mut whole = self.pick(&together, exclude)?;
+        // The sum stays in flight, now held by one ticket per create.
+        whole.done = true;
+        Ok((0..count)
+            .map(|_| Ticket {
+                placer: self,
+                node: whole.node.clone(),
+                resources: request.resources,
+                done: false,
+            })
+            .collect())
+    }
+
     /// The least loaded of k distinct random fitting nodes, if a few draws find k.
     fn draw(
         &self,

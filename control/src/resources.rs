@@ -52,6 +52,16 @@ impl Resources {
         self.zip(other, u64::saturating_add)
     }
 
+    /// `count` of this size.
+    pub fn times(self, count: u64) -> Resources {
+        Resources::new(
+            self.sandboxes.saturating_mul(count),
+            self.vcpus.saturating_mul(count),
+            self.memory_mib.saturating_mul(count),
+            self.disk_mib.saturating_mul(count),
+        )
+    }
+
     /// Subtracts, stopping at zero.
     pub fn minus(self, other: Resources) -> Resources {
         self.zip(other, u64::saturating_sub)

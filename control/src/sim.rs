@@ -43,6 +43,29 @@ struct Held {
     disk_mib: u64,
 }
 
+/// How many Create and CreateMany calls one sim node answered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallCount {
+    pub creates: u64,
+    pub create_manys: u64,
+}
+
+/// The calls every sim node of one [`serve_counted`] answered, by node name (tests check
+/// how the apiserver talks to its nodes).
+#[derive(Debug, Default)]
+pub struct SimCalls(Mutex<BTreeMap<String, CallCount>>);
+
+impl SimCalls {
+    pub fn by_node(&self) -> BTreeMap<String, CallCount> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn count(&self, node: &str, add: impl FnOnce(&mut CallCount)) {
+        let mut calls = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        add(calls.entry(node.to_string()).or_default());
+    }
+}
+
 /// One simulated node.
 #[derive(Debug)]
 pub struct SimNode {
@@ -50,6 +73,7 @@ pub struct SimNode {
     address: String,
     capacity: SimCapacity,
     held: Mutex<Held>,
+    calls: Arc<SimCalls>,
 }
 
 impl SimNode {
@@ -165,6 +189,7 @@ impl Sandboxes for SimApi {
         &self,
         request: Request<CreateSandboxRequest>,
     ) -> Result<Response<Sandbox>, Status> {
+        self.0.calls.count(&self.0.name, |c| c.creates += 1);
         self.create_one(request.into_inner()).map(Response::new)
     }
 
@@ -172,6 +197,7 @@ impl Sandboxes for SimApi {
         &self,
         request: Request<CreateSandboxesRequest>,
     ) -> Result<Response<CreateSandboxesResponse>, Status> {
+        self.0.calls.count(&self.0.name, |c| c.create_manys += 1);
         let requests = dsec_api::create_many::requests(request)?;
         let results = requests
             .into_iter()
@@ -413,6 +439,19 @@ pub async fn serve(
     control: Vec<String>,
     tls: Option<PathBuf>,
 ) -> Result<(), String> {
+    serve_counted(prefix, count, first, capacity, control, tls, Arc::default()).await
+}
+
+/// [`serve`], counting each node's calls in `calls`.
+pub async fn serve_counted(
+    prefix: &str,
+    count: usize,
+    first: SocketAddr,
+    capacity: SimCapacity,
+    control: Vec<String>,
+    tls: Option<PathBuf>,
+    calls: Arc<SimCalls>,
+) -> Result<(), String> {
     if control.is_empty() {
         return Err("sim nodes need --control ADDR[,ADDR]".into());
     }
@@ -437,6 +476,7 @@ pub async fn serve(
             address: addr.to_string(),
             capacity,
             held: Mutex::default(),
+            calls: calls.clone(),
         });
         let node_tls = match &tls {
             Some(ca_dir) => Some(sim_node_tls(ca_dir, &node.name)?),

@@ -3,6 +3,7 @@
 //! fake capacity (then the apiserver tries another node, and a full cluster is
 //! RESOURCE_EXHAUSTED), and List/Get/Delete go through to them.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +16,7 @@ use dsec_control::iam::{Action, Iam, Outcome};
 use dsec_control::placement::NodeRegistry;
 use dsec_control::quota::Quotas;
 use dsec_control::resources::Resources;
-use dsec_control::sim::{self, SimCapacity};
+use dsec_control::sim::{self, CallCount, SimCalls, SimCapacity};
 use dsec_control::store::{EmbeddedStore, Store};
 
 fn free_addr() -> SocketAddr {
@@ -38,7 +39,7 @@ async fn cluster(
     quota: Resources,
     per_node: u64,
 ) -> (Arc<dyn Store>, Client) {
-    let (store, client, _, _) = cluster_at(dir, quota, per_node).await;
+    let (store, client, _, _) = cluster_at(dir, quota, per_node, Arc::default()).await;
     (store, client)
 }
 
@@ -47,6 +48,7 @@ async fn cluster_at(
     dir: &std::path::Path,
     quota: Resources,
     per_node: u64,
+    calls: Arc<SimCalls>,
 ) -> (Arc<dyn Store>, Client, SocketAddr, String) {
     let store: Arc<dyn Store> = Arc::new(EmbeddedStore::open(dir).unwrap());
     let token = api::init(store.clone(), "acme", "root")
@@ -77,13 +79,14 @@ async fn cluster_at(
         memory_mib: 100_000,
         disk_mib: 100_000,
     };
-    tokio::spawn(sim::serve(
+    tokio::spawn(sim::serve_counted(
         "s",
         3,
         first,
         capacity,
         vec![listen.to_string()],
         None,
+        calls,
     ));
 
     let bearer: tonic::metadata::AsciiMetadataValue = format!("Bearer {token}").parse().unwrap();
@@ -134,6 +137,19 @@ async fn all_registered(store: &Arc<dyn Store>) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("the sim nodes did not all register in 5 s");
+}
+
+/// The sandboxes a CreateMany made, every one of its creates expected to succeed.
+async fn made_by(client: &mut Client, request: CreateSandboxesRequest) -> Vec<Sandbox> {
+    client
+        .create_many(request)
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(|r| r.into_result().unwrap())
+        .collect()
 }
 
 async fn listed(client: &mut Client) -> Vec<Sandbox> {
@@ -247,8 +263,13 @@ async fn a_create_whose_reservation_fails_after_its_node_made_it_is_undone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_label_wide_policy_change_reaches_the_projects_sandboxes_on_every_node() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, mut client, listen, token) =
-        cluster_at(dir.path(), Resources::new(100, 100, 100_000, 100_000), 10).await;
+    let (store, mut client, listen, token) = cluster_at(
+        dir.path(),
+        Resources::new(100, 100, 100_000, 100_000),
+        10,
+        Arc::default(),
+    )
+    .await;
     Iam::new(store.clone())
         .create_project(&"acme".parse().unwrap(), "other")
         .await
@@ -489,4 +510,81 @@ async fn create_many_charges_each_sandbox_and_refuses_only_those_over_quota() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("acme/other"), "{e:?}");
     assert_eq!(listed(&mut client).await.len(), 6);
+}
+
+/// A CreateMany over several nodes reaches each node it lands on as one node-side CreateMany
+/// (no lone Creates): the apiserver places the whole call, alike creates in chunks of up to
+/// 8 per node, then groups it by node. Past the nodes' capacity the extra creates fail on
+/// their own (RESOURCE_EXHAUSTED) and the rest are made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_many_reaches_each_node_in_one_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = Arc::new(SimCalls::default());
+    let (store, mut client, _, _) = cluster_at(
+        dir.path(),
+        Resources::new(100, 100, 100_000, 100_000),
+        12,
+        calls.clone(),
+    )
+    .await;
+    all_registered(&store).await;
+    let many = |count: usize| CreateSandboxesRequest {
+        requests: (0..count).map(|_| small()).collect(),
+        project: "acme/sim".into(),
+    };
+    // 8 alike creates: one chunk, one node, one call.
+    let before = calls.by_node();
+    let made = made_by(&mut client, many(8)).await;
+    let nodes: std::collections::BTreeSet<String> = made.iter().map(|s| s.node.clone()).collect();
+    assert_eq!(nodes.len(), 1, "{made:?}");
+    let after = calls.by_node();
+    let new_calls = |before: &BTreeMap<String, CallCount>, after: &BTreeMap<String, CallCount>| {
+        after
+            .iter()
+            .map(|(node, count)| {
+                let was = before.get(node).copied().unwrap_or_default();
+                assert_eq!(count.creates, was.creates, "node {node} got lone creates");
+                (node.clone(), count.create_manys - was.create_manys)
+            })
+            .filter(|(_, calls)| *calls > 0)
+            .collect::<BTreeMap<String, u64>>()
+    };
+    let one_each = |nodes: &std::collections::BTreeSet<String>| {
+        nodes
+            .iter()
+            .map(|n| (n.clone(), 1))
+            .collect::<BTreeMap<String, u64>>()
+    };
+    assert_eq!(new_calls(&before, &after), one_each(&nodes));
+    // 22 more over the three nodes: each node used gets one call.
+    let before = after;
+    let made = made_by(&mut client, many(22)).await;
+    assert_eq!(made.len(), 22);
+    let nodes: std::collections::BTreeSet<String> = made.iter().map(|s| s.node.clone()).collect();
+    assert!(
+        nodes.len() > 1,
+        "22 creates on 3 nodes of 12 all on {nodes:?}"
+    );
+    assert_eq!(new_calls(&before, &calls.by_node()), one_each(&nodes));
+    let project = "acme/sim".parse().unwrap();
+    let quotas = Quotas::new(store.clone());
+    assert_eq!(quotas.get(&project).await.unwrap().used.sandboxes, 30);
+
+    // 6 places left on the nodes: 6 of 10 made, 4 refused, only the 6 charged.
+    let results: Vec<_> = client
+        .create_many(many(10))
+        .await
+        .unwrap()
+        .into_inner()
+        .results
+        .into_iter()
+        .map(CreateSandboxResult::into_result)
+        .collect();
+    let refused: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(refused.len(), 4, "{results:?}");
+    for status in refused {
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    }
+    assert_eq!(quotas.get(&project).await.unwrap().used.sandboxes, 36);
+    assert_eq!(listed(&mut client).await.len(), 36);
 }

@@ -31,11 +31,41 @@ pub enum AgentAddr {
     VsockUds { uds: PathBuf, port: u32 },
 }
 
+/// Pauses between the tries of a vsock connection the guest refused (its agent's accept
+/// queue full, or the guest busy resetting its transport): a moment later it answers.
+const REFUSED_RETRY_PAUSES: [Duration; 3] = [
+    Duration::from_millis(20),
+    Duration::from_millis(100),
+    Duration::from_millis(300),
+];
+
 impl AgentAddr {
-    async fn open(&self) -> io::Result<UnixStream> {
+    /// Opens a stream to the agent; with `retry_refused`, a vsock connection the guest
+    /// refused is tried again after each of [`REFUSED_RETRY_PAUSES`] (not while waiting for a
+    /// booting guest, whose refusals are expected and polled for by the caller).
+    async fn open(&self, retry_refused: bool) -> io::Result<UnixStream> {
         match self {
             AgentAddr::Unix(path) => UnixStream::connect(path).await,
-            AgentAddr::VsockUds { uds, port } => vsock_connect(uds, *port).await,
+            AgentAddr::VsockUds { uds, port } => {
+                let pauses = if retry_refused {
+                    &REFUSED_RETRY_PAUSES[..]
+                } else {
+                    &[]
+                };
+                let mut pauses = pauses.iter();
+                loop {
+                    match vsock_connect(uds, *port).await {
+                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                            let Some(pause) = pauses.next() else {
+                                return Err(e);
+                            };
+                            tracing::debug!(err = %e, "agent connection refused; trying again");
+                            tokio::time::sleep(*pause).await;
+                        }
+                        other => return other,
+                    }
+                }
+            }
         }
     }
 }
@@ -164,11 +194,15 @@ pub struct AgentClient {
 const STDIN_CHUNK: usize = 32 * 1024;
 
 impl AgentClient {
-    /// Connects once (no retries).
+    /// Connects once (a refusal is returned at once).
     pub async fn connect(addr: AgentAddr) -> Result<Self> {
+        // The first connection fails fast (a booting guest is polled by the caller); the
+        // channel's later reconnections retry a refusal briefly, as a lazy client's do.
+        let first = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
         let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
             let addr = addr.clone();
-            async move { addr.open().await.map(TokioIo::new) }
+            let retry = !first.swap(false, std::sync::atomic::Ordering::Relaxed);
+            async move { addr.open(retry).await.map(TokioIo::new) }
         });
         // The URI is required by the HTTP/2 layer but never resolved: the connector decides.
         let channel = Endpoint::from_static("http://agent.dsec.invalid")
@@ -178,12 +212,13 @@ impl AgentClient {
         Ok(Self { channel })
     }
 
-    /// A client that connects on first use (and reconnects after failures): for sandboxes
-    /// that may be frozen, where a handshake now would hang.
+    /// A client that connects on first use (and reconnects after failures, a refused vsock
+    /// connection retried briefly): for sandboxes that may be frozen, where a handshake now
+    /// would hang.
     pub fn connect_lazy(addr: AgentAddr) -> Self {
         let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
             let addr = addr.clone();
-            async move { addr.open().await.map(TokioIo::new) }
+            async move { addr.open(true).await.map(TokioIo::new) }
         });
         let channel = Endpoint::from_static("http://agent.dsec.invalid")
             .connect_with_connector_lazy(connector);
@@ -457,4 +492,58 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::UnixListener;
+
+    /// A VMM vsock socket whose guest refuses the first `refusals` connections (the VMM
+    /// closes them during the handshake) and accepts the next; how many it saw.
+    fn refusing_vmm(uds: &Path, refusals: usize) -> tokio::task::JoinHandle<usize> {
+        let listener = UnixListener::bind(uds).unwrap();
+        tokio::spawn(async move {
+            let mut seen = 0;
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                seen += 1;
+                let mut line = [0u8; 12];
+                stream.read_exact(&mut line).await.unwrap();
+                assert_eq!(&line, b"CONNECT 102\n");
+                if seen > refusals {
+                    stream.write_all(b"OK 1073741824\n").await.unwrap();
+                    return seen;
+                }
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn a_refused_vsock_connection_is_retried_only_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vsock");
+        let addr = AgentAddr::VsockUds {
+            uds: uds.clone(),
+            port: 102,
+        };
+        let vmm = refusing_vmm(&uds, 2);
+        addr.open(true).await.expect("the third try is accepted");
+        assert_eq!(vmm.await.unwrap(), 3);
+
+        std::fs::remove_file(&uds).unwrap();
+        let vmm = refusing_vmm(&uds, 1);
+        let refused = addr.open(false).await.unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+        vmm.abort();
+
+        // A guest that never listens: the tries end, with the refusal.
+        std::fs::remove_file(&uds).unwrap();
+        let vmm = refusing_vmm(&uds, usize::MAX);
+        let started = std::time::Instant::now();
+        let refused = addr.open(true).await.unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::ConnectionRefused);
+        assert!(started.elapsed() >= Duration::from_millis(400));
+        vmm.abort();
+    }
 }

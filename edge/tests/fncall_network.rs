@@ -126,7 +126,8 @@ impl TestNet {
         ]
     }
 
-    /// Host links on the bridge (networked workers' veths).
+    /// Host links on the bridge (networked workers' veths; not the node's pooled ones,
+    /// `dsp*`, made ahead for container creates).
     fn veths(&self) -> Vec<String> {
         std::fs::read_dir("/sys/class/net")
             .unwrap()
@@ -135,6 +136,7 @@ impl TestNet {
                 std::fs::read_link(e.path().join("master")).is_ok_and(|m| m.ends_with(&self.bridge))
             })
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| !name.starts_with("dsp"))
             .collect()
     }
 

@@ -275,8 +275,9 @@ impl Internet {
         ]
     }
 
-    /// Host links on the bridge (sandboxes' veths).
-    fn veths(&self) -> Vec<String> {
+    /// Host links on the bridge: sandboxes' veths, and the pooled ones (`dsp*`) of
+    /// namespaces made ahead of creates.
+    fn bridge_links(&self) -> (Vec<String>, Vec<String>) {
         std::fs::read_dir("/sys/class/net")
             .unwrap()
             .flatten()
@@ -284,7 +285,25 @@ impl Internet {
                 std::fs::read_link(e.path().join("master")).is_ok_and(|m| m.ends_with(&self.bridge))
             })
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect()
+            .partition(|name| !name.starts_with("dsp"))
+    }
+
+    /// Sandboxes' veths on the bridge.
+    fn veths(&self) -> Vec<String> {
+        self.bridge_links().0
+    }
+
+    /// Pooled veths on the bridge, once the node's pool is full again (the default
+    /// `--net-veth-pool`, 4, at most).
+    async fn pooled_when_settled(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pooled = self.bridge_links().1.len();
+            if pooled <= 4 || Instant::now() > deadline {
+                return pooled;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Elements of each of the table's sets (all of them a sandbox's), by set name.
@@ -665,7 +684,10 @@ async fn policies_are_enforced_against_a_test_internet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_delete_and_adoption_leak_nothing() {
     // Per-create network setup times come from the daemon's debug log.
-    std::env::set_var("DSEC_LOG", "info,dsec_edge::backend::container=debug");
+    std::env::set_var(
+        "DSEC_LOG",
+        "info,dsec_edge::backend::container=debug,dsec_edge::net=debug",
+    );
     let net = Internet::new();
     let args = net.daemon_args(free_port());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -689,6 +711,10 @@ async fn create_delete_and_adoption_leak_nothing() {
         );
     }
     assert_eq!(net.veths(), Vec::<String>::new(), "veths left");
+    assert!(
+        net.pooled_when_settled().await <= 4,
+        "pooled veths beyond the pool's size"
+    );
     assert_eq!(net.slots(), 0, "addresses left");
     assert_eq!(
         net.sandbox_elements(),
@@ -703,11 +729,10 @@ async fn create_delete_and_adoption_leak_nothing() {
             .lines()
             .filter(|l| l.contains("network attached"))
             .filter_map(|l| {
-                let plain: String = l
-                    .split('\x1b')
-                    .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
-                    .collect();
-                let value = plain.split(&format!("{name}=")).nth(1)?;
+                let value = without_colours(l)
+                    .split(&format!("{name}="))
+                    .nth(1)?
+                    .to_string();
                 value
                     .split(|c: char| !c.is_ascii_digit())
                     .next()?
@@ -721,6 +746,15 @@ async fn create_delete_and_adoption_leak_nothing() {
     let (setup, added) = (field("setup_us"), field("added_us"));
     creates.sort_unstable();
     assert_eq!(setup.len(), CYCLES, "network setup times in the log");
+    // Sequential creates find a namespace made ahead (the pool refills between them).
+    let pooled = log
+        .lines()
+        .filter(|l| l.contains("network setup parts") && without_colours(l).contains("pooled=true"))
+        .count();
+    assert!(
+        pooled >= CYCLES * 9 / 10,
+        "only {pooled} of {CYCLES} creates took a pooled namespace"
+    );
     println!(
         "network setup over {CYCLES} creates: p50 {} us, p90 {} us; added to the create \
          (still running when the agent answered): p50 {} us, p90 {} us; create p50 {:?}, p90 {:?}",
@@ -750,6 +784,11 @@ async fn create_delete_and_adoption_leak_nothing() {
         .collect();
     assert_eq!(ids, vec![kept.clone()]);
     assert_eq!(net.veths().len(), 1, "the lost sandbox's veth is left");
+    // The killed daemon's pooled namespaces died with it; the new one keeps its own.
+    assert!(
+        net.pooled_when_settled().await <= 4,
+        "the killed daemon's pool is left"
+    );
     assert_eq!(net.slots(), 1);
     // Its membership, counter, allow elements and one domain-rule combination; the proxy
     // knows its names again.
@@ -769,7 +808,27 @@ async fn create_delete_and_adoption_leak_nothing() {
     client.delete(&kept).await.unwrap();
     assert_eq!(net.veths(), Vec::<String>::new());
     assert_eq!((net.slots(), net.sandbox_elements()), (0, 0));
+    let pool = net.bridge_links().1;
     daemon.stop(client).await;
+    // A clean stop closes the pooled namespaces: their veths go with them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool
+        .iter()
+        .any(|l| std::path::Path::new("/sys/class/net").join(l).exists())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "pooled veths left after stop: {pool:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A log line without tracing's colour codes.
+fn without_colours(line: &str) -> String {
+    line.split('\x1b')
+        .map(|part| part.split_once('m').map_or(part, |(_, rest)| rest))
+        .collect()
 }
 
 /// Resolves `name` in the sandbox through its resolv.conf: the addresses, or None when the

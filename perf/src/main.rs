@@ -59,7 +59,8 @@ enum Cmd {
     Node(NodeArgs),
     /// Sandbox networking (containers): create latency with and without a sandbox
     /// network and its setup time, setup time with sandboxes held, TCP throughput and
-    /// connection rate through a policy of 1 rule vs 1,000. Needs root, ip, nft.
+    /// connection rate through a policy of 1 rule vs 1,000, live policy changes alone and
+    /// under concurrent creates. Needs root, ip, nft.
     Net(NetArgs),
     /// FnCall (one-shot code execution): python print(1+1), a numpy snippet and a C++ hello
     /// world through our HTTP (SandboxFusion) and gRPC APIs, beside python3/g++ in bwrap
@@ -100,6 +101,16 @@ struct NetArgs {
     /// Samples per policy in the policy scenario.
     #[arg(long, default_value_t = 5)]
     policy_samples: usize,
+    /// Live policy changes per contender (idle, under creates); 0 skips the scenario.
+    #[arg(long, default_value_t = 20)]
+    live_samples: usize,
+    /// Concurrent create+delete loops while the loaded live changes run.
+    #[arg(long, default_value_t = 2)]
+    live_load: usize,
+    /// An extra flag for the networked daemon (repeatable), e.g. `--edge-arg=--net-veth-pool
+    /// --edge-arg=0` to measure creates without the pool of prepared namespaces.
+    #[arg(long = "edge-arg", value_name = "ARG", allow_hyphen_values = true)]
+    edge_args: Vec<String>,
     /// dsec-edge [default: next to this binary, else target/release].
     #[arg(long, value_name = "PATH")]
     edge: Option<PathBuf>,
@@ -1050,12 +1061,15 @@ fn net_cmd(a: NetArgs) -> Result<(), String> {
         transfer_mib: a.transfer_mib,
         connections: a.connections,
         policy_samples: a.policy_samples,
+        live_samples: a.live_samples,
+        live_load: a.live_load,
+        edge_args: a.edge_args.clone(),
     };
     let machine = machine::info(Path::new("qemu-system-x86_64"));
     let result = net::bench(&opts);
     let _ = std::fs::remove_dir_all(&workdir);
     let r = result?;
-    for sc in [&r.setup, &r.growth, &r.policy] {
+    for sc in [&r.setup, &r.growth, &r.policy, &r.live] {
         print!("{}", sc.table());
         println!();
     }
@@ -1068,12 +1082,14 @@ fn net_cmd(a: NetArgs) -> Result<(), String> {
                 "options": {
                     "samples": a.samples, "held": a.held, "rules": a.rules,
                     "transfer_mib": a.transfer_mib, "connections": a.connections,
-                    "policy_samples": a.policy_samples, "edge": opts.edge,
+                    "policy_samples": a.policy_samples, "live_samples": a.live_samples,
+                    "live_load": a.live_load, "edge_args": a.edge_args, "edge": opts.edge,
                 },
                 "edge_commands": r.commands,
                 "setup": r.setup.to_json(),
                 "growth": r.growth.to_json(),
                 "policy": r.policy.to_json(),
+                "live": r.live.to_json(),
             }),
         )?;
     }

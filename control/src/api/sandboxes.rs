@@ -17,6 +17,8 @@ use crate::placement::{Attempt, Backend as PlacedBackend, PlacementRequest};
 use crate::resources::Resources;
 use crate::watcher::lost_sandbox;
 
+mod create_many;
+
 /// The node's defaults for what a Create leaves at 0 (edge: DEFAULT_MEMORY_MIB ...), which
 /// quota and placement must count the same way.
 const DEFAULT_MEMORY_MIB: i64 = 256;
@@ -53,48 +55,73 @@ fn node_demand(backend: PlacedBackend, vcpus: u64, memory_mib: u64, disk_mib: u6
     Resources::sandbox(vcpus, memory, disk_mib)
 }
 
+/// A create checked and made ready for its node: what placement and the quota count.
+pub(super) struct Prepared {
+    pub request: CreateSandboxRequest,
+    pub placement: PlacementRequest,
+    pub quota: Resources,
+}
+
+/// Checks a create and fills in what the cluster decides: the backend's default, the sizes'
+/// defaults, the project label (the client's own is dropped).
+pub(super) fn prepare(
+    mut request: CreateSandboxRequest,
+    project: &ProjectPath,
+) -> Result<Prepared, Status> {
+    let backend = match Backend::try_from(request.backend) {
+        Ok(Backend::Unspecified) | Ok(Backend::Container) => PlacedBackend::Container,
+        Ok(Backend::Microvm) => PlacedBackend::Microvm,
+        Err(_) => {
+            return Err(Status::invalid_argument(format!(
+                "backend {} is unknown: use BACKEND_CONTAINER or BACKEND_MICROVM",
+                request.backend
+            )))
+        }
+    };
+    // The cluster's default backend is the container (every node offers it).
+    if request.backend == Backend::Unspecified as i32 {
+        request.backend = Backend::Container as i32;
+    }
+    let vcpus = positive_or(request.vcpus.into(), 1, "vcpus")?;
+    let memory_mib = positive_or(request.memory_mib, DEFAULT_MEMORY_MIB, "memory_mib")?;
+    let disk_mib = positive_or(request.disk_mib, DEFAULT_DISK_MIB, "disk_mib")?;
+    let quota = Resources::sandbox(vcpus, memory_mib, disk_mib);
+    let image = if request.image.is_empty() {
+        "busybox".to_string()
+    } else {
+        request.image.clone()
+    };
+    let placement = PlacementRequest {
+        resources: node_demand(backend, vcpus, memory_mib, disk_mib),
+        backend,
+        image: Some(image),
+        labels: request.node_labels.clone().into_iter().collect(),
+    };
+    strip_reserved(&mut request.labels);
+    request
+        .labels
+        .insert(dsec_api::PROJECT_LABEL.to_string(), project.to_string());
+    request.project = String::new();
+    request.node_labels.clear();
+    Ok(Prepared {
+        request,
+        placement,
+        quota,
+    })
+}
+
 impl SandboxesApi {
     async fn create_placed(
         &self,
-        mut request: CreateSandboxRequest,
+        request: CreateSandboxRequest,
         project: ProjectPath,
     ) -> Result<Sandbox, Status> {
         let shared = &self.0;
-        let backend = match Backend::try_from(request.backend) {
-            Ok(Backend::Unspecified) | Ok(Backend::Container) => PlacedBackend::Container,
-            Ok(Backend::Microvm) => PlacedBackend::Microvm,
-            Err(_) => {
-                return Err(Status::invalid_argument(format!(
-                    "backend {} is unknown: use BACKEND_CONTAINER or BACKEND_MICROVM",
-                    request.backend
-                )))
-            }
-        };
-        // The cluster's default backend is the container (every node offers it).
-        if request.backend == Backend::Unspecified as i32 {
-            request.backend = Backend::Container as i32;
-        }
-        let vcpus = positive_or(request.vcpus.into(), 1, "vcpus")?;
-        let memory_mib = positive_or(request.memory_mib, DEFAULT_MEMORY_MIB, "memory_mib")?;
-        let disk_mib = positive_or(request.disk_mib, DEFAULT_DISK_MIB, "disk_mib")?;
-        let quota = Resources::sandbox(vcpus, memory_mib, disk_mib);
-        let image = if request.image.is_empty() {
-            "busybox".to_string()
-        } else {
-            request.image.clone()
-        };
-        let placement = PlacementRequest {
-            resources: node_demand(backend, vcpus, memory_mib, disk_mib),
-            backend,
-            image: Some(image),
-            labels: request.node_labels.clone().into_iter().collect(),
-        };
-        strip_reserved(&mut request.labels);
-        request
-            .labels
-            .insert(dsec_api::PROJECT_LABEL.to_string(), project.to_string());
-        request.project = String::new();
-        request.node_labels.clear();
+        let Prepared {
+            request,
+            placement,
+            quota,
+        } = prepare(request, &project)?;
         let placed = shared
             .placer
             .place(&placement, shared.config.max_nodes_per_create, |node| {
@@ -182,7 +209,7 @@ impl SandboxesApi {
         }
     }
 
-    async fn charged_already(&self, node: &str, id: &str) -> bool {
+    pub(super) async fn charged_already(&self, node: &str, id: &str) -> bool {
         matches!(
             self.0.store.get(&crate::keys::reservation(node, id)).await,
             Ok(Some(_))
@@ -192,7 +219,7 @@ impl SandboxesApi {
     /// Deletes a sandbox whose reservation was refused after its node made it. Should the
     /// node not answer, its next inventory shows a sandbox without a reservation, which the
     /// watcher's reconcile charges.
-    async fn undo_create(&self, node: &str, id: &str) {
+    pub(super) async fn undo_create(&self, node: &str, id: &str) {
         let deleted = match self.0.nodes.to_node(node) {
             Ok(channel) => SandboxesClient::new(channel)
                 .delete(DeleteSandboxRequest {
@@ -360,23 +387,18 @@ impl Sandboxes for SandboxesApi {
                 other.project
             )));
         }
-        // One authorization for the call; each create is placed and charged as a lone Create
-        // (the reservations of one project still share batched commits).
+        // One authorization for the call; the creates placed together and sent to their
+        // nodes in one call per node (sandboxes/create_many.rs).
         let caller = self
             .0
             .authorize(&metadata, &project, Action::SandboxCreate)
             .await?;
-        let mut creates = tokio::task::JoinSet::new();
-        for (index, item) in message.requests.into_iter().enumerate() {
-            let (api, project) = (SandboxesApi(self.0.clone()), project.clone());
-            creates.spawn(async move { (index, api.create_placed(item, project).await) });
-        }
-        let mut results = vec![CreateSandboxResult::default(); creates.len()];
-        while let Some(joined) = creates.join_next().await {
-            let (index, result) = joined
-                .map_err(|e| Status::internal(format!("a create of CreateMany panicked: {e}")))?;
-            results[index] = CreateSandboxResult::from_result(result);
-        }
+        let results: Vec<CreateSandboxResult> = self
+            .create_batch(message.requests, &project)
+            .await
+            .into_iter()
+            .map(CreateSandboxResult::from_result)
+            .collect();
         // One audit record for the sandboxes the call made (their ids), one per failed create.
         let made: Vec<&str> = results
             .iter()

@@ -159,6 +159,53 @@ fn in_flight_creates_count_until_committed_or_dropped() {
     );
 }
 
+/// `pick_many`: one node for a chunk (it must fit the whole chunk), one ticket per create,
+/// each counting one create in flight; a burst in chunks still spreads evenly.
+#[test]
+fn a_chunk_of_creates_goes_to_one_node_and_counts_per_create() {
+    let placer = Placer::with_seed(2, 5);
+    placer.update_node(node("a", 10));
+    placer.update_node(node("b", 10));
+    let first = placer.pick_many(&request(), 8, &[]).unwrap();
+    assert_eq!(first.len(), 8);
+    let on = first[0].node().to_string();
+    assert!(first.iter().all(|t| t.node() == on));
+    // The other node is the only one with room for 8 more.
+    let second = placer.pick_many(&request(), 8, &[]).unwrap();
+    assert!(second.iter().all(|t| t.node() != on));
+    // 4 left in all, 2 per node: a chunk of 3 fits nowhere, one of 2 does.
+    assert!(placer.pick_many(&request(), 3, &[]).is_err());
+    let pair = placer.pick_many(&request(), 2, &[]).unwrap();
+    // Each ticket frees its own create: dropping 3 of the first chunk makes room for 3.
+    let mut first = first;
+    first.truncate(5);
+    assert!(placer
+        .pick_many(&request(), 3, &[])
+        .is_ok_and(|t| t[0].node() == on));
+    drop((first, second, pair));
+
+    let nodes: Vec<NodeRecord> = (0..160).map(|i| node(&format!("n{i}"), 200)).collect();
+    let placer = Placer::with_seed(DEFAULT_CHOICES, 6);
+    for record in &nodes {
+        placer.update_node(record.clone());
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for _ in 0..10_000 / 8 {
+        for ticket in placer.pick_many(&request(), 8, &[]).unwrap() {
+            *counts.entry(ticket.node().to_string()).or_default() += 1;
+            ticket.commit();
+        }
+    }
+    let (min, max) = (
+        *counts.values().min().unwrap(),
+        *counts.values().max().unwrap(),
+    );
+    eprintln!("10,000 in chunks of 8 over 160 nodes: {min}..={max} per node");
+    assert_eq!(counts.len(), 160, "every node used");
+    // Measured 40..=80 (5 to 10 chunks per node, mean 7.8) for this seed.
+    assert!(min >= 32 && max <= 88, "min {min} max {max}");
+}
+
 #[tokio::test]
 async fn a_refusing_node_is_left_out_and_the_next_one_tried() {
     let placer = Placer::with_seed(2, 11);

@@ -85,22 +85,47 @@ impl Reserver {
         sandbox: &str,
         resources: Resources,
     ) -> QuotaResult<Reservation> {
-        let (reply, answer) = oneshot::channel();
-        let pending = Pending {
-            node: node.to_string(),
-            sandbox: sandbox.to_string(),
-            resources,
-            reply,
-        };
+        let mut results = self
+            .reserve_many(project, node, vec![(sandbox.to_string(), resources)])
+            .await;
+        results.pop().unwrap_or_else(|| {
+            Err(QuotaError::Contended(
+                "the reservation batch ended without an answer".into(),
+            ))
+        })
+    }
+
+    /// [`Reserver::reserve`] for several sandboxes on one node, queued at once (so they
+    /// share the project's next commits), one result per sandbox in the order given.
+    pub async fn reserve_many(
+        &self,
+        project: &ProjectPath,
+        node: &str,
+        sandboxes: Vec<(String, Resources)>,
+    ) -> Vec<QuotaResult<Reservation>> {
+        let mut answers = Vec::with_capacity(sandboxes.len());
+        let pending: Vec<Pending> = sandboxes
+            .into_iter()
+            .map(|(sandbox, resources)| {
+                let (reply, answer) = oneshot::channel();
+                answers.push(answer);
+                Pending {
+                    node: node.to_string(),
+                    sandbox,
+                    resources,
+                    reply,
+                }
+            })
+            .collect();
         let lead = {
             let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
             match queues.get_mut(project) {
                 Some(queue) => {
-                    queue.push(pending);
+                    queue.extend(pending);
                     false
                 }
                 None => {
-                    queues.insert(project.clone(), vec![pending]);
+                    queues.insert(project.clone(), pending);
                     true
                 }
             }
@@ -110,11 +135,15 @@ impl Reserver {
             let (reserver, project) = (self.clone(), project.clone());
             tokio::spawn(async move { reserver.drain(project).await });
         }
-        answer.await.unwrap_or_else(|_| {
-            Err(QuotaError::Contended(
-                "the reservation batch ended without an answer".into(),
-            ))
-        })
+        let mut results = Vec::with_capacity(answers.len());
+        for answer in answers {
+            results.push(answer.await.unwrap_or_else(|_| {
+                Err(QuotaError::Contended(
+                    "the reservation batch ended without an answer".into(),
+                ))
+            }));
+        }
+        results
     }
 
     /// Whether this replica expects `resources` to fit in `project`'s quota: the record its

@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -52,6 +52,8 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
     let mut host = HostResources::create(config, &id)?;
     let dir = host.dir.clone();
     let socket = dir.join("agent.sock");
+    // A namespace with its veth made ahead (net/pool.rs), if one is ready.
+    let pooled = config.network.as_ref().and_then(|n| n.take_netns());
     let log_path = dir.join("agent.log");
     let started = crate::idpool::IdPool::from_env()
         .and_then(|pool| pool.allocate(&dir))
@@ -73,6 +75,7 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
                     .as_ref()
                     .map(|n| format!("nameserver {}\n", n.gateway))
                     .unwrap_or_default(),
+                netns: pooled.as_ref().map(|p| p.netns().as_raw_fd()),
             })
         });
     let agent_pid = started?;
@@ -83,7 +86,10 @@ pub(super) async fn create(config: &EdgeConfig, spec: &SandboxSpec) -> Result<Sa
         let (dir, policy) = (dir.clone(), spec.network_policy.clone());
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
-            let result = network.attach(&dir, agent_pid.as_raw(), &policy);
+            let result = match pooled {
+                Some(pooled) => network.attach_pooled(&dir, pooled, &policy),
+                None => network.attach(&dir, agent_pid.as_raw(), &policy),
+            };
             (result, started.elapsed())
         })
     });
@@ -175,12 +181,14 @@ struct ContainerStart<'a> {
     cgroup_procs: &'a [PathBuf],
     /// The sandbox's /etc/resolv.conf; empty: the image's.
     resolv_conf: String,
+    /// A network namespace for the agent to join; None: a new one of its own.
+    netns: Option<RawFd>,
 }
 
-/// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces, already in the
-/// sandbox's cgroups. It gets two descriptors: the listening socket (bound here, in the
-/// host's network namespace) and a pipe holding its `ContainerLaunch`; its command line
-/// names no host path. The agent builds the root and the user namespace itself.
+/// Starts the agent as PID 1 of fresh mount/pid/uts/ipc/net namespaces (or the pooled
+/// network namespace `netns` names), already in the sandbox's cgroups. It gets two
+/// descriptors: the listening socket (bound here, in the host's network namespace) and a
+/// pipe holding its `ContainerLaunch`; its command line names no host path. The agent builds the root and the user namespace itself.
 fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
     use prost::Message;
     use std::os::unix::fs::PermissionsExt;
@@ -251,6 +259,7 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
     let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|s| s.as_ptr()).collect();
     envp_ptrs.push(std::ptr::null());
     let (log_fd, null_fd) = (log.as_raw_fd(), devnull.as_raw_fd());
+    let netns = start.netns;
     // The child shares our memory until its execve (CLONE_VM | CLONE_VFORK, like
     // posix_spawn): copying the daemon's page tables for every sandbox, then tearing them
     // down at exec, was a large part of a create's CPU time in bursts. Signals stay blocked
@@ -268,6 +277,13 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         // setsid, write, fcntl, dup2, pthread_sigmask and execve are async-signal-safe,
         // nothing allocates, and all pointers refer to memory prepared before clone.
         unsafe {
+            if let Some(netns) = netns {
+                if libc::setns(netns, libc::CLONE_NEWNET) != 0 {
+                    let msg = b"dsec-edge: the agent could not join its network namespace\n";
+                    libc::write(log_fd, msg.as_ptr().cast(), msg.len());
+                    libc::_exit(126);
+                }
+            }
             // Into the sandbox's cgroups before anything runs ("0" = the writer): the
             // agent's cgroup namespace is rooted there.
             if !join_in_child(&cgroup_fds) {
@@ -289,13 +305,15 @@ fn spawn_container_agent(start: &ContainerStart<'_>) -> Result<Pid> {
         }
     });
     let mut stack = vec![0u8; 64 * 1024];
-    let flags = CloneFlags::CLONE_NEWNS
+    let mut flags = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWNET
         | CloneFlags::CLONE_VM
         | CloneFlags::CLONE_VFORK;
+    if start.netns.is_none() {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
     // SAFETY: the child only runs `child_main` (async-signal-safe calls, then execve or
     // _exit) on `stack`, which stays alive because this thread is suspended until the child
     // has exec'd or exited; it never returns into Rust code of the parent.

@@ -442,6 +442,10 @@ pub struct DaemonArgs {
     /// answers only names their policy allows.
     #[arg(long, value_name = "ADDR")]
     pub net_dns: Option<std::net::Ipv4Addr>,
+    /// Network namespaces (each with its veth on the bridge) kept ready for container
+    /// creates; 0 makes each create's veth during the create.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub net_veth_pool: usize,
     /// Internal: serve one layer-store image's mount from DIR (started by the daemon).
     #[arg(long, value_name = "DIR", hide = true)]
     pub serve_image: Option<PathBuf>,
@@ -560,6 +564,7 @@ impl DaemonArgs {
                     None => Default::default(),
                 },
                 resolver: self.net_dns,
+                veth_pool: self.net_veth_pool,
             }),
         };
         if let Some(control) = &self.control {

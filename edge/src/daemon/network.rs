@@ -94,12 +94,21 @@ impl Node {
                     "sandbox {id} has no network interface (a sandbox created before this node had a sandbox network, or restored from a snapshot of one, has none): create a new one"
                 )));
             };
-            tokio::task::spawn_blocking(move || net.set_policy(addr, &policy))
-                .await
-                .map_err(|e| NodeError::Internal(format!("network policy task failed: {e}")))?
-                .map_err(|e| {
-                    NodeError::Internal(format!("cannot apply the network policy: {e}"))
-                })?;
+            let asked = std::time::Instant::now();
+            tokio::task::spawn_blocking(move || {
+                let queued_us = asked.elapsed().as_micros() as u64;
+                let result = net.set_policy(addr, &policy);
+                // Where a live change waits before its own work (the benchmark reads this).
+                tracing::debug!(
+                    queued_us,
+                    applied_us = asked.elapsed().as_micros() as u64,
+                    "policy change applied"
+                );
+                result
+            })
+            .await
+            .map_err(|e| NodeError::Internal(format!("network policy task failed: {e}")))?
+            .map_err(|e| NodeError::Internal(format!("cannot apply the network policy: {e}")))?;
         }
         {
             let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());

@@ -17,6 +17,8 @@ const NLM_F_ACK: u16 = 0x4;
 const NLM_F_EXCL: u16 = 0x200;
 const NLM_F_CREATE: u16 = 0x400;
 const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_DUMP: u16 = 0x300;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
@@ -37,22 +39,34 @@ const RT_TABLE_MAIN: u8 = 254;
 const RTPROT_BOOT: u8 = 3;
 const RTN_UNICAST: u8 = 1;
 
-/// A netlink route socket, in the network namespace of the thread that opened it.
+/// A netlink socket (route, or netfilter for conntrack), in the network namespace of the
+/// thread that opened it.
+#[derive(Debug)]
 pub(super) struct Rtnl {
     fd: OwnedFd,
     seq: u32,
 }
 
 /// One request being built: header, fixed part, attributes (nested ones by offset).
-struct Message {
+pub(super) struct Message {
     buf: Vec<u8>,
 }
 
 impl Message {
-    fn new(kind: u16, flags: u16, fixed: &[u8]) -> Self {
+    /// A request the kernel acknowledges.
+    pub(super) fn new(kind: u16, flags: u16, fixed: &[u8]) -> Self {
+        Self::with_flags(kind, flags | NLM_F_ACK, fixed)
+    }
+
+    /// A dump request (its replies end with NLMSG_DONE).
+    pub(super) fn dump(kind: u16, fixed: &[u8]) -> Self {
+        Self::with_flags(kind, NLM_F_DUMP, fixed)
+    }
+
+    fn with_flags(kind: u16, flags: u16, fixed: &[u8]) -> Self {
         let mut buf = vec![0u8; 16];
         buf[4..6].copy_from_slice(&kind.to_ne_bytes());
-        buf[6..8].copy_from_slice(&(flags | NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+        buf[6..8].copy_from_slice(&(flags | NLM_F_REQUEST).to_ne_bytes());
         buf.extend_from_slice(fixed);
         let mut msg = Message { buf };
         msg.align();
@@ -65,7 +79,7 @@ impl Message {
         }
     }
 
-    fn attr(&mut self, kind: u16, data: &[u8]) -> &mut Self {
+    pub(super) fn attr(&mut self, kind: u16, data: &[u8]) -> &mut Self {
         let len = (4 + data.len()) as u16;
         self.buf.extend_from_slice(&len.to_ne_bytes());
         self.buf.extend_from_slice(&kind.to_ne_bytes());
@@ -81,19 +95,19 @@ impl Message {
     }
 
     /// Starts a nested attribute; [`Message::end`] writes its length.
-    fn begin(&mut self, kind: u16) -> usize {
+    pub(super) fn begin(&mut self, kind: u16) -> usize {
         let at = self.buf.len();
         self.attr(kind | NLA_F_NESTED, &[]);
         at
     }
 
-    fn end(&mut self, at: usize) {
+    pub(super) fn end(&mut self, at: usize) {
         let len = (self.buf.len() - at) as u16;
         self.buf[at..at + 2].copy_from_slice(&len.to_ne_bytes());
     }
 
     /// Appends raw bytes (a nested fixed part, such as the veth peer's ifinfomsg).
-    fn raw(&mut self, data: &[u8]) {
+    pub(super) fn raw(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
         self.align();
     }
@@ -113,18 +127,27 @@ fn failed(what: &str, e: io::Error) -> NetError {
 }
 
 impl Rtnl {
-    /// Opens a socket in the calling thread's network namespace.
+    /// Opens a route socket in the calling thread's network namespace.
     pub(super) fn open() -> Result<Self, NetError> {
+        Self::open_protocol(libc::NETLINK_ROUTE, "open a route socket")
+    }
+
+    /// Opens a netfilter socket (conntrack) in the calling thread's network namespace.
+    pub(super) fn open_netfilter() -> Result<Self, NetError> {
+        Self::open_protocol(libc::NETLINK_NETFILTER, "open a netfilter socket")
+    }
+
+    fn open_protocol(protocol: i32, what: &str) -> Result<Self, NetError> {
         // SAFETY: plain socket(2); the descriptor is owned right below.
         let fd = unsafe {
             libc::socket(
                 libc::AF_NETLINK,
                 libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
+                protocol,
             )
         };
         if fd < 0 {
-            return Err(failed("open a route socket", io::Error::last_os_error()));
+            return Err(failed(what, io::Error::last_os_error()));
         }
         // SAFETY: fd is a fresh descriptor nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -132,7 +155,17 @@ impl Rtnl {
     }
 
     /// Sends `msg` and waits for its acknowledgement.
-    fn call(&mut self, mut msg: Message, what: &str) -> Result<(), NetError> {
+    fn call(&mut self, msg: Message, what: &str) -> Result<(), NetError> {
+        self.exchange(msg, |_| {}).map_err(|e| failed(what, e))
+    }
+
+    /// Sends `msg`; hands the payload of each reply message to `each` until the
+    /// acknowledgement (or a dump's end): the kernel's error, if it sent one.
+    pub(super) fn exchange(
+        &mut self,
+        mut msg: Message,
+        mut each: impl FnMut(&[u8]),
+    ) -> Result<(), io::Error> {
         self.seq = self.seq.wrapping_add(1);
         let len = msg.buf.len() as u32;
         msg.buf[0..4].copy_from_slice(&len.to_ne_bytes());
@@ -147,9 +180,10 @@ impl Rtnl {
             )
         };
         if sent < 0 {
-            return Err(failed(what, io::Error::last_os_error()));
+            return Err(io::Error::last_os_error());
         }
-        let mut reply = [0u8; 8192];
+        // As large as the kernel's biggest dump message batch (32 KiB), so none is cut.
+        let mut reply = vec![0u8; 32 * 1024];
         loop {
             // SAFETY: receives into a buffer valid for its length.
             let got = unsafe {
@@ -165,7 +199,7 @@ impl Rtnl {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(failed(what, e));
+                return Err(e);
             }
             let got = got as usize;
             let mut at = 0;
@@ -181,13 +215,16 @@ impl Rtnl {
                 if mlen < 16 || at + mlen > got {
                     break;
                 }
-                if kind == NLMSG_ERROR && seq == self.seq && mlen >= 20 {
-                    let code = i32::from_ne_bytes(field(16).to_ne_bytes());
-                    return if code == 0 {
-                        Ok(())
-                    } else {
-                        Err(failed(what, io::Error::from_raw_os_error(-code)))
-                    };
+                if seq == self.seq {
+                    if (kind == NLMSG_ERROR || kind == NLMSG_DONE) && mlen >= 20 {
+                        let code = i32::from_ne_bytes(field(16).to_ne_bytes());
+                        return if code == 0 {
+                            Ok(())
+                        } else {
+                            Err(io::Error::from_raw_os_error(-code))
+                        };
+                    }
+                    each(&reply[at + 16..at + mlen]);
                 }
                 at += (mlen + 3) & !3;
             }
@@ -219,9 +256,11 @@ impl Rtnl {
         self.call(msg, &format!("create veth {host}"))
     }
 
-    /// Makes the bridge port `index` isolated (no frames to other isolated ports) and up.
-    pub(super) fn isolate_and_up(&mut self, index: u32) -> Result<(), NetError> {
-        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, IFF_UP, IFF_UP));
+    /// Makes the bridge port `index` isolated (no frames to other isolated ports), and up
+    /// if `up`.
+    pub(super) fn isolate(&mut self, index: u32, up: bool) -> Result<(), NetError> {
+        let flags = if up { IFF_UP } else { 0 };
+        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, flags, IFF_UP));
         let info = msg.begin(IFLA_LINKINFO);
         msg.name(IFLA_INFO_SLAVE_KIND, "bridge");
         let data = msg.begin(IFLA_INFO_SLAVE_DATA);
@@ -229,6 +268,14 @@ impl Rtnl {
         msg.end(data);
         msg.end(info);
         self.call(msg, "isolate the bridge port")
+    }
+
+    /// Renames the stopped link `index` to `name` and brings it up (one request: the kernel
+    /// renames before it changes the flags).
+    pub(super) fn rename_and_up(&mut self, index: u32, name: &str) -> Result<(), NetError> {
+        let mut msg = Message::new(RTM_NEWLINK, 0, &ifinfo(index as i32, IFF_UP, IFF_UP));
+        msg.name(IFLA_IFNAME, name);
+        self.call(msg, &format!("rename a pooled veth to {name}"))
     }
 
     pub(super) fn up(&mut self, index: u32) -> Result<(), NetError> {
@@ -295,6 +342,14 @@ pub(super) fn configure_inside(
     prefix: u8,
     gateway: Ipv4Addr,
 ) -> Result<(), NetError> {
+    let (mut rtnl, eth0) = open_inside(netns)?;
+    rtnl.add_address(eth0, addr, prefix)?;
+    rtnl.add_default_route(eth0, gateway)
+}
+
+/// A route socket inside the network namespace `netns` (it stays there: a socket's
+/// namespace is the one it was made in), with `lo` and `eth0` up; and `eth0`'s index.
+pub(super) fn open_inside(netns: &std::fs::File) -> Result<(Rtnl, u32), NetError> {
     let ns = netns
         .try_clone()
         .map_err(|e| failed("duplicate the namespace descriptor", e))?;
@@ -309,9 +364,8 @@ pub(super) fn configure_inside(
         let mut rtnl = Rtnl::open()?;
         rtnl.up(index_of("lo")?)?;
         let eth0 = index_of("eth0")?;
-        rtnl.add_address(eth0, addr, prefix)?;
         rtnl.up(eth0)?;
-        rtnl.add_default_route(eth0, gateway)
+        Ok((rtnl, eth0))
     })
     .join()
     .unwrap_or_else(|_| Err(NetError::Setup("the netlink thread panicked".into())))

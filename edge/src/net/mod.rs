@@ -13,10 +13,12 @@
 
 pub mod policy;
 
+mod conntrack;
 mod dns;
 mod libnft;
 mod link;
 mod nft;
+mod pool;
 mod tap;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -29,6 +31,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 pub use policy::{NamedPolicies, Policy, PolicyError, PolicyText, Rule};
+pub use pool::PooledNetns;
 pub use tap::{
     abandon_tap, attach_microvm, mark_if_networked, mark_snapshot_net_device, prepare_microvm,
     prepare_restore, prepare_resume, restore_override, snapshot_has_net_device,
@@ -63,6 +66,8 @@ pub struct NetConfig {
     /// The upstream resolver the DNS proxy asks (port 53); None: the host's first IPv4
     /// nameserver. Sandboxes never reach it themselves: their resolver is the proxy.
     pub resolver: Option<Ipv4Addr>,
+    /// Namespaces with their veth made ahead of container creates (`pool.rs`; 0: none).
+    pub veth_pool: usize,
 }
 
 /// Parses `A.B.C.D/LEN` for `--net-pool` (8 <= LEN <= 28, no host bits).
@@ -95,6 +100,8 @@ pub struct Network {
     changing: Mutex<()>,
     /// The proxy's sockets until [`Network::serve_dns`] takes them.
     dns_socket: Mutex<Option<dns::Sockets>>,
+    /// Namespaces with their veth made ahead of creates (`pool.rs`).
+    veth_pool: Arc<pool::VethPool>,
 }
 
 /// What the DNS proxy knows of a sandbox.
@@ -210,6 +217,7 @@ impl Network {
             sandboxes: Mutex::default(),
             changing: Mutex::default(),
             dns_socket: Mutex::new(Some(dns_socket)),
+            veth_pool: pool::VethPool::start(bridge.clone(), config.veth_pool),
         });
         let mut networks = NETWORKS.lock().unwrap_or_else(|e| e.into_inner());
         networks.retain(|n| n.strong_count() > 0);
@@ -358,6 +366,12 @@ impl Network {
         Ok((addr, rules))
     }
 
+    /// A network namespace with its veth ready, for a container's agent to join (then
+    /// [`Network::attach_pooled`]); None while the pool is empty.
+    pub fn take_netns(&self) -> Option<PooledNetns> {
+        self.veth_pool.take()
+    }
+
     /// Gives the sandbox whose agent is `pid` (PID 1 of its network namespace) an address,
     /// `eth0` with a default route through the bridge, and its policy. Recorded in
     /// `sandbox_dir` first, so [`release`] frees whatever was made if anything fails. Blocking.
@@ -367,11 +381,31 @@ impl Network {
         pid: i32,
         policy: &Policy,
     ) -> Result<Ipv4Addr, NetError> {
-        let (addr, rules) = self.claim(sandbox_dir, policy)?;
-        let veth = veth_name(addr);
         let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|e| {
             NetError::Setup(format!("open the network namespace of pid {pid}: {e}"))
         })?;
+        self.attach_links(sandbox_dir, Links::Make(netns), policy)
+    }
+
+    /// [`Network::attach`] for a sandbox whose agent joined `pooled`'s namespace: its veth
+    /// is there already; its host end gets the address's name and comes up. Blocking.
+    pub fn attach_pooled(
+        &self,
+        sandbox_dir: &Path,
+        pooled: PooledNetns,
+        policy: &Policy,
+    ) -> Result<Ipv4Addr, NetError> {
+        self.attach_links(sandbox_dir, Links::Pooled(pooled), policy)
+    }
+
+    fn attach_links(
+        &self,
+        sandbox_dir: &Path,
+        links: Links,
+        policy: &Policy,
+    ) -> Result<Ipv4Addr, NetError> {
+        let (addr, rules) = self.claim(sandbox_dir, policy)?;
+        let veth = veth_name(addr);
         let bridge = &self.bridge;
         // Rules and links in parallel: until the map entry exists the bridge drops the
         // sandbox's packets anyway.
@@ -380,13 +414,34 @@ impl Network {
             (nft::apply(rules), started.elapsed())
         });
         let started = Instant::now();
-        let host = link::Rtnl::open().and_then(|mut rtnl| {
-            rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
-            rtnl.isolate_and_up(link::index_of(&veth)?)
-        });
+        let pooled = matches!(links, Links::Pooled(_));
+        let (host, netns) = match links {
+            Links::Pooled(mut pooled) => {
+                let host = link::Rtnl::open()
+                    .and_then(|mut rtnl| rtnl.rename_and_up(pooled.host_index, &veth))
+                    .and_then(|()| {
+                        let eth0 = pooled.eth0;
+                        pooled.inside.add_address(eth0, addr, self.pool.1)?;
+                        pooled.inside.add_default_route(eth0, self.gateway)
+                    });
+                (host, None)
+            }
+            Links::Make(netns) => {
+                let host = link::Rtnl::open().and_then(|mut rtnl| {
+                    rtnl.add_veth(&veth, link::index_of(bridge)?, "eth0", &netns)?;
+                    rtnl.isolate(link::index_of(&veth)?, true)
+                });
+                (host, Some(netns))
+            }
+        };
+        if pooled {
+            self.veth_pool.refill();
+        }
         let host_us = started.elapsed().as_micros() as u64;
-        let inside =
-            host.and_then(|()| link::configure_inside(&netns, addr, self.pool.1, self.gateway));
+        let inside = host.and_then(|()| match &netns {
+            Some(netns) => link::configure_inside(netns, addr, self.pool.1, self.gateway),
+            None => Ok(()),
+        });
         let links_us = started.elapsed().as_micros() as u64;
         let (rules, rules_took) = rules.join().unwrap_or_else(|_| {
             (
@@ -399,6 +454,7 @@ impl Network {
             rules_us = rules_took.as_micros() as u64,
             host_links_us = host_us,
             links_us,
+            pooled,
             "network setup parts"
         );
         inside.and(rules)?;
@@ -415,8 +471,10 @@ impl Network {
             &policy::compile(&policy.deny)?,
             &policy.domain_specs(),
         );
+        let asked = Instant::now();
         let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
+        let lock_us = now.duration_since(asked).as_micros() as u64;
         let old = {
             let mut sandboxes = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
             let named = sandboxes.entry(addr).or_default();
@@ -464,6 +522,7 @@ impl Network {
         let mut cmds = nft::change_policy(&self.bridge, addr, &old.entries, &entries);
         cmds.extend(nft::add_resolved(&self.bridge, addr, &added));
         let removals = nft::remove_resolved(&self.bridge, addr, &gone);
+        let rules_started = Instant::now();
         let mut applied = nft::apply(cmds.iter().cloned().chain(removals.clone()).collect());
         if applied.is_err() && !removals.is_empty() {
             // A resolved address that timed out meanwhile cannot be deleted: each alone.
@@ -483,7 +542,16 @@ impl Network {
         }
         named.resolved = kept;
         drop(sandboxes);
+        let rules_us = rules_started.elapsed().as_micros() as u64;
+        let flush_started = Instant::now();
         flush_conntrack(addr);
+        // Where a live change's time goes (the benchmark reads these).
+        tracing::debug!(
+            lock_us,
+            rules_us,
+            conntrack_us = flush_started.elapsed().as_micros() as u64,
+            "policy change parts"
+        );
         Ok(())
     }
 
@@ -574,6 +642,7 @@ impl Network {
 
     /// Removes the table and the bridge (a clean stop with no sandbox left). Blocking.
     pub fn stop(&self) {
+        self.veth_pool.stop();
         if let Err(err) = nft::apply(nft::delete_table(&self.bridge)) {
             tracing::warn!(%err, "cannot remove the sandbox network's nftables table");
         }
@@ -621,6 +690,20 @@ impl Network {
             }
         }
         Err(NetError::PoolExhausted(count))
+    }
+}
+
+/// Where a sandbox's veth comes from.
+enum Links {
+    /// Made now, into the agent's own namespace.
+    Make(std::fs::File),
+    /// Made ahead, with the namespace the agent joined.
+    Pooled(PooledNetns),
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        self.veth_pool.stop();
     }
 }
 
@@ -690,14 +773,22 @@ fn remove_elements(table: &str, addr: Ipv4Addr, named: Option<Named>) {
     }
 }
 
-/// Deletes the connection tracking entries of connections the address opened.
+/// Deletes the connection tracking entries of connections the address opened: in this
+/// process (`conntrack.rs`), or through the `conntrack` program if that fails (a kernel
+/// without ctnetlink's dump filter).
 fn flush_conntrack(addr: Ipv4Addr) {
-    // Exit status 1 with "0 flow entries" when there were none.
-    let _ = Command::new("conntrack")
-        .args(["-D", "-s", &addr.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    match conntrack::delete_from(addr) {
+        Ok(_) => {}
+        Err(err) => {
+            tracing::debug!(%err, %addr, "conntrack through netlink failed; running the conntrack program");
+            // Exit status 1 with "0 flow entries" when there were none.
+            let _ = Command::new("conntrack")
+                .args(["-D", "-s", &addr.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
 }
 
 /// Runs `ip -batch -` with `commands`, in the network namespace `netns` if given.

@@ -84,11 +84,11 @@ done
 
 # A guest owns its kernel: taking another sandbox's address must not get it that one's policy.
 b=$(timeout $T dsec create --backend microvm --mem 128 --cold 2>/tmp/create.err)
-timeout $T dsec net set $a tcp:192.168.77.2 >/dev/null
-timeout $T dsec net set $b tcp:192.168.77.2:9090 >/dev/null
-reach $a '192.168.77.2 8081' >/dev/null
+set_a=$(timeout $T dsec net set $a tcp:192.168.77.2 2>&1; echo "rc=$?")
+set_b=$(timeout $T dsec net set $b tcp:192.168.77.2:9090 2>&1; echo "rc=$?")
+probe=$(timeout 60 dsec exec $a -- sh -c "nc -w 3 192.168.77.2 8081 </dev/null 2>&1; echo rc=\$?")
 before=$(syns)
-[ "${before:-0}" -ge 1 ] && ok probe-counts || bad probe-counts "the test host saw no SYN from $a on 8081"
+[ "${before:-0}" -ge 1 ] && ok probe-counts || bad probe-counts "the test host saw no SYN from $a on 8081: set $a: $set_a; set $b: $set_b; nc: $probe; conntrack: $(conntrack -L 2>&1 | tail -5); log: $(tail -8 /tmp/node.log)"
 timeout 60 dsec exec $b -- sh -c "ip addr flush dev eth0; ip addr add $aa/24 dev eth0; ip route add default via $gw; nc -w 3 192.168.77.2 8081 </dev/null" >/dev/null 2>&1
 after=$(syns)
 [ "$after" = "$before" ] && ok spoofed-source-dropped || bad spoofed-source-dropped "the test host got $((after - before)) SYNs from $b posing as $a"

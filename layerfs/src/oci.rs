@@ -90,11 +90,13 @@ pub fn connect(reference: &Reference, actions: &str) -> Result<Client> {
     Client::connect(&reference.registry, &reference.repo, actions)
 }
 
-/// A plain HTTP agent (statuses handled by the caller), e.g. to wait for a local registry.
+/// An HTTP(S) agent trusting the system CAs (statuses handled by the caller), e.g. to wait
+/// for a local registry.
 pub fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(3600)))
+        .tls_config(crate::registry::system_tls_config())
         .build()
         .into()
 }

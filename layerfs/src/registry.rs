@@ -4,7 +4,10 @@
 //! (anonymously, or with the credentials `docker login` stored in
 //! `$DOCKER_CONFIG/config.json` / `~/.docker/config.json`).
 
-use std::path::PathBuf;
+use std::collections::HashSet;
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -190,29 +193,139 @@ impl ClientOptions {
     }
 }
 
-fn tls_config(ca_file: Option<&PathBuf>) -> Result<ureq::tls::TlsConfig> {
-    let builder = ureq::tls::TlsConfig::builder().provider(ureq::tls::TlsProvider::NativeTls);
-    let roots = match ca_file {
-        Some(path) => {
-            let pem =
-                std::fs::read(path).map_err(|e| Error::io("reading the registry CA", path, e))?;
-            let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
-                .filter_map(|item| match item {
-                    Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
-                    _ => None,
-                })
-                .collect();
-            if certs.is_empty() {
-                return Err(Error::Invalid(format!(
-                    "{} (the registry CA file) holds no PEM certificate",
-                    path.display()
-                )));
-            }
-            ureq::tls::RootCerts::new_with_certs(&certs)
-        }
-        None => ureq::tls::RootCerts::PlatformVerifier,
+/// The distributions' CA bundles (Debian/Ubuntu/Alpine, Fedora/RHEL, others), as OpenSSL
+/// would find them.
+const SYSTEM_CA_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/cert.pem",
+];
+const SYSTEM_CA_DIR: &str = "/etc/ssl/certs";
+/// A CA file larger than this is not a CA file; it is skipped rather than read whole.
+const MAX_CA_FILE_BYTES: u64 = 16 << 20;
+
+/// The system's trusted CAs, found where OpenSSL looks: the bundle (`SSL_CERT_FILE`, else
+/// the distribution's) and every PEM file in `SSL_CERT_DIR` (default /etc/ssl/certs), so a
+/// private CA copied there is trusted even before the bundle is rebuilt. Unreadable or
+/// non-PEM files are skipped.
+pub fn system_root_certs() -> Vec<ureq::tls::Certificate<'static>> {
+    let bundle = std::env::var_os("SSL_CERT_FILE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            SYSTEM_CA_BUNDLES
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        });
+    let dirs: Vec<PathBuf> = match std::env::var_os("SSL_CERT_DIR") {
+        Some(list) => std::env::split_paths(&list).collect(),
+        None => vec![PathBuf::from(SYSTEM_CA_DIR)],
     };
-    Ok(builder.root_certs(roots).build())
+    root_certs_from(bundle.as_deref(), &dirs)
+}
+
+/// Certificates of `bundle` and of the files in `dirs`, each file read once (the hash links
+/// of a certificate directory point at the same files) and each certificate kept once.
+fn root_certs_from(
+    bundle: Option<&Path>,
+    dirs: &[PathBuf],
+) -> Vec<ureq::tls::Certificate<'static>> {
+    let mut files_read = HashSet::new();
+    let mut seen = HashSet::new();
+    let mut certs = Vec::new();
+    let mut add_file = |path: &Path| {
+        let Ok(real) = path.canonicalize() else {
+            return;
+        };
+        if !files_read.insert(real.clone()) {
+            return;
+        }
+        let Ok(file) = std::fs::File::open(&real) else {
+            return;
+        };
+        let mut pem = Vec::new();
+        if file
+            .take(MAX_CA_FILE_BYTES + 1)
+            .read_to_end(&mut pem)
+            .is_err()
+            || pem.len() as u64 > MAX_CA_FILE_BYTES
+        {
+            return;
+        }
+        for item in ureq::tls::parse_pem(&pem) {
+            if let Ok(ureq::tls::PemItem::Certificate(cert)) = item {
+                if seen.insert(cert.der().to_vec()) {
+                    certs.push(cert);
+                }
+            }
+        }
+    };
+    if let Some(bundle) = bundle {
+        add_file(bundle);
+    }
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let mut paths: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_file())
+            .collect();
+        paths.sort();
+        for path in paths {
+            add_file(&path);
+        }
+    }
+    certs
+}
+
+/// TLS on rustls with ring (as everywhere in the workspace), trusting `roots`.
+fn rustls_config(roots: ureq::tls::RootCerts) -> ureq::tls::TlsConfig {
+    ureq::tls::TlsConfig::builder()
+        .provider(ureq::tls::TlsProvider::Rustls)
+        .unversioned_rustls_crypto_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .root_certs(roots)
+        .build()
+}
+
+/// TLS trusting the system's CAs ([`system_root_certs`]).
+pub fn system_tls_config() -> ureq::tls::TlsConfig {
+    rustls_config(ureq::tls::RootCerts::new_with_certs(&system_root_certs()))
+}
+
+/// The error of an HTTPS attempt, with what to do when rustls refused a CA certificate
+/// served as the registry's own (what `openssl req -x509` makes without `-CA`).
+fn explain_tls_error(err: ureq::Error) -> String {
+    let text = err.to_string();
+    if text.contains("CaUsedAsEndEntity") {
+        format!(
+            "{text}: the registry serves a CA certificate as its own; serve a certificate \
+             signed by that CA (basicConstraints CA:FALSE) and trust the CA"
+        )
+    } else {
+        text
+    }
+}
+
+fn tls_config(ca_file: Option<&PathBuf>) -> Result<ureq::tls::TlsConfig> {
+    let Some(path) = ca_file else {
+        return Ok(system_tls_config());
+    };
+    let pem = std::fs::read(path).map_err(|e| Error::io("reading the registry CA", path, e))?;
+    let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
+        .filter_map(|item| match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+            _ => None,
+        })
+        .collect();
+    if certs.is_empty() {
+        return Err(Error::Invalid(format!(
+            "{} (the registry CA file) holds no PEM certificate",
+            path.display()
+        )));
+    }
+    Ok(rustls_config(ureq::tls::RootCerts::new_with_certs(&certs)))
 }
 
 fn agent(ca_file: Option<&PathBuf>) -> Result<ureq::Agent> {
@@ -240,7 +353,7 @@ impl Client {
     ) -> Result<Client> {
         let agent = agent(options.ca_file.as_ref())?;
         let https = format!("https://{host}/v2/");
-        let (scheme, resp) = match agent.get(&https).call() {
+        let (scheme, resp) = match agent.get(&https).call().map_err(explain_tls_error) {
             Ok(resp) => ("https", resp),
             // Loopback registries may speak plain HTTP (a local registry or mirror);
             // anything else must be TLS.

@@ -1,6 +1,6 @@
 //! Test support shared by this crate's and the CLI's tests: a real OCI registry (Debian's
 //! `docker-registry`) on 127.0.0.1 with its own config and storage, killed and removed on
-//! drop. Plain HTTP, TLS (a self-signed certificate for 127.0.0.1) with htpasswd Basic
+//! drop. Plain HTTP, TLS (a private CA's certificate for 127.0.0.1) with htpasswd Basic
 //! auth, or token auth: the registry trusts RS256 tokens from a small token server here
 //! (the flow of Docker Hub, GHCR and most hosted registries).
 
@@ -15,7 +15,7 @@ pub struct LocalRegistry {
     child: Child,
     /// `127.0.0.1:PORT`.
     pub addr: String,
-    /// The registry's self-signed certificate, when it speaks TLS.
+    /// The CA that signed the registry's certificate, when it speaks TLS.
     pub ca: Option<PathBuf>,
     dir: PathBuf,
     /// The token server of a token-auth registry.
@@ -71,28 +71,45 @@ impl LocalRegistry {
             return None;
         }
         let dir = Self::scratch();
-        let (cert, key, htpasswd) = (
+        let (ca, ca_key, cert, key, htpasswd) = (
+            dir.join("ca.pem"),
+            dir.join("ca.key"),
             dir.join("cert.pem"),
             dir.join("key.pem"),
             dir.join("htpasswd"),
         );
-        let out = Command::new("openssl")
-            .args([
-                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            ])
-            .args([
-                "-subj",
-                "/CN=127.0.0.1",
-                "-addext",
-                "subjectAltName=IP:127.0.0.1",
-            ])
-            .arg("-keyout")
-            .arg(&key)
-            .arg("-out")
-            .arg(&cert)
-            .output()
-            .expect("run openssl");
-        assert!(out.status.success(), "openssl: {out:?}");
+        // A private CA and a server certificate for 127.0.0.1 it signed (what a private
+        // registry has; rustls refuses a CA certificate as the server's own).
+        let openssl_req = |subject: &str, key: &Path, out: &Path, extra: &[&std::ffi::OsStr]| {
+            let status = Command::new("openssl")
+                .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+                .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "1"])
+                .args(["-subj", subject])
+                .args(extra)
+                .arg("-keyout")
+                .arg(key)
+                .arg("-out")
+                .arg(out)
+                .output()
+                .expect("run openssl");
+            assert!(status.status.success(), "openssl: {status:?}");
+        };
+        openssl_req("/CN=dsec-test-registry-ca", &ca_key, &ca, &[]);
+        openssl_req(
+            "/CN=127.0.0.1",
+            &key,
+            &cert,
+            &[
+                "-CA".as_ref(),
+                ca.as_os_str(),
+                "-CAkey".as_ref(),
+                ca_key.as_os_str(),
+                "-addext".as_ref(),
+                "subjectAltName=IP:127.0.0.1".as_ref(),
+                "-addext".as_ref(),
+                "basicConstraints=critical,CA:FALSE".as_ref(),
+            ],
+        );
         let out = Command::new("htpasswd")
             .args(["-Bbn", user, password])
             .output()
@@ -108,7 +125,7 @@ impl LocalRegistry {
             cert.display(),
             key.display()
         );
-        let reg = Self::spawn_in(dir, &extra, Some((tls, cert)));
+        let reg = Self::spawn_in(dir, &extra, Some((tls, ca)));
         reg.wait_listening();
         Some(reg)
     }

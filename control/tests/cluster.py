@@ -347,10 +347,7 @@ end-volume
         for n in NODES + ["n4"]:
             for root, dirs, _ in os.walk("/sys/fs/cgroup"):
                 if os.path.basename(root) == f"dsec-cluster-{n}":
-                    try:
-                        os.rmdir(root)
-                    except OSError:
-                        pass
+                    remove_cgroup_tree(root)
                     dirs[:] = []
                 elif root.count("/") > 8:
                     dirs[:] = []
@@ -360,6 +357,32 @@ end-volume
             print(f"logs kept in {self.dir}")
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove_cgroup_tree(top):
+    """Kills what still runs under the cgroup `top` (sandboxes of a node stopped by a failed
+    test outlive it, as they do a daemon restart) and removes its groups, deepest first."""
+    for _ in range(50):
+        pids = []
+        for root, _, files in os.walk(top):
+            if "cgroup.procs" in files:
+                try:
+                    pids += Path(root, "cgroup.procs").read_text().split()
+                except OSError:
+                    pass
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.1)
+    for root, _, _ in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
+        try:
+            os.rmdir(root)
+        except OSError:
+            pass
 
 
 HAVE_GLUSTER = shutil.which("glusterd") is not None

@@ -211,7 +211,16 @@ pub fn run(command: ControlCommand) -> ExitCode {
                     .filter(|a| !a.is_empty())
                     .map(str::to_string)
                     .collect();
-                crate::sim::serve(&prefix, count, first, capacity, control, tls_dir).await
+                crate::sim::serve(
+                    &prefix,
+                    count,
+                    first,
+                    capacity,
+                    control,
+                    tls_dir,
+                    Default::default(),
+                )
+                .await
             }
             ControlCommand::IssueNode { tls_dir, name, out } => {
                 pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;

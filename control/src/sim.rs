@@ -50,7 +50,7 @@ pub struct CallCount {
     pub create_manys: u64,
 }
 
-/// The calls every sim node of one [`serve_counted`] answered, by node name (tests check
+/// The calls every sim node of one [`serve`] answered, by node name (tests check
 /// how the apiserver talks to its nodes).
 #[derive(Debug, Default)]
 pub struct SimCalls(Mutex<BTreeMap<String, CallCount>>);
@@ -430,20 +430,9 @@ fn sim_node_tls(ca_dir: &Path, name: &str) -> Result<TlsDir, String> {
 
 /// Serves `count` sim nodes named `<prefix><i>` on consecutive ports from `first` and keeps
 /// them registered with `control`, until SIGINT/SIGTERM. `tls`: the cluster CA's directory
-/// (`ca.pem`, `ca.key`), for mTLS as real nodes use it.
+/// (`ca.pem`, `ca.key`), for mTLS as real nodes use it. Each node's
+/// calls are counted in `calls` (tests read them).
 pub async fn serve(
-    prefix: &str,
-    count: usize,
-    first: SocketAddr,
-    capacity: SimCapacity,
-    control: Vec<String>,
-    tls: Option<PathBuf>,
-) -> Result<(), String> {
-    serve_counted(prefix, count, first, capacity, control, tls, Arc::default()).await
-}
-
-/// [`serve`], counting each node's calls in `calls`.
-pub async fn serve_counted(
     prefix: &str,
     count: usize,
     first: SocketAddr,

@@ -79,7 +79,7 @@ async fn cluster_at(
         memory_mib: 100_000,
         disk_mib: 100_000,
     };
-    tokio::spawn(sim::serve_counted(
+    tokio::spawn(sim::serve(
         "s",
         3,
         first,

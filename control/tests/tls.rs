@@ -400,6 +400,7 @@ async fn a_node_certificate_cannot_call_another_nodes_api() {
         capacity,
         vec![addr.to_string()],
         Some(dir.path().join("ca")),
+        Default::default(),
     ));
     let registry = NodeRegistry::new(store);
     for _ in 0..250 {

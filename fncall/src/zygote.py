@@ -189,6 +189,14 @@ def run_python_here(path):
     os._exit(code)
 
 
+def report_start_failure(fail_w, e):
+    """Tells the parent, through the stage's failure pipe, why the stage could not start."""
+    try:
+        os.write(fail_w, ("cannot start the stage: %s" % e).encode())
+    except OSError:
+        pass
+
+
 def become_stage(stdin_fd, out_w, err_w, keep, uid):
     """In a stage's process: stdio on its pipes, no descriptor but `keep`, /work as its
     directory, the call's uid and seccomp filter."""
@@ -220,10 +228,7 @@ def fork_stage(stdin_fd, uid, then):
             become_stage(stdin_fd, out_w, err_w, (fail_w, GO_FD[0]), uid)
             then(fail_w)
         except BaseException as e:
-            try:
-                os.write(fail_w, ("cannot start the stage: %s" % e).encode())
-            except OSError:
-                pass
+            report_start_failure(fail_w, e)
         os._exit(127)
     os.close(out_w)
     os.close(err_w)
@@ -569,10 +574,7 @@ def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_
                 become_stage(stdin_fd, out_w, err_w, (fail_w, order_r), CALL_UID)
                 run_when_ordered(order_r, fail_w)
             except BaseException as e:
-                try:
-                    os.write(fail_w, ("cannot start the stage: %s" % e).encode())
-                except OSError:
-                    pass
+                report_start_failure(fail_w, e)
             os._exit(127)
         return pid
     finally:

@@ -188,6 +188,84 @@ pub fn populate(mem: &GuestMemory, guest_addr: u64, len: usize) {
     };
 }
 
+/// Maps the data of a restored guest's memory file into our page tables on a background
+/// thread (`MADV_POPULATE_READ`: read faults, nothing copied), so the restored guest's first
+/// touches find their pages mapped instead of each faulting through nested paging. Only the
+/// file's data ranges (`SEEK_DATA`/`SEEK_HOLE`): populating a hole would put a zero page into
+/// the page cache for it, up to the guest's whole size per VM where the snapshot holds tens of
+/// MiB. Best effort: a range the kernel refuses (before 5.14) or that is unmapped meanwhile
+/// is skipped.
+pub fn populate_data_in_background(mem: &GuestMemory, file: File, regions: &[RegionLayout]) {
+    let hosts: Vec<(RegionLayout, usize)> = mem
+        .iter()
+        .zip(regions)
+        .filter_map(|(region, layout)| {
+            let host = region.get_host_address(MemoryRegionAddress(0)).ok()?;
+            Some((*layout, host as usize))
+        })
+        .collect();
+    let _ = std::thread::Builder::new()
+        .name("populate".into())
+        .spawn(move || {
+            crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
+            populate_data(&file, &hosts);
+        });
+}
+
+fn populate_data(file: &File, hosts: &[(RegionLayout, usize)]) {
+    use std::os::unix::fs::MetadataExt;
+    let ranges = data_ranges(file, hosts);
+    // A file system that reports no holes (all data up to the end) would have every hole
+    // populated: only go on when the data found is what the file really holds on disk.
+    let allocated = file.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+    let found: u64 = ranges.iter().map(|&(_, len)| len as u64).sum();
+    if found > allocated + (2 << 20) {
+        return;
+    }
+    for (host, len) in ranges {
+        // SAFETY: the range lies inside one of our guest mappings (clipped to its region);
+        // POPULATE_READ faults pages in as a read would and never changes their contents,
+        // whatever is mapped there now.
+        unsafe { libc::madvise(host as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+    }
+}
+
+/// The (host address, length) of every data range of `file`, clipped to the regions it backs.
+fn data_ranges(file: &File, hosts: &[(RegionLayout, usize)]) -> Vec<(usize, usize)> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let end = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut out = Vec::new();
+    let mut offset: u64 = 0;
+    while offset < end {
+        // SAFETY: lseek on our own descriptor only moves its offset.
+        let data = unsafe { libc::lseek(fd, offset as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // ENXIO: no data after `offset`
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let (start, stop) = (data as u64, if hole < 0 { end } else { hole as u64 });
+        if stop <= start {
+            break;
+        }
+        for (layout, host) in hosts {
+            let (lo, hi) = (
+                start.max(layout.file_offset),
+                stop.min(layout.file_offset + layout.size),
+            );
+            if lo < hi {
+                out.push((
+                    host + (lo - layout.file_offset) as usize,
+                    (hi - lo) as usize,
+                ));
+            }
+        }
+        offset = stop;
+    }
+    out
+}
+
 /// Hands every region to KVM, optionally with dirty-page logging (for diff snapshots).
 pub fn register(vm: &VmFd, mem: &GuestMemory, dirty_log: bool) -> Result<(), MemoryError> {
     for (slot, region) in mem.iter().enumerate() {
@@ -457,6 +535,50 @@ mod tests {
         let l = layout_for(4 << 30);
         assert_eq!(l[0].file_offset, 0);
         assert_eq!(l[1].file_offset, l[0].size);
+    }
+
+    /// A KiB field (`Rss:`, `Anonymous:`) of the mapping that starts at `host`, from
+    /// /proc/self/smaps.
+    fn smaps_kib(host: usize, field: &str) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{host:x}-");
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+        lines.next().expect("the mapping is in smaps");
+        let line = lines.find(|l| l.starts_with(field)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn populate_maps_only_the_data_of_a_sparse_memory_file() {
+        use std::os::unix::fs::FileExt;
+        let size = 8u64 << 20;
+        let layout = layout_for(size);
+        let path = std::env::temp_dir().join(format!("dsec-mem-populate-{}", std::process::id()));
+        let file = File::create(&path).unwrap();
+        file.set_len(size).unwrap();
+        // Two runs of 4 pages with a hole of almost 8 MiB between them.
+        file.write_all_at(&[7u8; 4 * PAGE_SIZE], 0).unwrap();
+        file.write_all_at(&[9u8; 4 * PAGE_SIZE], 4 << 20).unwrap();
+        drop(file);
+        let mem = from_file(File::open(&path).unwrap(), &layout).unwrap();
+        let for_populate = File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let region = mem.iter().next().unwrap();
+        let host = region.get_host_address(MemoryRegionAddress(0)).unwrap() as usize;
+        assert_eq!(
+            smaps_kib(host, "Rss:"),
+            0,
+            "nothing is mapped before a touch"
+        );
+        populate_data(&for_populate, &[(layout[0], host)]);
+        assert_eq!(
+            smaps_kib(host, "Rss:"),
+            8 * PAGE_SIZE as u64 / 1024,
+            "the data pages are mapped, the hole is not"
+        );
+        assert_eq!(smaps_kib(host, "Anonymous:"), 0, "mapped, not copied");
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(4 << 20)).unwrap(), 9);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(2 << 20)).unwrap(), 0);
     }
 
     #[test]

@@ -331,6 +331,8 @@ fn restore_memory(
         path: base_path.clone(),
         source,
     })?;
+    // A second descriptor for the background populate (its offset moves with SEEK_DATA).
+    let for_populate = File::open(&base_path).ok();
     let mem = match into {
         Some(mem) => {
             memory::map_file_over(&mem, &base, &state.memory.regions)?;
@@ -338,6 +340,9 @@ fn restore_memory(
         }
         None => memory::from_file(base, &state.memory.regions)?,
     };
+    if let Some(file) = for_populate {
+        memory::populate_data_in_background(&mem, file, &state.memory.regions);
+    }
     let file_size = state.memory.file_size();
     for (diff_dir, diff_state) in &chain[1..] {
         let path = diff_dir.join(snapshot::MEMORY_FILE);

@@ -96,10 +96,15 @@ fn live_snapshot_holds_the_memory_of_its_pause_while_the_guest_writes_on() {
     vm.stop();
 
     // The snapshot restores to exactly that memory, and the guest sweeps on from there.
-    let snap = s.path("live2");
+    restores_exactly_and_sweeps_on(&s, &s.path("live2"), PAGES, last);
+}
+
+/// Restores a sweeping guest's snapshot paused, checks that its memory is exactly the
+/// snapshot's, resumes it and waits until it has swept on consistently past `last`.
+fn restores_exactly_and_sweeps_on(s: &Scratch, snap: &Path, pages: u32, last: u64) {
     let mut restored = Vmm::spawn(
         &["--restore", snap.to_str().unwrap(), "--paused"],
-        &s.path("api2.sock"),
+        &s.path("restored-api.sock"),
     );
     let same = s.path("same");
     restored.ok(serde_json::json!({"op": "snapshot", "path": same}));
@@ -112,7 +117,7 @@ fn live_snapshot_holds_the_memory_of_its_pause_while_the_guest_writes_on() {
     wait_until("the restored guest to sweep on consistently", || {
         let _ = std::fs::remove_dir_all(&later);
         restored.ok(serde_json::json!({"op": "snapshot", "path": later}));
-        sweep_consistency(&later.join("memory"), PAGES).unwrap() > last + 1
+        sweep_matches_registers(&later, pages).unwrap() > last + 1
     });
     restored.stop();
 }
@@ -176,25 +181,7 @@ fn precopied_snapshot_is_the_memory_of_its_pause_while_the_guest_writes_on() {
     );
 
     // The pre-copied snapshot restores to exactly its memory and the guest sweeps on.
-    let snap = s.path(&format!("pre{}", i - 1));
-    let mut restored = Vmm::spawn(
-        &["--restore", snap.to_str().unwrap(), "--paused"],
-        &s.path("api3.sock"),
-    );
-    let same = s.path("same");
-    restored.ok(serde_json::json!({"op": "snapshot", "path": same}));
-    assert!(
-        std::fs::read(snap.join("memory")).unwrap() == std::fs::read(same.join("memory")).unwrap(),
-        "the restored memory differs from the snapshot's"
-    );
-    restored.ok(serde_json::json!({"op": "resume"}));
-    let later = s.path("later");
-    wait_until("the restored guest to sweep on consistently", || {
-        let _ = std::fs::remove_dir_all(&later);
-        restored.ok(serde_json::json!({"op": "snapshot", "path": later}));
-        sweep_matches_registers(&later, PAGES).unwrap() > last + 1
-    });
-    restored.stop();
+    restores_exactly_and_sweeps_on(&s, &s.path(&format!("pre{}", i - 1)), PAGES, last);
 }
 
 #[test]

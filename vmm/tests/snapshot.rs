@@ -59,13 +59,7 @@ fn live_snapshot_holds_the_memory_of_its_pause_while_the_guest_writes_on() {
     // 64 MiB rewritten by every sweep: far more than the guest's short pause could write.
     const PAGES: u32 = 16 * 1024;
     let s = Scratch::new("live");
-    let mut vm = boot_guest_with_memory(&s, &sweeping_guest_code(PAGES), 128, &[]);
-    let probe = s.path("probe");
-    wait_until("the guest to finish two sweeps", || {
-        let _ = std::fs::remove_dir_all(&probe);
-        vm.ok(serde_json::json!({"op": "snapshot", "path": probe}));
-        sweep_consistency(&probe.join("memory"), PAGES).unwrap() >= 2
-    });
+    let mut vm = boot_sweeper(&s, PAGES);
     let mut short_pause = false;
     let mut last = 0;
     for i in 0..3 {
@@ -99,6 +93,18 @@ fn live_snapshot_holds_the_memory_of_its_pause_while_the_guest_writes_on() {
     restores_exactly_and_sweeps_on(&s, &s.path("live2"), PAGES, last);
 }
 
+/// Boots a 128 MiB guest sweeping `pages` pages and waits until it has swept twice.
+fn boot_sweeper(s: &Scratch, pages: u32) -> Vmm {
+    let mut vm = boot_guest_with_memory(s, &sweeping_guest_code(pages), 128, &[]);
+    let probe = s.path("probe");
+    wait_until("the guest to finish two sweeps", || {
+        let _ = std::fs::remove_dir_all(&probe);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": probe}));
+        sweep_consistency(&probe.join("memory"), pages).unwrap() >= 2
+    });
+    vm
+}
+
 /// Restores a sweeping guest's snapshot paused, checks that its memory is exactly the
 /// snapshot's, resumes it and waits until it has swept on consistently past `last`.
 fn restores_exactly_and_sweeps_on(s: &Scratch, snap: &Path, pages: u32, last: u64) {
@@ -128,13 +134,7 @@ fn precopied_snapshot_is_the_memory_of_its_pause_while_the_guest_writes_on() {
     // then the last dirty pages written in the pause.
     const PAGES: u32 = 64;
     let s = Scratch::new("precopy");
-    let mut vm = boot_guest_with_memory(&s, &sweeping_guest_code(PAGES), 128, &[]);
-    let probe = s.path("probe");
-    wait_until("the guest to finish two sweeps", || {
-        let _ = std::fs::remove_dir_all(&probe);
-        vm.ok(serde_json::json!({"op": "snapshot", "path": probe}));
-        sweep_consistency(&probe.join("memory"), PAGES).unwrap() >= 2
-    });
+    let mut vm = boot_sweeper(&s, PAGES);
     // Each snapshot must hold exactly the memory its vCPU state belongs to. Only those whose
     // guest wrote after the last pre-copy round test the final pass (on a loaded host the
     // vCPU may not run in that window): go on until three of them did.

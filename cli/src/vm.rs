@@ -312,12 +312,14 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             )
             .await?;
             println!(
-                "snapshot {} ({}): {} pages written, VM paused {:.1} ms, complete after {:.1} ms",
+                "snapshot {} ({}): {} pages written, VM paused {:.1} ms, complete after {:.1} ms, memory {:?} ({} pages for the pause instant)",
                 snapshot.display(),
                 if diff { "diff" } else { "full" },
                 r.pages_written,
                 r.paused_ms,
-                r.complete_ms
+                r.complete_ms,
+                r.memory_mode,
+                r.final_pages
             );
             Ok(0)
         }

@@ -13,6 +13,7 @@ mod fncall_vm;
 mod guest;
 mod kvmfloor;
 mod layerfs;
+mod live_snapshot;
 mod machine;
 mod net;
 mod node;
@@ -363,6 +364,20 @@ struct SnapArgs {
     /// Guest memory in the rig.
     #[arg(long, default_value_t = 256)]
     rig_mem_mib: u32,
+    /// Live full snapshots per contender of a running guest (the pause window of a fork's
+    /// parent; contenders alternate); 0 skips them.
+    #[arg(long, default_value_t = 9)]
+    live_samples: usize,
+    /// Guest memory of the live snapshots.
+    #[arg(long, default_value_t = 1024)]
+    live_mem_mib: u32,
+    /// Memory that guest touches (an idle busybox fork parent has ~48 MiB in use).
+    #[arg(long, default_value_t = 48)]
+    live_touch_mib: u32,
+    /// Another dsec-vmm build whose live snapshots alternate with ours (e.g. the build
+    /// before a change).
+    #[arg(long, value_name = "PATH")]
+    baseline_vmm: Option<PathBuf>,
     /// Keep the scratch directory (snapshot, stderr of every VMM).
     #[arg(long)]
     keep_workdir: bool,
@@ -768,6 +783,15 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
         settle: Duration::from_millis(a.settle_ms),
         workdir: workdir.clone(),
     };
+    let live = live_snapshot::bench(&live_snapshot::LiveOpts {
+        vmm: opts.vmm.clone(),
+        baseline_vmm: a.baseline_vmm.clone(),
+        samples: a.live_samples,
+        mem_mib: a.live_mem_mib,
+        touch_mib: a.live_touch_mib,
+        timeout: opts.timeout,
+        workdir: workdir.join("live"),
+    });
     let r = snapshot::bench(&opts);
     let dsec = a.dsec.clone().unwrap_or_else(|| {
         let beside = opts.vmm.with_file_name("dsec");
@@ -807,6 +831,8 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
     print!("{}", r.memory.table());
     println!();
     print!("{}", rig_restore.table());
+    println!();
+    print!("{}", live.table());
     if let Some(path) = &a.json {
         write_json(
             path,
@@ -818,7 +844,10 @@ fn snapshot_cmd(a: SnapArgs) -> Result<(), String> {
                     "children": a.children, "memory_vms": a.memory_vms, "mem_mib": a.mem_mib,
                     "touch_mib": a.touch_mib, "record_ms": a.record_ms, "settle_ms": a.settle_ms,
                     "rig_samples": a.rig_samples, "rig_mem_mib": a.rig_mem_mib,
+                    "live_samples": a.live_samples, "live_mem_mib": a.live_mem_mib,
+                    "live_touch_mib": a.live_touch_mib, "baseline_vmm": a.baseline_vmm,
                 },
+                "live": live.to_json(),
                 "restore": r.restore.to_json(),
                 "kvm": r.kvm.to_json(),
                 "fork": r.fork.to_json(),

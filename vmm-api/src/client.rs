@@ -242,6 +242,7 @@ mod tests {
                 diff: true,
                 paused_ms: 1.5,
                 complete_ms: 9.0,
+                ..Default::default()
             }))
         });
         let reply = client.snapshot(Path::new("/s"), true).unwrap();

@@ -104,7 +104,7 @@ pub struct StatusReply {
     pub lazy_prefetched: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotReply {
     pub pages_written: u64,
     pub diff: bool,
@@ -115,6 +115,58 @@ pub struct SnapshotReply {
     /// only then.
     #[serde(default)]
     pub complete_ms: f64,
+    /// How guest memory was written.
+    #[serde(default)]
+    pub memory_mode: SnapshotMemoryMode,
+    /// Where the pause went, step by step.
+    #[serde(default)]
+    pub pause_steps: PauseSteps,
+    /// Pre-copy: pages written per round while the guest ran (the first round is every
+    /// non-zero page); empty otherwise.
+    #[serde(default)]
+    pub precopy_rounds: Vec<u64>,
+    /// Pages written for the pause instant (pre-copy's last dirty set, a diff's pages, or
+    /// every non-zero page of a full snapshot written with the guest paused or forked).
+    #[serde(default)]
+    pub final_pages: u64,
+}
+
+/// How a snapshot's memory was written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotMemoryMode {
+    /// All of it with the guest paused (a paused VM, a lazily restored VM, a failed fork).
+    #[default]
+    Paused,
+    /// By a forked child holding a copy-on-write view of memory while the guest ran on.
+    CopyOnWrite,
+    /// Written while the guest ran, then the last dirty pages with the guest paused.
+    Precopy,
+    /// Pre-copy whose last dirty set stayed large: that set went through a forked child.
+    PrecopyCopyOnWrite,
+}
+
+/// Milliseconds spent in each step of a snapshot's pause (0: the step did not happen inside
+/// the pause). Their sum is close to `paused_ms`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PauseSteps {
+    /// vCPUs kicked out of KVM_RUN and parked, device threads stopped.
+    pub pause_ms: f64,
+    /// Snapshot directory and memory file created.
+    pub create_ms: f64,
+    /// vCPU, interrupt controller, PIT, clock and device state read.
+    pub state_ms: f64,
+    /// Memory writer prepared: file sized, dirty logs read (and reset).
+    pub prepare_ms: f64,
+    /// KVM's dirty log registered or cleared for the next diff.
+    pub dirty_log_ms: f64,
+    /// Memory written with the guest paused.
+    pub write_ms: f64,
+    /// The copy-on-write fork of the VMM.
+    pub fork_ms: f64,
+    /// Device threads and vCPUs resumed.
+    pub resume_ms: f64,
 }
 
 /// The balloon's target, actual size, the guest's statistics and the device's counters.

@@ -146,6 +146,8 @@ fn execute(vm: &Vm, request: Request) -> Vec<u8> {
                         diff: s.diff,
                         paused_ms: ms,
                         complete_ms: ms,
+                        final_pages: s.pages_written,
+                        ..Default::default()
                     }
                 }))
             } else {
@@ -154,6 +156,10 @@ fn execute(vm: &Vm, request: Request) -> Vec<u8> {
                     diff: s.summary.diff,
                     paused_ms: s.paused.as_secs_f64() * 1e3,
                     complete_ms: s.complete.as_secs_f64() * 1e3,
+                    memory_mode: s.mode,
+                    pause_steps: s.steps,
+                    precopy_rounds: s.precopy_rounds,
+                    final_pages: s.final_pages,
                 }))
             }
         }

@@ -333,47 +333,58 @@ impl MemoryWriter {
         file: &File,
         which: DumpPages<'_>,
     ) -> Result<MemoryWriter, MemoryError> {
-        use std::os::fd::AsRawFd;
-        let total: u64 = regions
-            .iter()
-            .map(|r| r.file_offset + r.size)
-            .max()
-            .unwrap_or(0);
-        file.set_len(total).map_err(MemoryError::Write)?;
-        let mut raw = Vec::new();
-        let mut dirty = matches!(which, DumpPages::Dirty(_)).then(Vec::new);
-        for (slot, (region, layout)) in mem.iter().zip(regions).enumerate() {
-            let host = region
-                .get_host_address(MemoryRegionAddress(0))
-                .map_err(|e| MemoryError::Write(std::io::Error::other(e.to_string())))?;
-            raw.push(RawRegion {
-                host,
-                len: region.len() as usize,
-                file_offset: layout.file_offset,
-            });
-            // The VMM's own writes (virtio rings, device data) are tracked here, not by KVM.
-            let bitmap: &AtomicBitmap = MmapRegion::bitmap(region);
-            if let (DumpPages::Dirty(vm), Some(list)) = (&which, dirty.as_mut()) {
-                let bits = vm
-                    .get_dirty_log(slot as u32, region.len() as usize)
-                    .map_err(MemoryError::DirtyLog)?;
-                let first = layout.file_offset / PAGE_SIZE as u64;
-                for page in 0..region.len() as usize / PAGE_SIZE {
-                    if (bits[page / 64] >> (page % 64)) & 1 == 1
-                        || bitmap.is_addr_set(page * PAGE_SIZE)
-                    {
-                        list.push(first + page as u64);
-                    }
-                }
+        size_file(regions, file)?;
+        match which {
+            DumpPages::Dirty(vm) => {
+                let pages = take_dirty_pages(mem, regions, vm)?;
+                MemoryWriter::these_pages(mem, regions, file, pages)
             }
-            // The next diff starts from here.
-            bitmap.reset();
+            DumpPages::All => {
+                // The next diff starts from here (KVM's log is the caller's to reset).
+                for region in mem.iter() {
+                    MmapRegion::bitmap(region).reset();
+                }
+                MemoryWriter::every_page(mem, regions, file)
+            }
         }
+    }
+
+    /// Writes every non-zero page of `mem` into `file` (already sized by [`size_file`]),
+    /// which the guest may be writing meanwhile: a page it writes is in the next
+    /// [`take_dirty_pages`], which must have been reset before this writer runs.
+    pub fn every_page(
+        mem: &GuestMemory,
+        regions: &[RegionLayout],
+        file: &File,
+    ) -> Result<MemoryWriter, MemoryError> {
+        use std::os::fd::AsRawFd;
         Ok(MemoryWriter {
             fd: file.as_raw_fd(),
-            regions: raw,
-            pages: dirty,
+            regions: raw_regions(mem, regions)?,
+            pages: None,
         })
+    }
+
+    /// Writes exactly `pages` (sorted file page numbers), zero or not, into `file` (already
+    /// sized by [`size_file`]): a page that became zero again overwrites what an earlier
+    /// pass wrote there.
+    pub fn these_pages(
+        mem: &GuestMemory,
+        regions: &[RegionLayout],
+        file: &File,
+        pages: Vec<u64>,
+    ) -> Result<MemoryWriter, MemoryError> {
+        use std::os::fd::AsRawFd;
+        Ok(MemoryWriter {
+            fd: file.as_raw_fd(),
+            regions: raw_regions(mem, regions)?,
+            pages: Some(pages),
+        })
+    }
+
+    /// How many pages a page list names (None: every non-zero page, unknown until written).
+    pub fn page_count(&self) -> Option<usize> {
+        self.pages.as_ref().map(Vec::len)
     }
 
     /// The file page numbers a diff writes (empty for a full snapshot).
@@ -400,12 +411,10 @@ impl MemoryWriter {
                 for r in &self.regions {
                     for page in 0..r.len / PAGE_SIZE {
                         // SAFETY: `page` < the region's page count, so the page lies inside
-                        // its live mapping; nothing writes it while we read (the VM is
-                        // paused, or this is a forked child's private copy).
+                        // its live mapping. A running guest may write it while we read (a
+                        // pre-copy pass): the page is then dirty and written again.
                         let host = unsafe { r.host.add(page * PAGE_SIZE) };
-                        // SAFETY: as above, PAGE_SIZE readable bytes at `host`.
-                        let bytes = unsafe { std::slice::from_raw_parts(host, PAGE_SIZE) };
-                        if is_zero(bytes) {
+                        if is_zero_page(host) {
                             continue;
                         }
                         run.add(self.fd, host, r.file_offset + (page * PAGE_SIZE) as u64)?;
@@ -426,6 +435,63 @@ impl MemoryWriter {
             // SAFETY: the offset lies inside this region (checked just above).
             .map(|r| unsafe { r.host.add((offset - r.file_offset) as usize) })
     }
+}
+
+/// Sizes a memory file to the whole layout (zero pages stay holes).
+pub fn size_file(regions: &[RegionLayout], file: &File) -> Result<(), MemoryError> {
+    let total: u64 = regions
+        .iter()
+        .map(|r| r.file_offset + r.size)
+        .max()
+        .unwrap_or(0);
+    file.set_len(total).map_err(MemoryError::Write)
+}
+
+fn raw_regions(mem: &GuestMemory, regions: &[RegionLayout]) -> Result<Vec<RawRegion>, MemoryError> {
+    mem.iter()
+        .zip(regions)
+        .map(|(region, layout)| {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(|e| MemoryError::Write(std::io::Error::other(e.to_string())))?;
+            Ok(RawRegion {
+                host,
+                len: region.len() as usize,
+                file_offset: layout.file_offset,
+            })
+        })
+        .collect()
+}
+
+/// The file pages written since the last call (or the last snapshot), sorted: KVM's dirty
+/// log (the guest's writes) and the VMM's own bitmap (device writes), both read and reset in
+/// one step each, so a write after that lands in the next call's set.
+pub fn take_dirty_pages(
+    mem: &GuestMemory,
+    regions: &[RegionLayout],
+    vm: &VmFd,
+) -> Result<Vec<u64>, MemoryError> {
+    let mut pages = Vec::new();
+    for (slot, (region, layout)) in mem.iter().zip(regions).enumerate() {
+        let count = region.len() as usize / PAGE_SIZE;
+        let guest = vm
+            .get_dirty_log(slot as u32, region.len() as usize)
+            .map_err(MemoryError::DirtyLog)?;
+        let device = MmapRegion::bitmap(region).get_and_reset();
+        let first = layout.file_offset / PAGE_SIZE as u64;
+        for word in 0..count.div_ceil(64) {
+            let mut bits =
+                guest.get(word).copied().unwrap_or(0) | device.get(word).copied().unwrap_or(0);
+            while bits != 0 {
+                let page = word * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if page < count {
+                    pages.push(first + page as u64);
+                }
+            }
+        }
+    }
+    Ok(pages)
 }
 
 /// Pages that are consecutive both in host memory and in the file, written in one call.
@@ -485,11 +551,23 @@ impl Run {
     }
 }
 
-/// Whether a page is all zeroes (word-wise: this runs over every page of a full snapshot).
-fn is_zero(bytes: &[u8]) -> bool {
-    // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets the aligned middle.
-    let (head, words, tail) = unsafe { bytes.align_to::<u64>() };
-    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+/// Whether the page at `page` is all zeroes. Read with volatile loads: during a pre-copy the
+/// guest may write the page meanwhile (a torn answer is fine, the page is then dirty and
+/// written again). Eight words per step: this runs over every page of a full snapshot.
+fn is_zero_page(page: *const u8) -> bool {
+    let words = page.cast::<u64>();
+    for chunk in (0..PAGE_SIZE / 8).step_by(8) {
+        let mut any = 0u64;
+        for i in chunk..chunk + 8 {
+            // SAFETY: `page` is a page-aligned page of a live guest mapping (the caller's
+            // contract), so every u64 of it is aligned and readable.
+            any |= unsafe { std::ptr::read_volatile(words.add(i)) };
+        }
+        if any != 0 {
+            return false;
+        }
+    }
+    true
 }
 
 /// Writes guest memory into `file` at each region's file offset, in the calling thread.

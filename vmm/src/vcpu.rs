@@ -223,6 +223,13 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
 
 impl VcpuHandle {
     /// Stops the vCPU at its next exit and waits until it is parked.
+    /// Asks the thread to park and kicks it out of KVM_RUN, without waiting (every vCPU
+    /// leaves the guest at once); [`VcpuHandle::pause`] then waits.
+    pub fn request_pause(&self) {
+        self.control.pause_requested.store(true, Ordering::SeqCst);
+        self.kick();
+    }
+
     pub fn pause(&self, timeout: Duration) -> Result<(), VcpuError> {
         self.control.pause_requested.store(true, Ordering::SeqCst);
         let deadline = std::time::Instant::now() + timeout;

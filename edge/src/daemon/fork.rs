@@ -45,12 +45,24 @@ impl Node {
         }
         let written = vmm_control::snapshot(&record, path.clone(), diff).await?;
         // How long the guest stood still for it (a fork's parent pause window, VMM-side).
+        let steps = &written.pause_steps;
         tracing::info!(
             sandbox = %id,
             paused_ms = written.paused_ms,
             complete_ms = written.complete_ms,
             pages = written.pages_written,
             diff,
+            memory = ?written.memory_mode,
+            final_pages = written.final_pages,
+            precopy_rounds = ?written.precopy_rounds,
+            step_pause_ms = steps.pause_ms,
+            step_create_ms = steps.create_ms,
+            step_state_ms = steps.state_ms,
+            step_prepare_ms = steps.prepare_ms,
+            step_dirty_log_ms = steps.dirty_log_ms,
+            step_write_ms = steps.write_ms,
+            step_fork_ms = steps.fork_ms,
+            step_resume_ms = steps.resume_ms,
             "snapshot written"
         );
         // What a later restore of it (Create.from_snapshot) takes from this sandbox.

@@ -188,6 +188,12 @@ kid=$(timeout $T dsec fork $big 2>>/tmp/create.err | grep -o 'sb-[a-z0-9]*' | he
 win=$(grep -o 'snapshot written.*' /tmp/node.log | tail -1 | tr -d '\033' | sed 's/\[[0-9;]*m//g')
 echo "fork of a 1 GiB guest: $win"
 echo "METRIC fork_parent_paused_ms_1g $(echo "$win" | grep -o 'paused_ms=[0-9.]*' | cut -d= -f2)"
+# Where that pause went (vCPU pause, state read, last dirty set, fork...).
+for step in pause state prepare dirty_log write fork resume; do
+    echo "METRIC fork_parent_step_${step}_ms_1g $(echo "$win" | grep -o "step_${step}_ms=[0-9.]*" | cut -d= -f2)"
+done
+echo "METRIC fork_parent_final_pages_1g $(echo "$win" | grep -o 'final_pages=[0-9]*' | cut -d= -f2)"
+echo "METRIC fork_parent_complete_ms_1g $(echo "$win" | grep -o 'complete_ms=[0-9.]*' | cut -d= -f2)"
 [ -n "$kid" ] && [ "$(timeout $T dsec exec $kid -- cat /root/p)" = parent ] \
     && [ "$(timeout $T dsec exec $kid -- hostname)" = "$kid" ] && [ "$(timeout $T dsec exec $big -- hostname)" = "$big" ] \
     && ok fork-1g-child || bad fork-1g-child "child '$kid' of '$big' (files, hostnames)"

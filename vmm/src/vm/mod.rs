@@ -350,13 +350,20 @@ impl Vm {
         self.vcpus.iter().all(VcpuHandle::is_paused)
     }
 
-    /// Stops every vCPU and device thread at a consistent point.
+    /// Stops every vCPU and device thread at a consistent point: all vCPUs first (nothing
+    /// in the guest can then start a device), each group asked at once and then waited for.
     pub fn pause(&self) -> Result<(), VmError> {
+        for vcpu in &self.vcpus {
+            vcpu.request_pause();
+        }
         for vcpu in &self.vcpus {
             vcpu.pause(Duration::from_secs(5))?;
         }
         for slot in &self.virtio {
-            lock(&slot.transport).pause_device()?;
+            lock(&slot.transport).request_device_pause()?;
+        }
+        for slot in &self.virtio {
+            lock(&slot.transport).wait_device_paused()?;
         }
         Ok(())
     }

@@ -78,6 +78,53 @@ pub fn sweep_consistency(memory: &Path, pages: u32) -> Result<u64, String> {
     Ok(counter.into())
 }
 
+/// vCPU 0's `(eax, ebx)` as saved in a snapshot's `state` (a 24-byte header, then JSON
+/// whose `kvm_regs` is its raw bytes: rax, rbx, ...).
+pub fn saved_eax_ebx(snap: &Path) -> (u32, u32) {
+    let bytes = std::fs::read(snap.join("state")).unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&bytes[24..]).unwrap();
+    let regs: Vec<u8> = state["vcpus"][0]["regs"]
+        .as_array()
+        .expect("regs as a byte array")
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    let reg = |i: usize| u32::from_le_bytes(regs[i * 8..i * 8 + 4].try_into().unwrap());
+    (reg(0), reg(1))
+}
+
+/// Checks a sweeping guest's snapshot against its own vCPU: the memory must be that of the
+/// instant its registers were read, exactly. With eax = counter + 1 the guest is sweeping
+/// and the pages below ebx hold eax (ebx's own page too if it was just written); with eax =
+/// counter no page is ahead. Returns the counter.
+pub fn sweep_matches_registers(snap: &Path, pages: u32) -> Result<u64, String> {
+    let counter = sweep_consistency(&snap.join("memory"), pages)?;
+    let bytes = std::fs::read(snap.join("memory")).unwrap();
+    let dword = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let ahead = (0..pages as usize)
+        .take_while(|&i| dword(SWEEP_BASE as usize + i * 0x1000) != counter as u32)
+        .count() as u32;
+    let (eax, ebx) = saved_eax_ebx(snap);
+    let end = SWEEP_BASE + pages * 0x1000;
+    let at = |ebx: u32| (ebx.clamp(SWEEP_BASE, end) - SWEEP_BASE) / 0x1000;
+    let ok = if eax == counter as u32 {
+        ahead == 0
+    } else if eax == counter as u32 + 1 {
+        // Right after `inc eax`, ebx still holds the previous sweep's end.
+        ahead == at(ebx) || ahead == at(ebx) + 1 || (ahead == 0 && ebx == end)
+    } else {
+        false
+    };
+    if ok {
+        Ok(counter)
+    } else {
+        Err(format!(
+            "memory holds counter {counter} with {ahead} pages ahead, the vCPU had eax {eax} \
+             ebx {ebx:#x}: the memory is not that of the pause"
+        ))
+    }
+}
+
 /// `mov eax, [from]; mov [to], eax`.
 pub fn copy_dword(from: u32, to: u32) -> Vec<u8> {
     let mut code = vec![0xa1];

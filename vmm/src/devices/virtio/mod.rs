@@ -192,9 +192,20 @@ pub trait VirtioDevice: AsAny + Send {
     fn queue_states(&self) -> Option<Vec<QueueState>> {
         self.common().worker.as_ref().map(Worker::queue_states)
     }
-    /// Stops touching guest memory (the VM is being snapshotted).
-    fn pause(&mut self) -> Result<(), PauseError> {
-        self.common().worker.as_ref().map_or(Ok(()), Worker::pause)
+    /// Asks the device to stop touching guest memory (the VM is being snapshotted) without
+    /// waiting, so that every device parks at once; [`VirtioDevice::wait_paused`] waits.
+    fn request_pause(&mut self) -> Result<(), PauseError> {
+        self.common()
+            .worker
+            .as_ref()
+            .map_or(Ok(()), Worker::request_pause)
+    }
+    /// Waits until a device asked to pause has stopped touching guest memory.
+    fn wait_paused(&mut self) -> Result<(), PauseError> {
+        self.common()
+            .worker
+            .as_ref()
+            .map_or(Ok(()), Worker::wait_paused)
     }
     fn resume(&mut self) {
         if let Some(worker) = &self.common().worker {

@@ -54,11 +54,22 @@ impl PauseHandshake {
 
     /// VMM side: asks the thread to park and waits until it has.
     pub fn pause(&self) -> Result<(), PauseError> {
+        self.request()?;
+        self.wait_parked()
+    }
+
+    /// VMM side: asks the thread to park without waiting (several devices park at once).
+    pub fn request(&self) -> Result<(), PauseError> {
         lock(&self.state).requested = true;
         self.wake.write(1).map_err(|source| PauseError::Wake {
             device: self.device,
             source,
         })?;
+        Ok(())
+    }
+
+    /// VMM side: waits until the thread asked by [`PauseHandshake::request`] has parked.
+    pub fn wait_parked(&self) -> Result<(), PauseError> {
         let guard = lock(&self.state);
         let (guard, _) = self
             .changed

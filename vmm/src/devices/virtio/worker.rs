@@ -146,9 +146,14 @@ impl Worker {
         })
     }
 
-    /// Parks the thread (it stops touching guest memory) and waits until it has.
-    pub fn pause(&self) -> Result<(), PauseError> {
-        self.pause.pause()
+    /// Asks the thread to park (it stops touching guest memory); see [`Worker::wait_paused`].
+    pub fn request_pause(&self) -> Result<(), PauseError> {
+        self.pause.request()
+    }
+
+    /// Waits until the thread asked to park has.
+    pub fn wait_paused(&self) -> Result<(), PauseError> {
+        self.pause.wait_parked()
     }
 
     pub fn resume(&self) {

@@ -238,6 +238,9 @@ pub fn discard(mem: &GuestMemory, addr: u64, len: u64) -> Result<(), BalloonErro
             source: std::io::Error::last_os_error(),
         });
     }
+    // The pages changed (to zeroes) without a write KVM or the VMM would log: a diff or a
+    // pre-copied snapshot must still write them.
+    vm_memory::MmapRegion::bitmap(region).set_addr_range(offset as usize, size as usize);
     Ok(())
 }
 

@@ -69,9 +69,18 @@ impl MmioTransport {
     }
 
     /// Stops the device thread touching guest memory (for a snapshot).
-    pub fn pause_device(&mut self) -> Result<(), PauseError> {
+    /// Asks an active device to park; [`MmioTransport::wait_device_paused`] waits for it.
+    pub fn request_device_pause(&mut self) -> Result<(), PauseError> {
         if self.activated {
-            self.device.pause()
+            self.device.request_pause()
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn wait_device_paused(&mut self) -> Result<(), PauseError> {
+        if self.activated {
+            self.device.wait_paused()
         } else {
             Ok(())
         }

@@ -172,9 +172,13 @@ impl VirtioDevice for Vsock {
         self.pause.as_ref().map(|p| p.queue_states())
     }
 
-    fn pause(&mut self) -> Result<(), PauseError> {
+    fn request_pause(&mut self) -> Result<(), PauseError> {
         // Not active: nothing touches guest memory.
-        self.pause.as_ref().map_or(Ok(()), |p| p.pause())
+        self.pause.as_ref().map_or(Ok(()), |p| p.request())
+    }
+
+    fn wait_paused(&mut self) -> Result<(), PauseError> {
+        self.pause.as_ref().map_or(Ok(()), |p| p.wait_parked())
     }
 
     fn resume(&mut self) {

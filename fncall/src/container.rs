@@ -170,7 +170,8 @@ impl WorkerFactory for ContainerFactory {
             language: key.language.as_str(),
             detail,
         };
-        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 3)
+        // The call's processes plus the zygote, the init forker, the next call's init and stage.
+        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 4)
             .map_err(|e| start_err(format!("cgroup: {e} (is this root?)")))?;
         let procs = cgroup
             .procs_files()

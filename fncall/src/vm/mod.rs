@@ -176,7 +176,7 @@ impl VmFactory {
         Self {
             settings,
             limits,
-            seccomp_hex: container::filters_hex(&filters),
+            seccomp_hex: container::filters_hex(&container::chained_filter(&filters)),
             own_dir,
             templates: tokio::sync::Mutex::new(HashMap::new()),
         }

@@ -103,14 +103,12 @@ pub fn call_uid(base: u32, pid: u32, n: u64) -> u32 {
 
 impl ContainerFactory {
     pub fn new(images_dir: PathBuf, limits: CallLimits) -> Self {
-        // A static list: it compiles or the build is broken (dsec-confine's tests check it).
-        let filters = dsec_confine::sandbox_filters().expect("the sandbox seccomp filter builds");
         crate::cgroup::sweep_stale();
         Self {
             images_dir,
             limits,
             uid_base: DEFAULT_UID_BASE,
-            seccomp_hex: filters_hex(&chained_filter(&filters)),
+            seccomp_hex: filters_hex(&[crate::filter::sandbox_program()]),
             network: None,
         }
     }
@@ -274,40 +272,6 @@ impl WorkerFactory for ContainerFactory {
             ))),
         }
     }
-}
-
-/// The filters as one program, so each process installs (and the kernel JIT-compiles) one
-/// filter instead of one per program (each install costs ~0.1 ms of CPU on a VM host): every
-/// "allow" answer of a program jumps to the start of the next one, so a call is allowed only
-/// if every program allows it, and the first program that refuses it answers. That is what
-/// installing them in turn gives as long as no system call is refused by two programs with
-/// different answers (the sandbox's: EPERM for its list, ENOSYS for clone3 alone, both the
-/// same answer for another architecture); longer than a filter may be: kept apart.
-pub(crate) fn chained_filter(filters: &[seccompiler::BpfProgram]) -> Vec<seccompiler::BpfProgram> {
-    const BPF_RET_K: u16 = 0x06;
-    const BPF_JMP_JA: u16 = 0x05;
-    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
-    const BPF_MAXINSNS: usize = 4096;
-    let total: usize = filters.iter().map(Vec::len).sum();
-    if filters.len() < 2 || total > BPF_MAXINSNS {
-        return filters.to_vec();
-    }
-    let mut chained = Vec::with_capacity(total);
-    let last = filters.len() - 1;
-    for (n, program) in filters.iter().enumerate() {
-        for (i, insn) in program.iter().enumerate() {
-            let mut insn = insn.clone();
-            if n < last && insn.code == BPF_RET_K && insn.k == SECCOMP_RET_ALLOW {
-                // To the next program's first instruction (jumps count from the next one).
-                insn.code = BPF_JMP_JA;
-                insn.jt = 0;
-                insn.jf = 0;
-                insn.k = (program.len() - i - 1) as u32;
-            }
-            chained.push(insn);
-        }
-    }
-    vec![chained]
 }
 
 /// BPF programs as the zygote installs them: each program's `sock_filter`s in native layout

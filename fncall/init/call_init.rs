@@ -1,5 +1,6 @@
-//! A container worker's call init: pid 1 of one call's fresh pid namespace, spawned by the
-//! zygote (a vfork + exec, no copy of the interpreter). It makes the call's mount namespace
+//! A container worker's call init: pid 1 of one call's fresh pid namespace, forked by the
+//! worker's init forker (this program started with `serve`, once per worker, by the zygote:
+//! no exec per call, no copy of the interpreter). It makes the call's mount namespace
 //! (tmpfs /tmp and /work, its /proc), installs the sandbox seccomp filter, reads the call's
 //! request from the engine itself, writes its files, runs the stages (python: the stage the
 //! zygote forked into this namespace ahead of the call; others: fork + exec here), enforces

@@ -3,7 +3,8 @@
 # at a time: start a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
 # tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
 # unprivileged uid and writes the result frame straight to the engine. Container workers
-# spawn the compiled init (INIT_PATH) and fork only the python stage; VM workers fork the
+# have each call's compiled init (INIT_PATH) forked by the worker's init forker (that
+# program, spawned once) and fork only the python stage; VM workers fork the
 # init from this zygote (call_init below). When the call init
 # exits, its pid namespace dies and takes every process of the call with it. The zygote was
 # started inside the worker's cgroup, so calls are born there (moving a process between
@@ -522,7 +523,8 @@ def prepare():
     return pid, go_w
 
 
-# Compiled-init mode. Per call: the init is spawned (pid 1 of a fresh pid namespace), makes
+# Compiled-init mode. Per call: the init is forked by the init forker (pid 1 of a fresh pid
+# namespace, this zygote its parent), makes
 # its mounts and says "r" on its socket; the python stage is forked from here into that pid
 # namespace and the init's mount namespace (pid 2 there), drops to the call's uid, filters
 # itself and waits for its order from the init. The zygote reaps the stage (its parent) and

@@ -103,14 +103,12 @@ pub fn call_uid(base: u32, pid: u32, n: u64) -> u32 {
 
 impl ContainerFactory {
     pub fn new(images_dir: PathBuf, limits: CallLimits) -> Self {
-        // A static list: it compiles or the build is broken (dsec-confine's tests check it).
-        let filters = dsec_confine::sandbox_filters().expect("the sandbox seccomp filter builds");
         crate::cgroup::sweep_stale();
         Self {
             images_dir,
             limits,
             uid_base: DEFAULT_UID_BASE,
-            seccomp_hex: filters_hex(&filters),
+            seccomp_hex: filters_hex(&[crate::filter::sandbox_program()]),
             network: None,
         }
     }
@@ -170,7 +168,8 @@ impl WorkerFactory for ContainerFactory {
             language: key.language.as_str(),
             detail,
         };
-        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 3)
+        // The call's processes plus the zygote, the init forker, the next call's init and stage.
+        let cgroup = CallCgroup::create(&crate::cgroup::group_name(n), self.limits.processes + 4)
             .map_err(|e| start_err(format!("cgroup: {e} (is this root?)")))?;
         let procs = cgroup
             .procs_files()

@@ -5,6 +5,7 @@ pub mod cgroup;
 pub mod container;
 pub mod engine;
 pub mod error;
+pub mod filter;
 pub mod grpc;
 pub mod network;
 pub mod request;

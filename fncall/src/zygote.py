@@ -3,7 +3,8 @@
 # at a time: start a call init (pid 1 of a fresh pid namespace, own mount namespace with fresh
 # tmpfs /tmp and /work, in the worker's call cgroup), which runs the stages as an
 # unprivileged uid and writes the result frame straight to the engine. Container workers
-# spawn the compiled init (INIT_PATH) and fork only the python stage; VM workers fork the
+# have each call's compiled init (INIT_PATH) forked by the worker's init forker (that
+# program, spawned once) and fork only the python stage; VM workers fork the
 # init from this zygote (call_init below). When the call init
 # exits, its pid namespace dies and takes every process of the call with it. The zygote was
 # started inside the worker's cgroup, so calls are born there (moving a process between
@@ -522,7 +523,8 @@ def prepare():
     return pid, go_w
 
 
-# Compiled-init mode. Per call: the init is spawned (pid 1 of a fresh pid namespace), makes
+# Compiled-init mode. Per call: the init is forked by the init forker (pid 1 of a fresh pid
+# namespace, this zygote its parent), makes
 # its mounts and says "r" on its socket; the python stage is forked from here into that pid
 # namespace and the init's mount namespace (pid 2 there), drops to the call's uid, filters
 # itself and waits for its order from the init. The zygote reaps the stage (its parent) and
@@ -548,8 +550,8 @@ SYS_PIDFD_GETFD = 438
 
 
 def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_fd):
-    """Forks the python stage into the init's namespaces (pid namespace: pending from
-    prepare's unshare; mount namespace: setns through the init's pidfd, then a chroot to the
+    """Forks the python stage into the init's namespaces (pid namespace and mount namespace:
+    setns through the init's pidfd; for the mount namespace, then a chroot to the
     init's root, whose descriptor is taken from the init: setns alone sets the namespace's
     first root, which is not the worker's image when the engine runs chrooted)."""
     init_fd = os.pidfd_open(init_pid)
@@ -559,7 +561,13 @@ def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_
         if root_fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, "pidfd_getfd of the init's root: %s" % os.strerror(err))
-        pid = os.fork()
+        check(libc.setns(init_fd, CLONE_NEWPID), "enter the call's pid namespace")
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if pid != 0:
+                check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
         if pid == 0:
             set_name(b"fncall-ready")
             try:
@@ -583,9 +591,23 @@ def fork_stage_into(init_pid, root_number, order_r, out_w, err_w, fail_w, stdin_
             os.close(root_fd)
 
 
-def spawn_init():
-    """Spawns the next call's init into a fresh pid namespace and, for python, forks its
-    stage into it. Returns (init pid, socket to it, stage pid or None)."""
+def start_forker():
+    """Spawns the worker's init forker (the compiled init in its serving mode): it forks each
+    call's init into a fresh pid namespace, a child of this zygote. Returns its socket."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs_fd = high_fd(theirs.detach())
+    try:
+        os.posix_spawn(INIT_PATH, [INIT_PATH, "serve", SECCOMP_HEX, str(WORK_KIB),
+                                   str(WORK_INODES), str(CALL_UID), LANG], {},
+                       file_actions=[(os.POSIX_SPAWN_DUP2, theirs_fd, 3)])
+    finally:
+        os.close(theirs_fd)
+    return mine
+
+
+def spawn_init(forker):
+    """Has the forker fork the next call's init (pid 1 of a fresh pid namespace) and, for
+    python, forks its stage into it. Returns (init pid, socket to it, stage pid or None)."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sources = [theirs.detach()]
     stage_ends = None
@@ -597,31 +619,34 @@ def spawn_init():
         stdin_fd = os.memfd_create("stdin")
         sources += [out_r, err_r, order_w, fail_r, os.dup(stdin_fd)]
         stage_ends = (order_r, out_w, err_w, fail_w, stdin_fd)
-    sources = [high_fd(fd) for fd in sources]
-    actions = [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(sources)]
-    check(libc.unshare(CLONE_NEWPID), "unshare pid namespace")
     try:
-        pid = os.posix_spawn(INIT_PATH, [INIT_PATH, SECCOMP_HEX, str(WORK_KIB), str(WORK_INODES),
-                                         str(CALL_UID), LANG], {}, file_actions=actions)
+        # The init gets them as its fds 3, 4, ...
+        socket.send_fds(forker, [b"c"], sources)
+        answer = forker.recv(4096)
+    finally:
         for fd in sources:
             os.close(fd)
-        ready = b""
-        try:
-            ready = mine.recv(4096)
-        except OSError:
-            pass
-        stage_pid = None
+    if answer[:1] != b"p":
         if stage_ends is not None:
-            if ready[:1] == b"r":
-                try:
-                    stage_pid = fork_stage_into(pid, int(ready[1:]), *stage_ends)
-                    send(mine, b"s")
-                except OSError as e:
-                    send(mine, b"n" + str(e).encode())
             for fd in stage_ends:
                 os.close(fd)
-    finally:
-        check(libc.setns(OWN_PID_NS, CLONE_NEWPID), "back to the zygote's pid namespace")
+        raise OSError("the init forker could not fork a call's init: %r" % answer[1:].decode(errors="replace"))
+    pid = int(answer[1:])
+    ready = b""
+    try:
+        ready = mine.recv(4096)
+    except OSError:
+        pass
+    stage_pid = None
+    if stage_ends is not None:
+        if ready[:1] == b"r":
+            try:
+                stage_pid = fork_stage_into(pid, int(ready[1:]), *stage_ends)
+                send(mine, b"s")
+            except OSError as e:
+                send(mine, b"n" + str(e).encode())
+        for fd in stage_ends:
+            os.close(fd)
     return pid, mine, stage_pid
 
 
@@ -639,8 +664,10 @@ def serve_with_compiled_init():
             ended[pid] = status
         return ended.pop(target)
 
+    forker = start_forker()
+
     def next_init():
-        pid, sock, stage_pid = spawn_init()
+        pid, sock, stage_pid = spawn_init(forker)
         if stage_pid is not None:
             stages[stage_pid] = sock
         return pid, sock, stage_pid

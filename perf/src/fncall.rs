@@ -28,6 +28,8 @@ pub struct FnOpts {
     pub run_samples: usize,
     pub concurrency: Vec<usize>,
     pub rounds: usize,
+    /// Each throughput round makes this many times its snippet's base number of calls.
+    pub round_scale: usize,
     pub python_workers: usize,
     /// Snippets to run (names as `Snippet::name`); empty: all.
     pub snippets: Vec<String>,
@@ -93,13 +95,14 @@ impl Snippet {
         }
     }
 
-    /// Calls per throughput round (C++ compiles: far fewer).
-    fn calls_per_round(self) -> usize {
-        match self {
-            Self::Print | Self::PrintFull => 400,
-            Self::Numpy => 200,
-            Self::Cpp => 24,
-        }
+    /// Calls per throughput round (C++ compiles: far fewer), times `scale`.
+    fn calls_per_round(self, scale: usize) -> usize {
+        scale.max(1)
+            * match self {
+                Self::Print | Self::PrintFull => 400,
+                Self::Numpy => 200,
+                Self::Cpp => 24,
+            }
     }
 }
 
@@ -409,9 +412,9 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
         method: format!(
             "{} rounds per contender; a round is N calls (print and print-full {}, numpy {}, cpp {}) by C concurrent callers, each with its own connection",
             o.rounds,
-            Snippet::Print.calls_per_round(),
-            Snippet::Numpy.calls_per_round(),
-            Snippet::Cpp.calls_per_round()
+            Snippet::Print.calls_per_round(o.round_scale),
+            Snippet::Numpy.calls_per_round(o.round_scale),
+            Snippet::Cpp.calls_per_round(o.round_scale)
         ),
         metrics: vec![
             metric("calls_per_s", "calls/s", "1/s"),
@@ -498,7 +501,7 @@ pub fn bench(o: &FnOpts) -> Result<FnResults, String> {
                                     let mut v: std::collections::BTreeMap<_, _> =
                                         [("calls_per_s", *rate)].into();
                                     if let Some((total, sys)) = used {
-                                        let calls = snippet.calls_per_round() as f64;
+                                        let calls = snippet.calls_per_round(o.round_scale) as f64;
                                         v.insert("cpu_ms_per_call", total * 1000.0 / calls);
                                         v.insert("sys_share", sys / total.max(1e-9));
                                     }
@@ -655,7 +658,7 @@ async fn throughput_round(
     c: usize,
     servers: &Servers,
 ) -> Result<f64, String> {
-    let total = snippet.calls_per_round();
+    let total = snippet.calls_per_round(o.round_scale);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut callers = Vec::new();
     for _ in 0..c {

@@ -159,6 +159,10 @@ struct FncallArgs {
     /// Throughput rounds per contender and concurrency.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
+    /// Multiplies the calls of each throughput round (print: 400 each), for longer
+    /// sustained rounds.
+    #[arg(long, default_value_t = 1)]
+    round_scale: usize,
     /// Python workers kept warm by the engine.
     #[arg(long, default_value_t = 8)]
     python_workers: usize,
@@ -1140,6 +1144,7 @@ fn fncall_cmd(a: FncallArgs) -> Result<(), String> {
         run_samples: a.run_samples,
         concurrency: a.concurrency.clone(),
         rounds: a.rounds,
+        round_scale: a.round_scale,
         python_workers: a.python_workers,
         snippets: a.snippets.clone(),
     };

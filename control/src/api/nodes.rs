@@ -212,12 +212,8 @@ impl RegistryApi {
 
 impl RegistryApi {
     /// The revoked apiserver certificates every reply to a node carries.
-    async fn revoked_apiservers(&self) -> Result<Vec<String>, Status> {
-        self.0
-            .apiserver_revocations
-            .entries()
-            .await
-            .map_err(|e| Status::new(crate::store_code(&e), e.to_string()))
+    async fn revoked_apiservers(&self) -> Vec<String> {
+        self.0.apiserver_revocations.entries().await
     }
 }
 
@@ -231,7 +227,7 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
-        let revoked_apiservers = self.revoked_apiservers().await?;
+        let revoked_apiservers = self.revoked_apiservers().await;
         let mut record = record_of(request.into_inner().node)?;
         record.cert_sha256 = fingerprint;
         let ttl = self.0.config.node_ttl;
@@ -254,7 +250,7 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
-        let revoked_apiservers = self.revoked_apiservers().await?;
+        let revoked_apiservers = self.revoked_apiservers().await;
         let mut request = request.into_inner();
         let running = request
             .node

@@ -96,6 +96,8 @@ pub async fn revoked_apiservers(
 pub struct ApiserverRevocations {
     store: Arc<dyn Store>,
     mirror: Arc<Mirror<RevokedApiserver>>,
+    /// The list as last read, for when the store cannot be read.
+    last: std::sync::Mutex<Vec<String>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -119,22 +121,25 @@ impl ApiserverRevocations {
         ApiserverRevocations {
             store,
             mirror,
+            last: Default::default(),
             task,
         }
     }
 
     /// The entries a node must refuse: from the copy while it is current, else from the
-    /// store (a node is never handed a list that misses a revocation the store holds).
-    pub async fn entries(&self) -> Result<Vec<String>, StoreError> {
+    /// store; when the store cannot be read either (an etcd member down), the last list
+    /// this replica handed out, so that a Register or Heartbeat never fails for it (a node
+    /// losing its lease over this list would be worse than one heartbeat with an old list).
+    pub async fn entries(&self) -> Vec<String> {
         let records = match self.mirror.under(keys::REVOKED_APISERVERS) {
-            Some(records) => records,
-            None => match revoked_apiservers(self.store.as_ref()).await {
-                Ok(records) => records,
-                Err(ApiserverRevocationError::Store(e)) => return Err(e),
-                Err(ApiserverRevocationError::BadEntry(_)) => Vec::new(),
-            },
+            Some(records) => Some(records),
+            None => revoked_apiservers(self.store.as_ref()).await.ok(),
         };
-        Ok(records.into_iter().map(|r| r.entry).collect())
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(records) = records {
+            *last = records.into_iter().map(|r| r.entry).collect();
+        }
+        last.clone()
     }
 }
 
@@ -156,20 +161,17 @@ mod tests {
 
     async fn the_list_follows_revokes_and_lifts(store: Arc<dyn Store>) {
         let copy = ApiserverRevocations::start(store.clone());
-        assert!(copy.entries().await.unwrap().is_empty());
+        assert!(copy.entries().await.is_empty());
         revoke_apiserver(store.as_ref(), "replica-a", "root")
             .await
             .unwrap();
         let fp = "1".repeat(64);
         revoke_apiserver(store.as_ref(), &fp, "root").await.unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while copy.entries().await.unwrap().len() < 2 && std::time::Instant::now() < deadline {
+        while copy.entries().await.len() < 2 && std::time::Instant::now() < deadline {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        assert_eq!(
-            copy.entries().await.unwrap(),
-            vec![fp.clone(), "replica-a".into()]
-        );
+        assert_eq!(copy.entries().await, vec![fp.clone(), "replica-a".into()]);
         assert!(lift_apiserver(store.as_ref(), "replica-a").await.unwrap());
         assert!(!lift_apiserver(store.as_ref(), "replica-a").await.unwrap());
         assert_eq!(revoked_apiservers(store.as_ref()).await.unwrap().len(), 1);

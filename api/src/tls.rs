@@ -28,7 +28,11 @@ pub use tokio_rustls::rustls::CertificateError;
 pub use tokio_rustls::server::TlsStream;
 
 mod connections;
+mod revoked;
 pub use connections::{Closable, Connections};
+pub use revoked::{
+    apiserver_replica_name, fingerprint, is_fingerprint, revoked_by, RevokedApiservers,
+};
 
 /// The name every apiserver certificate carries; nodes check apiservers against it, so they
 /// can reach an apiserver at any address.
@@ -290,12 +294,26 @@ impl TlsDir {
             .with_single_cert(chain, key)
             .map_err(|e| config_error(e.to_string()))?;
         config.alpn_protocols = vec![b"h2".to_vec()];
+        // No session resumption: a resumed session skips the client certificate check, so a
+        // certificate revoked since its first handshake would get back in.
+        config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        config.send_tls13_tickets = 0;
         Ok(TlsAcceptor::from(Arc::new(config)))
     }
 
     /// A node's API: the node's certificate; only apiservers' certificates let in.
     pub fn node_acceptor(&self) -> Result<TlsAcceptor, TlsError> {
         self.acceptor("node", false, apiserver_only())
+    }
+
+    /// A node's API in a cluster: [`node_acceptor`](Self::node_acceptor) that also refuses the
+    /// apiserver certificates `revoked` lists (serve with [`accept_closable`] on its
+    /// connections, so those open when the list changes are closed).
+    pub fn node_acceptor_with(
+        &self,
+        revoked: &Arc<RevokedApiservers>,
+    ) -> Result<TlsAcceptor, TlsError> {
+        self.acceptor("node", false, revoked.check())
     }
 
     /// A client of `role` calling a server that must prove it is `server_name`.

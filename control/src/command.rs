@@ -10,6 +10,7 @@ use dsec_api::tls::TlsDir;
 
 use crate::api::{self, ApiConfig, StoreConfig};
 use crate::pki::{self, PkiError};
+use crate::revocation;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct StoreArgs {
@@ -110,18 +111,53 @@ pub enum ControlCommand {
         #[arg(long, value_name = "DIR")]
         tls_dir: Option<PathBuf>,
     },
+    /// Issue apiserver replica NAME its own certificate from the cluster CA: writes
+    /// apiserver.pem, apiserver.key and ca.pem into --out (its `up --tls-dir`) and prints the
+    /// certificate's SHA-256 fingerprint. A replica with its own key can be revoked alone.
+    IssueApiserver {
+        #[command(flatten)]
+        issue: IssueArgs,
+        /// Another name or IP address clients reach this replica at (repeatable).
+        #[arg(long = "san", value_name = "NAME|IP")]
+        sans: Vec<String>,
+    },
+    /// Revoke an apiserver certificate cluster-wide (a replica's key leaked): every node
+    /// refuses it in its TLS handshake and closes its open connections within one heartbeat
+    /// interval (a third of the node TTL). Writes to the store directly; `--list` shows the
+    /// list, `--undo` lifts an entry.
+    RevokeApiserver {
+        #[command(flatten)]
+        store: StoreArgs,
+        /// The certificate's SHA-256 fingerprint (from `issue-apiserver`, or `openssl x509
+        /// -noout -fingerprint -sha256`), or a replica name (every certificate naming
+        /// NAME.apiserver.dsec).
+        #[arg(value_name = "NAME|FINGERPRINT", required_unless_present = "list")]
+        entry: Option<String>,
+        #[arg(long)]
+        undo: bool,
+        #[arg(long, conflicts_with = "entry")]
+        list: bool,
+    },
     /// Issue node NAME's certificate from the cluster CA: writes node.pem, node.key and
     /// ca.pem into --out, the node's `dsec up --tls-dir`.
     IssueNode {
-        /// The cluster's TLS directory (with ca.key).
-        #[arg(long, value_name = "DIR", default_value = "/var/lib/dsec/control/tls")]
-        tls_dir: PathBuf,
-        /// The node's name (its --node-name).
-        #[arg(long, value_name = "NAME")]
-        name: String,
-        #[arg(long, value_name = "DIR")]
-        out: PathBuf,
+        #[command(flatten)]
+        issue: IssueArgs,
     },
+}
+
+/// Where a certificate comes from and goes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct IssueArgs {
+    /// The cluster's TLS directory (with ca.key).
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/dsec/control/tls")]
+    pub tls_dir: PathBuf,
+    /// The node's name (its --node-name), or the apiserver replica's (1-32 of a-z, 0-9 and
+    /// '-'; its certificate also names NAME.apiserver.dsec).
+    #[arg(long, value_name = "NAME")]
+    pub name: String,
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
 }
 
 /// Runs a control command with logging on stderr; the exit code says how it went.
@@ -222,7 +258,62 @@ pub fn run(command: ControlCommand) -> ExitCode {
                 )
                 .await
             }
-            ControlCommand::IssueNode { tls_dir, name, out } => {
+            ControlCommand::IssueApiserver {
+                issue: IssueArgs { tls_dir, name, out },
+                sans,
+            } => {
+                let fingerprint = pki::issue_apiserver(&tls_dir, &out, &name, &sans)
+                    .map_err(|e| e.to_string())?;
+                println!("{fingerprint}");
+                eprintln!(
+                    "certificate of apiserver replica {name} written to {} (serve it with `up --tls-dir {}`); its SHA-256 fingerprint is above",
+                    out.display(),
+                    out.display()
+                );
+                Ok(())
+            }
+            ControlCommand::RevokeApiserver {
+                store,
+                entry,
+                undo,
+                list: _,
+            } => {
+                let store = store.config().open().await.map_err(|e| e.to_string())?;
+                let store = store.as_ref();
+                match entry {
+                    Some(entry) if undo => {
+                        let lifted = revocation::lift_apiserver(store, &entry)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        eprintln!(
+                            "{entry}: {}",
+                            if lifted { "revocation lifted" } else { "was not revoked" }
+                        );
+                    }
+                    Some(entry) => {
+                        let by = std::env::var("USER").unwrap_or_else(|_| "operator".into());
+                        let record = revocation::revoke_apiserver(store, &entry, &by)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        eprintln!(
+                            "{}: revoked; nodes refuse it from their next heartbeat",
+                            record.entry
+                        );
+                    }
+                    None => {
+                        for record in revocation::revoked_apiservers(store)
+                            .await
+                            .map_err(|e| e.to_string())?
+                        {
+                            println!("{}\t{}\t{}", record.entry, record.revoked_ms, record.by);
+                        }
+                    }
+                }
+                Ok(())
+            }
+            ControlCommand::IssueNode {
+                issue: IssueArgs { tls_dir, name, out },
+            } => {
                 pki::issue_node(&tls_dir, &out, &name).map_err(|e| e.to_string())?;
                 eprintln!(
                     "certificate of node {name} written to {} (start it with --tls-dir {})",

@@ -98,3 +98,10 @@ pub fn revoked_node(name: &str) -> String {
 }
 
 pub const REVOKED_NODES: &str = "/dsec/revoked-nodes/";
+
+/// A revoked apiserver certificate: its fingerprint or a replica name.
+pub fn revoked_apiserver(entry: &str) -> String {
+    format!("/dsec/revoked-apiservers/{entry}")
+}
+
+pub const REVOKED_APISERVERS: &str = "/dsec/revoked-apiservers/";

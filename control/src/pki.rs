@@ -114,14 +114,15 @@ fn check_names(names: &[String]) -> Result<(), PkiError> {
 }
 
 /// Signs a leaf certificate for `names` (server and client use) and writes `<role>.pem`,
-/// `<role>.key` and a copy of `ca.pem` into `out`.
+/// `<role>.key` and a copy of `ca.pem` into `out`; returns the certificate's SHA-256
+/// fingerprint.
 fn issue(
     ca_dir: &Path,
     out: &Path,
     role: &str,
     common_name: &str,
     names: Vec<String>,
-) -> Result<(), PkiError> {
+) -> Result<String, PkiError> {
     check_names(&names)?;
     let ca_key = KeyPair::from_pem(&read_file(&ca_dir.join("ca.key"))?)?;
     let ca_pem = read_file(&ca_dir.join("ca.pem"))?;
@@ -154,7 +155,7 @@ fn issue(
     if out != ca_dir {
         write_file(&out.join("ca.pem"), &ca_pem, 0o644)?;
     }
-    Ok(())
+    Ok(dsec_api::tls::fingerprint(cert.der()))
 }
 
 /// A new cluster CA in `dir` (refused if one is there) and the apiservers' certificate, valid
@@ -181,7 +182,37 @@ pub fn init(dir: &Path, extra_names: &[String]) -> Result<(), PkiError> {
         "127.0.0.1".to_string(),
     ];
     names.extend(extra_names.iter().cloned());
-    issue(dir, dir, "apiserver", "dsec apiserver", names)
+    issue(dir, dir, "apiserver", "dsec apiserver", names).map(drop)
+}
+
+/// Apiserver replica `name`'s own certificate, signed by the CA in `ca_dir` and written to `out`
+/// as `apiserver.pem`, `apiserver.key` and `ca.pem` (its `dsec control up --tls-dir OUT`):
+/// valid for `apiserver.dsec` (so nodes take it), `<name>.apiserver.dsec` (so it can be
+/// revoked by name), localhost, 127.0.0.1 and `extra_names`. Returns its SHA-256
+/// fingerprint.
+pub fn issue_apiserver(
+    ca_dir: &Path,
+    out: &Path,
+    name: &str,
+    extra_names: &[String],
+) -> Result<String, PkiError> {
+    if !crate::revocation::valid_replica_name(name) {
+        return Err(PkiError::BadName(name.to_string()));
+    }
+    let mut names = vec![
+        APISERVER_NAME.to_string(),
+        dsec_api::tls::apiserver_replica_name(name),
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+    ];
+    names.extend(extra_names.iter().cloned());
+    issue(
+        ca_dir,
+        out,
+        "apiserver",
+        &format!("dsec apiserver {name}"),
+        names,
+    )
 }
 
 /// A certificate for node `node` signed by the CA in `ca_dir`, written to `out` as
@@ -197,4 +228,5 @@ pub fn issue_node(ca_dir: &Path, out: &Path, node: &str) -> Result<(), PkiError>
         &format!("dsec node {node}"),
         vec![node_server_name(node)],
     )
+    .map(drop)
 }

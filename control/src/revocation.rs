@@ -6,11 +6,16 @@
 //! Heartbeat (a connection made before the revocation); a revocation also ends the node's registration, so the
 //! watcher marks its sandboxes lost and returns their quota.
 
+mod apiservers;
+pub use apiservers::{
+    lift_apiserver, revoke_apiserver, revoked_apiservers, valid_replica_name,
+    ApiserverRevocationError, ApiserverRevocations, RevokedApiserver,
+};
+
 use std::sync::Arc;
 
 use dsec_api::tls::{CertificateDer, Connections};
 use serde::{Deserialize, Serialize};
-use sha2::Digest;
 
 use crate::keys;
 use crate::now_ms;
@@ -86,16 +91,10 @@ impl From<RevocationError> for tonic::Status {
     }
 }
 
-/// The SHA-256 of a certificate's DER, lowercase hex.
-pub fn fingerprint(der: &[u8]) -> String {
-    sha2::Sha256::digest(der)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+pub use dsec_api::tls::fingerprint;
 
 fn check_fingerprint(text: &str) -> Result<(), RevocationError> {
-    if text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+    if dsec_api::tls::is_fingerprint(text) {
         Ok(())
     } else {
         Err(RevocationError::BadFingerprint(

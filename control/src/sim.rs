@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
-use dsec_api::tls::{TlsDir, APISERVER_NAME};
+use dsec_api::tls::{RevokedApiservers, TlsDir, APISERVER_NAME};
 use dsec_api::v1::network_labels_server::{NetworkLabels, NetworkLabelsServer};
 use dsec_api::v1::sandboxes_server::{Sandboxes, SandboxesServer};
 use dsec_api::v1::*;
@@ -353,7 +353,12 @@ fn unsupported(call: &str) -> Status {
 }
 
 /// Registers `node` with the apiservers and heartbeats until the task is dropped.
-async fn keep_registered(node: Arc<SimNode>, control: Vec<String>, tls: Option<TlsDir>) {
+async fn keep_registered(
+    node: Arc<SimNode>,
+    control: Vec<String>,
+    tls: Option<TlsDir>,
+    revoked: Arc<RevokedApiservers>,
+) {
     let mut next = 0usize;
     loop {
         let address = &control[next % control.len()];
@@ -378,6 +383,7 @@ async fn keep_registered(node: Arc<SimNode>, control: Vec<String>, tls: Option<T
                 .await
                 .map_err(|s| s.message().to_string())?
                 .into_inner();
+            revoked.update(lease.revoked_apiservers);
             let interval = Duration::from_millis(u64::from(lease.heartbeat_interval_ms).max(100));
             loop {
                 tokio::time::sleep(interval).await;
@@ -388,7 +394,9 @@ async fn keep_registered(node: Arc<SimNode>, control: Vec<String>, tls: Option<T
                     })
                     .await
                 {
-                    Ok(_) => {}
+                    Ok(reply) => {
+                        revoked.update(reply.into_inner().revoked_apiservers);
+                    }
                     Err(s) if s.code() == tonic::Code::NotFound => return Ok(()),
                     Err(s) => return Err(s.message().to_string()),
                 }
@@ -474,26 +482,37 @@ pub async fn serve(
         let router = tonic::transport::Server::builder()
             .add_service(SandboxesServer::new(SimApi(node.clone())))
             .add_service(NetworkLabelsServer::new(SimApi(node.clone())));
+        // Apiservers are refused until the first registration reply says which are revoked.
+        let revoked = RevokedApiservers::new(node_tls.is_none());
         match &node_tls {
             Some(node_tls) => {
-                let acceptor = node_tls.node_acceptor().map_err(|e| e.to_string())?;
+                let acceptor = node_tls
+                    .node_acceptor_with(&revoked)
+                    .map_err(|e| e.to_string())?;
+                let connections = revoked.connections();
                 tasks.spawn(async move {
                     let _ = router
-                        .serve_with_incoming(dsec_api::tls::accept(listener, acceptor))
+                        .serve_with_incoming(dsec_api::tls::accept_closable(
+                            listener,
+                            acceptor,
+                            connections,
+                        ))
                         .await;
                 });
             }
             None => {
                 tasks.spawn(async move {
+                    // No Nagle: a reply's second write would wait for the delayed ACK.
                     let _ = router
-                        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
-                            listener,
-                        ))
+                        .serve_with_incoming(
+                            tonic::transport::server::TcpIncoming::from(listener)
+                                .with_nodelay(Some(true)),
+                        )
                         .await;
                 });
             }
         }
-        tasks.spawn(keep_registered(node, control.clone(), node_tls));
+        tasks.spawn(keep_registered(node, control.clone(), node_tls, revoked));
     }
     println!(
         "{count} sim nodes on {first} and the {} ports after it",

@@ -51,20 +51,7 @@ async fn apiserver_with_store(dir: &Path) -> (SocketAddr, String, Arc<dyn Store>
 
 /// One more apiserver replica on `store`, with the TLS files in `dir/ca`.
 async fn replica(dir: &Path, store: Arc<dyn Store>) -> SocketAddr {
-    let listen = free_addr();
-    let config = ApiConfig {
-        listen,
-        tls: Some(TlsDir::new(dir.join("ca"))),
-        ..ApiConfig::default()
-    };
-    tokio::spawn(async move { api::serve(store, config).await });
-    for _ in 0..100 {
-        if tokio::net::TcpStream::connect(listen).await.is_ok() {
-            return listen;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the apiserver did not come up on {listen}");
+    replica_with(store, &dir.join("ca")).await
 }
 
 async fn connect(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<Channel, String> {
@@ -668,4 +655,194 @@ async fn a_revoked_nodes_open_connections_are_closed() {
         !n2_closed.load(Ordering::SeqCst),
         "n2's connection was closed too"
     );
+}
+
+/// One more apiserver replica on `store`, serving with the TLS files in `tls_dir`.
+async fn replica_with(store: Arc<dyn Store>, tls_dir: &Path) -> SocketAddr {
+    let listen = free_addr();
+    let config = ApiConfig {
+        listen,
+        tls: Some(TlsDir::new(tls_dir)),
+        ..ApiConfig::default()
+    };
+    tokio::spawn(async move { api::serve(store, config).await });
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(listen).await.is_ok() {
+            return listen;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the apiserver did not come up on {listen}");
+}
+
+/// Node `node` at `addr`, called directly with the apiserver certificate in `tls_dir`: Ok
+/// when it answered a List, Err(why) when it refused.
+async fn node_answers(addr: SocketAddr, tls_dir: &Path, node: &str) -> Result<(), String> {
+    let tls = TlsDir::new(tls_dir)
+        .client("apiserver", &format!("{node}.node.dsec"))
+        .unwrap();
+    let channel = connect(addr, Some(tls)).await?;
+    SandboxesClient::new(channel)
+        .list(ListSandboxesRequest::default())
+        .await
+        .map(drop)
+        .map_err(|status| format!("{}: {}", status.message(), error_chain(&status)))
+}
+
+/// Spawns sim node `n0` on `addr`, registering with `control`.
+fn sim_node(dir: &Path, addr: SocketAddr, control: SocketAddr) -> tokio::task::JoinHandle<()> {
+    let capacity = sim::SimCapacity {
+        sandboxes: 10,
+        vcpus: 40,
+        memory_mib: 40_960,
+        disk_mib: 81_920,
+    };
+    let ca = dir.join("ca");
+    tokio::spawn(async move {
+        let _ = sim::serve(
+            "n",
+            1,
+            addr,
+            capacity,
+            vec![control.to_string()],
+            Some(ca),
+            Default::default(),
+        )
+        .await;
+    })
+}
+
+/// Waits up to `limit` for `done`; how long it took.
+async fn within(limit: Duration, mut done: impl AsyncFnMut() -> bool) -> Option<Duration> {
+    let started = std::time::Instant::now();
+    while started.elapsed() < limit {
+        if done().await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// A revoked apiserver certificate (replica A's, its own key) is refused by the node within
+/// 5 s of the revocation (the list comes with the node's next heartbeat reply), A's open
+/// connection to the node is closed, replica B keeps working, and a restarted node refuses A
+/// from its registration on (also when A is revoked by name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_apiserver_certificate_is_refused_by_the_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b, token, store) = apiserver_with_store(dir.path()).await;
+    let a_tls = dir.path().join("replica-a");
+    let a_fingerprint =
+        pki::issue_apiserver(&dir.path().join("ca"), &a_tls, "replica-a", &[]).unwrap();
+    let a = replica_with(store.clone(), &a_tls).await;
+    let b_tls = dir.path().join("ca");
+    let node = sim::free_loopback_ports(1);
+    let mut serving = sim_node(dir.path(), node, b);
+    let registry = NodeRegistry::new(store.clone());
+    within(Duration::from_secs(5), async || {
+        registry.list().await.unwrap().len() == 1
+    })
+    .await
+    .expect("sim node n0 did not register");
+    within(Duration::from_secs(5), async || {
+        node_answers(node, &a_tls, "n0").await.is_ok()
+    })
+    .await
+    .expect("node n0 does not answer replica A before any revocation");
+
+    let client_tls = client_with_ca(&dir.path().join("ca/ca.pem")).unwrap();
+    let create_via = |addr: SocketAddr| {
+        let (client_tls, token) = (client_tls.clone(), token.clone());
+        async move {
+            let channel = connect(addr, Some(client_tls)).await.unwrap();
+            SandboxesClient::with_interceptor(channel, dsec_sdk_free_credentials(&token))
+                .create(CreateSandboxRequest {
+                    project: "acme".into(),
+                    image: "busybox".into(),
+                    ..Default::default()
+                })
+                .await
+        }
+    };
+    // Both replicas reach the node (A once its placer has seen it).
+    within(Duration::from_secs(5), async || create_via(a).await.is_ok())
+        .await
+        .expect("replica A cannot create on node n0 before any revocation");
+    create_via(b).await.unwrap();
+    // A connection replica A's certificate holds open to the node.
+    let a_client = TlsDir::new(&a_tls)
+        .client("apiserver", "n0.node.dsec")
+        .unwrap();
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let flag = flag.clone();
+        async move {
+            let tcp = tokio::net::TcpStream::connect(node).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(Watched { tcp, closed: flag }))
+        }
+    });
+    let held = Endpoint::from_shared(format!("https://{node}"))
+        .unwrap()
+        .tls_config(a_client)
+        .unwrap()
+        .connect_with_connector(connector)
+        .await
+        .unwrap();
+    SandboxesClient::new(held.clone())
+        .list(ListSandboxesRequest::default())
+        .await
+        .unwrap();
+
+    dsec_control::revocation::revoke_apiserver(store.as_ref(), &a_fingerprint, "test")
+        .await
+        .unwrap();
+    let took = within(Duration::from_secs(5), async || {
+        node_answers(node, &a_tls, "n0").await.is_err()
+    })
+    .await
+    .expect("node n0 still answers replica A's revoked certificate 5 s after the revocation");
+    eprintln!("node n0 refused replica A {took:?} after the revocation");
+    let refused = node_answers(node, &a_tls, "n0").await.unwrap_err();
+    assert_refused_in_handshake(&refused, &["CertificateRevoked"]);
+    within(Duration::from_secs(2), async || {
+        closed.load(Ordering::SeqCst)
+    })
+    .await
+    .expect("replica A's open connection to node n0 was not closed");
+    // Replica A's creates on the node fail with a status naming the node; B's still work.
+    let status = create_via(a).await.unwrap_err();
+    assert!(
+        status.message().contains("n0"),
+        "replica A's create: {status:?}"
+    );
+    create_via(b).await.unwrap();
+    node_answers(node, &b_tls, "n0").await.unwrap();
+
+    // A restarted node (no list yet) takes the list from its registration: A is refused
+    // (now revoked by name), B answers.
+    dsec_control::revocation::lift_apiserver(store.as_ref(), &a_fingerprint)
+        .await
+        .unwrap();
+    dsec_control::revocation::revoke_apiserver(store.as_ref(), "replica-a", "test")
+        .await
+        .unwrap();
+    serving.abort();
+    let _ = (&mut serving).await;
+    // The aborted node's listener closes as its tasks wind down.
+    within(Duration::from_secs(5), async || {
+        std::net::TcpListener::bind(node).is_ok()
+    })
+    .await
+    .expect("the stopped node's port stays taken");
+    serving = sim_node(dir.path(), node, b);
+    within(Duration::from_secs(5), async || {
+        node_answers(node, &b_tls, "n0").await.is_ok()
+    })
+    .await
+    .expect("restarted node n0 does not answer replica B");
+    let refused = node_answers(node, &a_tls, "n0").await.unwrap_err();
+    assert_refused_in_handshake(&refused, &["CertificateRevoked"]);
+    serving.abort();
 }

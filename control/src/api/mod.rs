@@ -43,7 +43,7 @@ use crate::iam::{Iam, IamCache, IssuedToken};
 use crate::placement::{NodeRegistry, Placer, DEFAULT_CHOICES};
 use crate::quota::{Quotas, Reserver};
 use crate::resources::Resources;
-use crate::revocation::NodeRevocations;
+use crate::revocation::{ApiserverRevocations, NodeRevocations};
 use crate::store::{EmbeddedStore, EtcdStore, PutBatcher, Store, StoreError};
 use crate::watcher::Watcher;
 
@@ -110,6 +110,8 @@ pub struct Shared {
     pub nodes: NodeChannels,
     /// Revoked node certificates, followed by a watch.
     pub revocations: NodeRevocations,
+    /// Revoked apiserver certificates, handed to nodes in Register and Heartbeat replies.
+    pub apiserver_revocations: ApiserverRevocations,
     pub config: ApiConfig,
     /// The project of each sandbox this replica has seen (sandboxes never change project).
     projects: auth::ProjectCache,
@@ -137,6 +139,7 @@ impl Shared {
             registry: NodeRegistry::new(store.clone()),
             nodes: NodeChannels::new(placer.clone(), config.tls.clone()),
             revocations: NodeRevocations::start(store.clone()),
+            apiserver_revocations: ApiserverRevocations::start(store.clone()),
             placer,
             store,
             config,
@@ -242,7 +245,9 @@ pub async fn serve(store: Arc<dyn Store>, config: ApiConfig) -> Result<(), Strin
         None => {
             router
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    // No Nagle: a reply's second write would wait for the caller's delayed
+                    // ACK (~40 ms).
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
                     shutdown,
                 )
                 .await

@@ -84,6 +84,33 @@ impl NodeChannels {
     }
 }
 
+/// A node call that ended without an answer because the connection failed under it
+/// (CANCELLED, or UNKNOWN with a transport cause: the node refused this apiserver's
+/// certificate in the handshake, or went away) as UNAVAILABLE naming the node and what to
+/// check; a create then tries another node. The node's own statuses pass unchanged.
+pub(super) fn unanswered(node: &str, status: Status) -> Status {
+    let cause = std::error::Error::source(&status);
+    let transport = match status.code() {
+        tonic::Code::Cancelled => true,
+        tonic::Code::Unknown => cause.is_some(),
+        _ => false,
+    };
+    if !transport {
+        return status;
+    }
+    let why = match cause {
+        Some(cause) => format!(
+            "{}: {}",
+            status.message(),
+            dsec_api::tls::error_chain(cause)
+        ),
+        None => status.message().to_string(),
+    };
+    Status::unavailable(format!(
+        "node {node} closed the connection without answering ({why}): if this apiserver's certificate was revoked (`dsec control revoke-apiserver`) every node refuses it, use another replica; else the node is restarting"
+    ))
+}
+
 pub(super) fn resources_of(r: Option<pb::Resources>) -> Resources {
     let r = r.unwrap_or_default();
     Resources::new(r.sandboxes, r.vcpus, r.memory_mib, r.disk_mib)
@@ -183,6 +210,13 @@ impl RegistryApi {
     }
 }
 
+impl RegistryApi {
+    /// The revoked apiserver certificates every reply to a node carries.
+    async fn revoked_apiservers(&self) -> Vec<String> {
+        self.0.apiserver_revocations.entries().await
+    }
+}
+
 #[tonic::async_trait]
 impl Registry for RegistryApi {
     async fn register(
@@ -193,6 +227,7 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
+        let revoked_apiservers = self.revoked_apiservers().await;
         let mut record = record_of(request.into_inner().node)?;
         record.cert_sha256 = fingerprint;
         let ttl = self.0.config.node_ttl;
@@ -203,6 +238,7 @@ impl Registry for RegistryApi {
             lease_id: lease,
             ttl_seconds: ttl.as_secs() as u32,
             heartbeat_interval_ms: (ttl.as_millis() / 3) as u32,
+            revoked_apiservers,
         }))
     }
 
@@ -214,6 +250,7 @@ impl Registry for RegistryApi {
         let fingerprint = self
             .check_node(&request, name.as_deref().unwrap_or_default())
             .await?;
+        let revoked_apiservers = self.revoked_apiservers().await;
         let mut request = request.into_inner();
         let running = request
             .node
@@ -240,6 +277,7 @@ impl Registry for RegistryApi {
         Ok(Response::new(pb::HeartbeatResponse {
             cordoned: admin.cordoned,
             draining: admin.draining,
+            revoked_apiservers,
         }))
     }
 

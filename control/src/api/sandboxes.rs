@@ -10,8 +10,8 @@ use dsec_api::v1::*;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use super::auth;
 use super::Shared;
+use super::{auth, nodes};
 use crate::iam::{Action, ProjectPath};
 use crate::placement::{Attempt, Backend as PlacedBackend, PlacementRequest};
 use crate::resources::Resources;
@@ -156,7 +156,8 @@ impl SandboxesApi {
                 Ok(channel) => SandboxesClient::new(channel)
                     .create(request)
                     .await
-                    .map(Response::into_inner),
+                    .map(Response::into_inner)
+                    .map_err(|status| nodes::unanswered(node, status)),
                 Err(status) => Err(status),
             }
         };

@@ -43,7 +43,7 @@ use dsec_api::v1::ports_server::PortsServer;
 use dsec_api::v1::process_server::ProcessServer;
 use dsec_api::v1::sandboxes_server::SandboxesServer;
 use dsec_api::v1::sessions_server::SessionsServer;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::backend::BackendKind;
 use crate::error::EdgeError;
@@ -263,6 +263,7 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         }
         tracing::info!("stopping; sandboxes keep running and are adopted by the next daemon");
     };
+    let revoked_apiservers = dsec_api::tls::RevokedApiservers::new(config.registration.is_none());
     if let Some(addr) = config.listen_tcp {
         let tcp = tokio::net::TcpListener::bind(addr)
             .await
@@ -270,25 +271,37 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
         // Anyone who can reach the TCP address may call it: private ports need the token.
         // With the cluster's TLS only apiservers can (their certificate's role is checked in
         // the handshake: another node's certificate of the same CA is refused).
+        // In a cluster the apiservers' revoked certificates are refused too (the list comes
+        // with every registration reply; none is trusted before the first).
         let acceptor = match &config.tls {
             Some(tls) => Some(
-                tls.node_acceptor()
+                tls.node_acceptor_with(&revoked_apiservers)
                     .map_err(|e| EdgeError::InvalidSpec(e.to_string()))?,
             ),
             None => None,
         };
+        let connections = revoked_apiservers.connections();
         tracing::info!(%addr, tls = acceptor.is_some(), "API on tcp");
         let server = router(tonic::transport::Server::builder(), true);
         tokio::spawn(async move {
             let served = match acceptor {
                 Some(acceptor) => {
                     server
-                        .serve_with_incoming(dsec_api::tls::accept(tcp, acceptor))
+                        .serve_with_incoming(dsec_api::tls::accept_closable(
+                            tcp,
+                            acceptor,
+                            connections,
+                        ))
                         .await
                 }
                 None => {
+                    // Replies go out at once (Nagle would hold a reply's second write for
+                    // the caller's delayed ACK, ~40 ms).
                     server
-                        .serve_with_incoming(TcpListenerStream::new(tcp))
+                        .serve_with_incoming(
+                            tonic::transport::server::TcpIncoming::from(tcp)
+                                .with_nodelay(Some(true)),
+                        )
                         .await
                 }
             };
@@ -299,7 +312,12 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     }
     let lease = std::sync::Arc::new(registration::Lease::default());
     if let Some(cluster) = config.registration.clone() {
-        tokio::spawn(registration::run(node.clone(), cluster, lease.clone()));
+        tokio::spawn(registration::run(
+            node.clone(),
+            cluster,
+            lease.clone(),
+            revoked_apiservers,
+        ));
     }
     tracing::info!(socket = %socket.display(), sandboxes = node.count(), "dsec-edge ready");
     println!("dsec-edge ready on unix:{}", socket.display());

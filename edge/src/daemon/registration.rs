@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use dsec_api::node::v1 as pb;
 use dsec_api::node::v1::registry_client::RegistryClient;
-use dsec_api::tls::{error_chain, TlsDir, APISERVER_NAME};
+use dsec_api::tls::{error_chain, RevokedApiservers, TlsDir, APISERVER_NAME};
 use tonic::transport::{Channel, Endpoint};
 
 use super::node::Node;
@@ -161,12 +161,17 @@ pub fn node_info(node: &Node, registration: &Registration) -> pb::NodeInfo {
 }
 
 /// Registers and heartbeats until the process ends.
-pub async fn run(node: Arc<Node>, registration: Registration, lease: Arc<Lease>) {
+pub async fn run(
+    node: Arc<Node>,
+    registration: Registration,
+    lease: Arc<Lease>,
+    revoked: Arc<RevokedApiservers>,
+) {
     let mut next = 0usize;
     loop {
         let address = registration.control[next % registration.control.len()].clone();
         next += 1;
-        match serve_one(&node, &registration, &address, &lease).await {
+        match serve_one(&node, &registration, &address, &lease, &revoked).await {
             Ok(()) => {}
             Err(why) => {
                 tracing::warn!(apiserver = %address, %why, "cluster registration: trying the next apiserver");
@@ -183,6 +188,7 @@ async fn serve_one(
     registration: &Registration,
     address: &str,
     lease: &Lease,
+    revoked: &RevokedApiservers,
 ) -> Result<(), String> {
     let channel = endpoint(address, registration.tls.as_ref())?
         .connect()
@@ -210,6 +216,7 @@ async fn serve_one(
             }
         })?
         .into_inner();
+    note_revoked(revoked, registered.revoked_apiservers);
     *lease.current.lock().unwrap_or_else(|e| e.into_inner()) =
         Some((registered.lease_id, channel.clone()));
     tracing::info!(apiserver = %address, lease = registered.lease_id, ttl_s = registered.ttl_seconds, "registered with the cluster");
@@ -226,6 +233,7 @@ async fn serve_one(
             Ok(reply) => {
                 let reply = reply.into_inner();
                 DRAINING.store(reply.draining, Ordering::Relaxed);
+                note_revoked(revoked, reply.revoked_apiservers);
             }
             Err(status) if status.code() == tonic::Code::NotFound => {
                 tracing::warn!(apiserver = %address, "lease gone: registering again");
@@ -233,6 +241,17 @@ async fn serve_one(
             }
             Err(status) => return Err(format!("heartbeat: {}", describe(&status))),
         }
+    }
+}
+
+/// Takes the revoked apiserver list of a reply; logs the connections it closed.
+fn note_revoked(revoked: &RevokedApiservers, entries: Vec<String>) {
+    let closed = revoked.update(entries);
+    if closed > 0 {
+        tracing::warn!(
+            closed,
+            "closed API connections of revoked apiserver certificates"
+        );
     }
 }
 

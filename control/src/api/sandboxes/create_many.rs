@@ -294,7 +294,8 @@ async fn node_create_many(
                 project: String::new(),
             })
             .await
-            .map(Response::into_inner),
+            .map(Response::into_inner)
+            .map_err(|status| crate::api::nodes::unanswered(node, status)),
         Err(status) => Err(status),
     };
     match answered {

@@ -23,6 +23,8 @@
 # Environment: RIG_KERNEL (L1 kernel, default: guest-kernel build output),
 #   RIG_TIMEOUT (seconds, default 900), RIG_MEM (MiB, default 2048), RIG_RETRIES (`run`
 #   tries a fresh L1 again when one times out or ends without RIG-EXIT; default 1),
+#   RIG_STALL (seconds, default 300: an L1 that prints nothing and uses under 3 s of CPU
+#   for this long has hung, idle with no timer waking it; it is killed like a timeout),
 #   RIG_LOG (keep the raw serial log here), DSEC_CACHE (default /var/cache/dsec).
 set -euo pipefail
 
@@ -30,6 +32,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 CACHE=${DSEC_CACHE:-/var/cache/dsec}/rig
 TIMEOUT=${RIG_TIMEOUT:-900}
+STALL=${RIG_STALL:-300}
 MEM=${RIG_MEM:-2048}
 QEMU=${RIG_QEMU_BIN:-qemu-system-x86_64}
 
@@ -185,11 +188,24 @@ run_l1() {
         </dev/null >"$logf" 2>&1 &
     QPID=$!
 
-    local code= line deadline
+    local code= line deadline progress ticks last_ticks=0
     deadline=$(( $(date +%s) + TIMEOUT ))
+    progress=$(date +%s)
     exec 3< <(tail -n +1 -s 0.1 -f --pid="$QPID" "$logf")
     while :; do
+        # Progress: a serial line, or 3 s more of L1 CPU (utime + stime, 100 ticks/s).
+        ticks=$(awk '{print $14 + $15}' "/proc/$QPID/stat" 2>/dev/null || echo 0)
+        if (( ticks - last_ticks >= 300 )); then last_ticks=$ticks; progress=$(date +%s); fi
+        if [[ -z $code ]] && (( $(date +%s) - progress >= STALL )); then
+            log "STALL: the L1 printed nothing and used under 3 s of CPU in ${STALL}s (hung); killing it"
+            exec 3<&-
+            kill -9 "$QPID" 2>/dev/null || true
+            wait "$QPID" 2>/dev/null || true
+            QPID=
+            return 124
+        fi
         if IFS= read -r -t 2 line <&3; then
+            progress=$(date +%s)
             line=${line%$'\r'}
             printf '%s\n' "$line"
             case $line in
@@ -213,6 +229,10 @@ run_l1() {
             fi
             log "TIMEOUT after ${TIMEOUT}s: killing L1 (raise RIG_TIMEOUT if the test is just slow)"
             exec 3<&-
+            # A retry reuses QPID: the timed-out L1 must not outlive this attempt.
+            kill -9 "$QPID" 2>/dev/null || true
+            wait "$QPID" 2>/dev/null || true
+            QPID=
             return 124
         fi
     done

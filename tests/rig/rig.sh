@@ -42,12 +42,18 @@ log() { echo "rig: $*" >&2; }
 # Everything temporary lives under one dir; QEMU is killed on every exit path.
 TMP=$(mktemp -d /tmp/dsec-rig.XXXXXX)
 QPID=
-cleanup() {
+# Ends the current L1's QEMU (a retry reuses QPID, so no attempt's L1 outlives it).
+stop_l1() {
     if [[ -n $QPID ]] && kill -0 "$QPID" 2>/dev/null; then
         kill "$QPID" 2>/dev/null || true
         sleep 0.2
         kill -9 "$QPID" 2>/dev/null || true
     fi
+    [[ -n $QPID ]] && { wait "$QPID" 2>/dev/null || true; }
+    QPID=
+}
+cleanup() {
+    stop_l1
     rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -199,9 +205,7 @@ run_l1() {
         if [[ -z $code ]] && (( $(date +%s) - progress >= STALL )); then
             log "STALL: the L1 printed nothing and used under 3 s of CPU in ${STALL}s (hung); killing it"
             exec 3<&-
-            kill -9 "$QPID" 2>/dev/null || true
-            wait "$QPID" 2>/dev/null || true
-            QPID=
+            stop_l1
             return 124
         fi
         if IFS= read -r -t 2 line <&3; then
@@ -229,17 +233,12 @@ run_l1() {
             fi
             log "TIMEOUT after ${TIMEOUT}s: killing L1 (raise RIG_TIMEOUT if the test is just slow)"
             exec 3<&-
-            # A retry reuses QPID: the timed-out L1 must not outlive this attempt.
-            kill -9 "$QPID" 2>/dev/null || true
-            wait "$QPID" 2>/dev/null || true
-            QPID=
+            stop_l1
             return 124
         fi
     done
     exec 3<&-
-    kill "$QPID" 2>/dev/null || true
-    wait "$QPID" 2>/dev/null || true
-    QPID=
+    stop_l1
     now=$(date +%s.%N)
     log "L1 finished after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s"
     if [[ -z $code || ! $code =~ ^[0-9]+$ ]]; then

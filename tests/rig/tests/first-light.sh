@@ -51,6 +51,10 @@ run uname-pvh 0 "$want_release" uname -r
 run exit-status 7 "" sh -c 'exit 7'
 run stdout-stderr-apart 0 "out" sh -c 'echo out; echo err >&2'
 grep -qx err /tmp/stdout-stderr-apart.err && ok stderr-delivered || bad stderr-delivered "stderr lacks the line 'err'"
+# A sandbox gets no nested virtualization (the VMM hides VMX/SVM): no vmx/svm CPU flag and
+# no KVM device in the guest, whose kernel has KVM built in (it is also L1's kernel).
+run no-nested-virt 0 "flags kvm:0" sh -c \
+    'grep -q "^flags" /proc/cpuinfo && echo -n flags; grep "^flags" /proc/cpuinfo | grep -qw -e svm -e vmx && echo -n " svm/vmx"; echo " kvm:$(grep -cw kvm /proc/misc)"'
 KERN=/guest/bzImage
 [ -f $KERN ] && run uname-bzimage 0 "$want_release" uname -r
 

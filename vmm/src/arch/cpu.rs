@@ -256,10 +256,15 @@ impl HostCaps {
     }
 }
 
+const CPUID_1_ECX_VMX: u32 = 1 << 5;
 const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
 const CPUID_1_ECX_HYPERVISOR: u32 = 1 << 31;
+const CPUID_8000_0001_ECX_SVM: u32 = 1 << 2;
+/// AMD's SVM feature leaf (revision, ASIDs, nested paging...).
+const CPUID_SVM_FEATURES: u32 = 0x8000_000a;
 
-/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology, TSC-deadline timer.
+/// Per-vCPU CPUID: APIC id, CPU count, hypervisor bit, topology, TSC-deadline timer, no
+/// nested virtualization.
 pub fn setup_cpuid(
     vcpu: &VcpuFd,
     base: &CpuId,
@@ -272,11 +277,16 @@ pub fn setup_cpuid(
 }
 
 /// The CPUID vCPU `id` of `count` sees, from KVM's supported CPUID.
+///
+/// VMX and SVM are hidden: KVM lists them when the host allows nested virtualization, and a
+/// sandbox must not reach the host's nested VMX/SVM emulation (KVM then refuses EFER.SVME and
+/// CR4.VMXE). It also spares every guest kernel its KVM setup (~140 ms of a nested boot).
 pub fn guest_cpuid(base: &CpuId, caps: HostCaps, id: u8, count: u8) -> CpuId {
     let mut cpuid = base.clone();
     for entry in cpuid.as_mut_slice() {
         match entry.function {
             0x1 => {
+                entry.ecx &= !CPUID_1_ECX_VMX;
                 entry.ebx =
                     (entry.ebx & 0x0000_ffff) | (u32::from(id) << 24) | (u32::from(count) << 16);
                 entry.ecx |= CPUID_1_ECX_HYPERVISOR;
@@ -303,6 +313,13 @@ pub fn guest_cpuid(base: &CpuId, caps: HostCaps, id: u8, count: u8) -> CpuId {
                     entry.ebx = u32::from(count);
                     entry.ecx = (entry.ecx & !0xff00) | (2 << 8) | 1;
                 }
+            }
+            0x8000_0001 => entry.ecx &= !CPUID_8000_0001_ECX_SVM,
+            CPUID_SVM_FEATURES => {
+                entry.eax = 0;
+                entry.ebx = 0;
+                entry.ecx = 0;
+                entry.edx = 0;
             }
             _ => {}
         }
@@ -337,6 +354,31 @@ mod tests {
         assert_eq!(cpuid.as_slice()[0].ecx, 0, "other leaves untouched");
         let without = guest_cpuid(&base, HostCaps::default(), 0, 1);
         assert_eq!(without.as_slice()[1].ecx & CPUID_1_ECX_TSC_DEADLINE, 0);
+    }
+
+    #[test]
+    fn guest_cpuid_hides_nested_virtualization() {
+        use kvm_bindings::kvm_cpuid_entry2;
+        let leaf = |function, ecx, edx| kvm_cpuid_entry2 {
+            function,
+            eax: 1,
+            ecx,
+            edx,
+            ..Default::default()
+        };
+        let base = CpuId::from_entries(&[
+            leaf(1, CPUID_1_ECX_VMX | 0x1, 0),
+            leaf(0x8000_0001, CPUID_8000_0001_ECX_SVM | 0x1, 0x20),
+            leaf(CPUID_SVM_FEATURES, 0xff, 0x1234),
+        ])
+        .unwrap();
+        let cpuid = guest_cpuid(&base, HostCaps::default(), 0, 1);
+        let leaves = cpuid.as_slice();
+        assert_eq!(leaves[0].ecx, 0x1 | CPUID_1_ECX_HYPERVISOR, "VMX hidden");
+        assert_eq!(leaves[1].ecx, 0x1, "SVM hidden, other bits kept");
+        assert_eq!(leaves[1].edx, 0x20);
+        let svm = leaves[2];
+        assert_eq!((svm.eax, svm.ebx, svm.ecx, svm.edx), (0, 0, 0, 0));
     }
 
     #[test]

@@ -266,6 +266,27 @@ impl VcpuHandle {
         self.kick();
     }
 
+    /// [`VcpuHandle::stop`], then waits up to `timeout` for the thread to leave its run loop,
+    /// kicking it again meanwhile (a kick that lands just before KVM_RUN starts is lost, and a
+    /// guest that makes no exits would keep the vCPU, and its fd's KVM lock, forever).
+    /// Returns whether the thread is done.
+    pub fn stop_and_wait(&self, timeout: Duration) -> bool {
+        self.stop();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match &self.thread {
+                None => return true,
+                Some(thread) if thread.is_finished() => return true,
+                Some(_) => {}
+            }
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            self.kick();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn kick(&self) {
         if let Some(thread) = &self.thread {
             // SAFETY: the pthread id belongs to a thread we own and have not joined.
@@ -311,6 +332,9 @@ impl Runner {
                 }
                 *parked = false;
                 control.changed.notify_all();
+                // Stopped while parked: the stop's kick found no KVM_RUN to interrupt, so
+                // check again before entering the guest.
+                continue;
             }
             if first && self.id == 0 {
                 self.times

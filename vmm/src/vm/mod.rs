@@ -385,9 +385,13 @@ impl Vm {
                 vcpu: 0,
                 message: "all vCPUs stopped without a reason".into(),
             });
-        for vcpu in &self.vcpus {
-            vcpu.stop();
-        }
+        // Each vCPU must be out of KVM_RUN before its statistics are read: that ioctl waits
+        // for the vCPU's KVM lock, which a guest running without exits never gives up.
+        let stopped: Vec<bool> = self
+            .vcpus
+            .iter()
+            .map(|vcpu| vcpu.stop_and_wait(Duration::from_secs(2)))
+            .collect();
         RunReport {
             reason,
             exits: self.stats.exits.load(Ordering::Relaxed),
@@ -396,12 +400,17 @@ impl Vm {
             steps: self.times.steps(),
             exits_by_address: self.stats.by_address(),
             exits_by_time: self.stats.by_time(),
-            kvm_vcpu_stats: self.vcpus.iter().fold(Default::default(), |mut sum, v| {
-                for (name, value) in crate::kvm_stats::vcpu_stats(v.raw_fd) {
-                    *sum.entry(name).or_insert(0) += value;
-                }
-                sum
-            }),
+            kvm_vcpu_stats: self
+                .vcpus
+                .iter()
+                .zip(&stopped)
+                .filter(|(_, done)| **done)
+                .fold(Default::default(), |mut sum, (v, _)| {
+                    for (name, value) in crate::kvm_stats::vcpu_stats(v.raw_fd) {
+                        *sum.entry(name).or_insert(0) += value;
+                    }
+                    sum
+                }),
         }
     }
 

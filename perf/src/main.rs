@@ -25,6 +25,7 @@ mod run;
 mod snapshot;
 mod stage;
 mod stats;
+mod templates;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -72,6 +73,11 @@ enum Cmd {
     /// call beside a container worker's call, `dsec run` and a cold microVM, p50 of a few
     /// samples. Needs a node with hardware KVM (the rig's L1: tests/rig/tests/fncall-vm.sh).
     FncallVm(FncallVmArgs),
+    /// microVM creates through a running node as an SDK user sees them: create -> first
+    /// exec from the image's template beside a cold boot, and pause -> resume -> first exec,
+    /// one client, contenders alternating. Needs a node with hardware KVM (the rig's L1:
+    /// tests/rig/tests/node-templates.sh).
+    Templates(TemplatesArgs),
     /// The control plane: placement throughput through real apiservers (1 and 2 replicas)
     /// and a real etcd over simulated nodes (`dsec control sim-nodes`), and what the
     /// apiserver adds to a real create -> first exec. Needs root for the real node.
@@ -115,6 +121,22 @@ struct NetArgs {
     /// dsec-edge [default: next to this binary, else target/release].
     #[arg(long, value_name = "PATH")]
     edge: Option<PathBuf>,
+    /// Write the results here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct TemplatesArgs {
+    /// The node [default: $DSEC_ENDPOINT, else the SDK's default socket].
+    #[arg(long)]
+    endpoint: Option<String>,
+    /// Samples per contender (template, cold, resume; alternating).
+    #[arg(long, default_value_t = 5)]
+    samples: usize,
+    /// Guest memory of every sandbox, MiB.
+    #[arg(long, default_value_t = 128)]
+    memory_mib: i64,
     /// Write the results here as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -1203,6 +1225,33 @@ fn fncall_vm_cmd(a: FncallVmArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn templates_cmd(a: TemplatesArgs) -> Result<(), String> {
+    let opts = templates::TemplateOpts {
+        endpoint: a
+            .endpoint
+            .clone()
+            .or_else(|| std::env::var("DSEC_ENDPOINT").ok())
+            .unwrap_or_else(|| dsec_sdk::DEFAULT_TARGET.to_string()),
+        samples: a.samples,
+        memory_mib: a.memory_mib,
+    };
+    let scenario = templates::bench(&opts)?;
+    print!("{}", scenario.table());
+    let mut fields = json!({ "templates": scenario.to_json() });
+    fields["options"] = json!({ "samples": a.samples, "memory_mib": a.memory_mib });
+    // One line the rig suite can pick out of the console.
+    println!("PERF-TEMPLATES {fields}");
+    if let Some(path) = &a.json {
+        write_json(
+            path,
+            "templates",
+            &machine::info(Path::new("qemu-system-x86_64")),
+            fields,
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes a scenario's results as JSON: the common envelope (tool, scenario, version, time,
 /// machine) plus `fields`.
 fn write_json(path: &Path, scenario: &str, machine: &Value, fields: Value) -> Result<(), String> {
@@ -1252,6 +1301,7 @@ fn main() -> ExitCode {
         Cmd::Net(a) => exit_code(net_cmd(a)),
         Cmd::Fncall(a) => exit_code(fncall_cmd(a)),
         Cmd::FncallVm(a) => exit_code(fncall_vm_cmd(a)),
+        Cmd::Templates(a) => exit_code(templates_cmd(a)),
         Cmd::Cluster(a) => exit_code(cluster_cmd(a)),
         Cmd::RigInner(a) => {
             let failed = rig::inner(&rig::InnerOpts {

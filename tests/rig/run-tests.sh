@@ -23,6 +23,7 @@
 #                   back to a cold boot, a changed image rebuilds it (the stale one removed),
 #                   restore of a named snapshot (`dsec snapshot` / `dsec restore`: files, a
 #                   process, own entropy and clock), a full disk fails a pause cleanly
+#                   and `dsec-perf templates` (template / cold / resume -> first exec, one SDK client)
 #      fncall-vm:   `dsec fn run --image fncall-vm` through the daemon: python and bash calls
 #                   in microVMs restored per call (output, exit status, no /tmp file or VM
 #                   left, fresh entropy, a time limit, the VMM jailed, memory_mib,
@@ -124,7 +125,7 @@ fi
 echo "==> rig node-templates (template snapshots and pause to disk through the daemon, in L1)"
 if ((${#missing[@]} == 0)); then
     "$HERE/rig.sh" run "$HERE/tests/node-templates.sh" \
-        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" \
+        "$BIN/dsec=/bin/dsec" "$BIN/dsec-vmm=/bin/dsec-vmm" "$BIN/dsec-perf=/bin/dsec-perf" \
         "$kdir/vmlinux=/dsec/kernel/vmlinux" "$AGENT_IMG=/dsec/images/busybox/initramfs.cpio" \
         || failed=$((failed + 1))
 fi

@@ -5,6 +5,7 @@
 #   sandboxes from one template differ in /dev/urandom, have the host's clock and are named
 #   after their ids (`hostname`; a fork child too); the create's env is seen by the first exec;
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
+#   the same and pause -> resume -> first exec through one SDK client (`dsec-perf templates`);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
 #   background process; three pause/resume cycles with writes between them;
 #   pause -> resume -> first exec (METRIC); later resumes take a prewarmed VMM of the pool;
@@ -19,7 +20,7 @@
 #   builds a new template and removes the stale one;
 # - a full disk during pause (the snapshot dir on a 4 MiB tmpfs) fails the pause cleanly
 #   and the sandbox keeps running.
-# Expects in L1: /bin/dsec, /bin/dsec-vmm and DSEC_HOME=/dsec holding kernel/vmlinux and
+# Expects in L1: /bin/dsec, /bin/dsec-vmm, /bin/dsec-perf and DSEC_HOME=/dsec holding kernel/vmlinux and
 # images/busybox/initramfs.cpio.
 # Prints PASS/FAIL per check, METRIC lines and "N passed, N failed"; exit status = failures.
 pass=0; fail=0
@@ -28,7 +29,7 @@ bad() { echo "FAIL $1: $2"; fail=$((fail+1)); }
 export DSEC_HOME=/dsec DSEC_RUN_DIR=/tmp/dsec-run
 export DSEC_ENDPOINT=unix:/tmp/node/edge.sock
 T=300
-for f in /bin/dsec /bin/dsec-vmm $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/busybox/initramfs.cpio; do
+for f in /bin/dsec /bin/dsec-vmm /bin/dsec-perf $DSEC_HOME/kernel/vmlinux $DSEC_HOME/images/busybox/initramfs.cpio; do
     [ -e $f ] || { bad "input $f" "missing from the L1 initramfs"; echo "$pass passed, $fail failed"; exit 1; }
 done
 # L1's clock in ms (10 ms steps).
@@ -167,6 +168,15 @@ grep -o -e 'create steps.*' -e 'restored into a prewarmed VMM.*' -e 'restored gu
     | sed 's/\x1b\[[0-9;]*m//g' | tail -15
 t0=$(now_ms); timeout $T dsec exec $a -- true; t1=$(now_ms)
 echo "METRIC exec_running_sandbox_ms $((t1 - t0))"
+# The same through one SDK client and connection (no CLI process per step), with pause ->
+# resume -> first exec: `dsec-perf templates` (table, ratios, goals, PERF-TEMPLATES JSON).
+if timeout $T dsec-perf templates --samples 5 --json /tmp/templates.json >/tmp/perf.out 2>&1; then
+    cat /tmp/perf.out
+    grep -q '"template"' /tmp/perf.out && ! grep -q '"error":"' /tmp/perf.out \
+        && ok perf-templates || bad perf-templates "samples missing or failed: $(grep -o '"error":"[^"]*' /tmp/perf.out | head -3)"
+else
+    bad perf-templates "$(tail -8 /tmp/perf.out)"
+fi
 # A burst of 4 concurrent creates (`dsec create -n 4`), cold then template: wall time, how
 # many were made, creations per second x100.
 burst() { # KIND [--cold]

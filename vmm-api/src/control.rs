@@ -194,6 +194,27 @@ pub struct BalloonReply {
 pub struct RestoreReply {
     /// Request -> VM restored, inside the VMM.
     pub restore_ms: f64,
+    /// Where that went, step by step.
+    #[serde(default)]
+    pub steps: RestoreSteps,
+}
+
+/// Milliseconds spent in each step of a restore. Their sum is close to `restore_ms`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RestoreSteps {
+    /// The snapshot's state file read and decoded.
+    pub state_ms: f64,
+    /// Guest memory mapped from the snapshot (and diffs applied), KVM memory slots set.
+    pub memory_ms: f64,
+    /// Interrupt controllers and the guest clock restored.
+    pub irqchip_clock_ms: f64,
+    /// Devices rebuilt from their saved state (disks and sockets opened).
+    pub devices_ms: f64,
+    /// vCPU state loaded and vCPU threads started.
+    pub vcpus_ms: f64,
+    /// Pending interrupts raised again and the PIT restored.
+    pub finish_ms: f64,
 }
 
 /// Why a reply line could not be read as the expected reply.

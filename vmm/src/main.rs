@@ -311,8 +311,9 @@ fn restore_prewarmed(
     let result = Vm::restore_into(Some(shell), &request.path, &overrides);
     dsec_vmm::control::answer_restore(
         answer,
-        result.as_ref().map(|_| RestoreReply {
+        result.as_ref().map(|vm| RestoreReply {
             restore_ms: started.elapsed().as_secs_f64() * 1e3,
+            steps: vm.restore_steps().clone(),
         }),
     );
     Ok(result.map(|vm| (vm, listener))?)

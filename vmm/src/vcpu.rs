@@ -415,15 +415,25 @@ impl Runner {
 #[derive(Serialize, Deserialize)]
 pub struct VcpuState {
     pub id: u8,
+    #[serde(with = "crate::snapshot::blob::list")]
     pub cpuid: Vec<kvm_cpuid_entry2>,
+    #[serde(with = "crate::snapshot::blob::list")]
     pub msrs: Vec<kvm_msr_entry>,
+    #[serde(with = "crate::snapshot::blob")]
     pub regs: kvm_regs,
+    #[serde(with = "crate::snapshot::blob")]
     pub sregs: kvm_sregs,
+    #[serde(with = "crate::snapshot::blob")]
     pub xsave: kvm_xsave,
+    #[serde(with = "crate::snapshot::blob")]
     pub xcrs: kvm_xcrs,
+    #[serde(with = "crate::snapshot::blob")]
     pub debug_regs: kvm_debugregs,
+    #[serde(with = "crate::snapshot::blob")]
     pub lapic: kvm_lapic_state,
+    #[serde(with = "crate::snapshot::blob")]
     pub mp_state: kvm_mp_state,
+    #[serde(with = "crate::snapshot::blob")]
     pub events: kvm_vcpu_events,
 }
 

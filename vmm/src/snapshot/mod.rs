@@ -2,6 +2,7 @@
 //! from what is in them (`state`: the typed aggregate). Pausing, saving and restoring a VM
 //! is `vm::snapshot` and `vm::restore`.
 
+pub mod blob;
 pub mod format;
 pub mod state;
 

@@ -47,8 +47,11 @@ pub struct VmState {
     pub config: VmConfig,
     pub memory: MemoryState,
     pub vcpus: Vec<VcpuState>,
+    #[serde(with = "crate::snapshot::blob::list")]
     pub irqchips: Vec<kvm_irqchip>,
+    #[serde(with = "crate::snapshot::blob")]
     pub pit: kvm_pit_state2,
+    #[serde(with = "crate::snapshot::blob")]
     pub clock: kvm_clock_data,
     pub devices: DevicesState,
 }

@@ -180,6 +180,8 @@ pub struct Vm {
     uffd: Option<UffdHandler>,
     /// The balloon's control handle (target, statistics), when configured.
     balloon: Option<Arc<BalloonControl>>,
+    /// Where a restore's time went (all zero for a booted VM).
+    restore_steps: dsec_vmm_api::control::RestoreSteps,
 }
 
 struct Devices {
@@ -313,6 +315,7 @@ impl Vm {
             last_snapshot: Mutex::new(None),
             uffd: None,
             balloon: devices.balloon,
+            restore_steps: Default::default(),
         }
     }
 

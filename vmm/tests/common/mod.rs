@@ -79,15 +79,15 @@ pub fn sweep_consistency(memory: &Path, pages: u32) -> Result<u64, String> {
 }
 
 /// vCPU 0's `(eax, ebx)` as saved in a snapshot's `state` (a 24-byte header, then JSON
-/// whose `kvm_regs` is its raw bytes: rax, rbx, ...).
+/// whose `regs` is a hex string of `kvm_regs`' raw bytes: rax, rbx, ...).
 pub fn saved_eax_ebx(snap: &Path) -> (u32, u32) {
     let bytes = std::fs::read(snap.join("state")).unwrap();
     let state: serde_json::Value = serde_json::from_slice(&bytes[24..]).unwrap();
-    let regs: Vec<u8> = state["vcpus"][0]["regs"]
-        .as_array()
-        .expect("regs as a byte array")
-        .iter()
-        .map(|b| b.as_u64().unwrap() as u8)
+    let hex = state["vcpus"][0]["regs"]
+        .as_str()
+        .expect("regs as a hex string");
+    let regs: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(&hex[i * 2..i * 2 + 2], 16).unwrap())
         .collect();
     let reg = |i: usize| u32::from_le_bytes(regs[i * 8..i * 8 + 4].try_into().unwrap());
     (reg(0), reg(1))

@@ -194,8 +194,19 @@ pub fn populate(mem: &GuestMemory, guest_addr: u64, len: usize) {
 /// file's data ranges (`SEEK_DATA`/`SEEK_HOLE`): populating a hole would put a zero page into
 /// the page cache for it, up to the guest's whole size per VM where the snapshot holds tens of
 /// MiB. Best effort: a range the kernel refuses (before 5.14) or that is unmapped meanwhile
-/// is skipped.
-pub fn populate_data_in_background(mem: &GuestMemory, file: File, regions: &[RegionLayout]) {
+/// is skipped. Only done with a CPU to spare beyond the guest's vCPUs: where there is none
+/// (the rig's one-CPU L1) the thread takes its time from the guest's first steps, and
+/// creates and resumes measured slower with it than without.
+pub fn populate_data_in_background(
+    mem: &GuestMemory,
+    file: File,
+    regions: &[RegionLayout],
+    vcpus: u8,
+) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !populate_has_a_spare_cpu(cpus, vcpus) {
+        return;
+    }
     let hosts: Vec<(RegionLayout, usize)> = mem
         .iter()
         .zip(regions)
@@ -210,6 +221,11 @@ pub fn populate_data_in_background(mem: &GuestMemory, file: File, regions: &[Reg
             crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
             populate_data(&file, &hosts);
         });
+}
+
+/// Whether `cpus` usable CPUs leave one for the populate thread beside `vcpus` vCPUs.
+fn populate_has_a_spare_cpu(cpus: usize, vcpus: u8) -> bool {
+    cpus > usize::from(vcpus)
 }
 
 fn populate_data(file: &File, hosts: &[(RegionLayout, usize)]) {
@@ -607,6 +623,13 @@ pub fn file_offset_to_guest(regions: &[RegionLayout], offset: u64) -> Option<u64
 mod tests {
     use super::*;
     use vm_memory::Bytes;
+
+    #[test]
+    fn populate_runs_only_with_a_cpu_beside_the_vcpus() {
+        assert!(!populate_has_a_spare_cpu(1, 1), "one CPU, one vCPU");
+        assert!(!populate_has_a_spare_cpu(2, 2), "two CPUs, two vCPUs");
+        assert!(populate_has_a_spare_cpu(2, 1), "two CPUs, one vCPU");
+    }
 
     #[test]
     fn layout_is_contiguous_in_the_file() {

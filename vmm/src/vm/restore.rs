@@ -371,7 +371,7 @@ fn restore_memory(
         None => memory::from_file(base, &state.memory.regions)?,
     };
     if let Some(file) = for_populate {
-        memory::populate_data_in_background(&mem, file, &state.memory.regions);
+        memory::populate_data_in_background(&mem, file, &state.memory.regions, state.config.vcpus);
     }
     let file_size = state.memory.file_size();
     for (diff_dir, diff_state) in &chain[1..] {

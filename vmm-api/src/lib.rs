@@ -20,6 +20,9 @@ pub use config::{
     VsockConfig,
 };
 pub use control::{Request, RestoreRequest};
+
+/// A snapshot directory's guest memory file (beside its `state`).
+pub const SNAPSHOT_MEMORY_FILE: &str = "memory";
 pub use launch::{
     BootOverrides, Exposure, JailLaunch, LaunchError, LaunchMode, LazyLaunch, PrewarmLaunch,
     RestoreLaunch, SnapshotOverrides, VmmLaunch,

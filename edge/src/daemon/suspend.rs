@@ -48,6 +48,14 @@ impl Node {
         tokio::task::spawn_blocking(move || handle.kill_process())
             .await
             .map_err(|e| NodeError::Internal(format!("VMM kill task failed: {e}")))??;
+        // The snapshot was fsynced when the VMM committed it: its pages in the page cache are
+        // clean copies of what is on disk (charged to the sandbox's cgroup), which the resume
+        // reads back on demand. Drop them so that a paused sandbox holds no host memory.
+        let memory = path.join(dsec_vmm_api::SNAPSHOT_MEMORY_FILE);
+        let dropped = tokio::task::spawn_blocking(move || drop_page_cache(&memory)).await;
+        if let Ok(Err(err)) = dropped {
+            tracing::warn!(sandbox = %record.handle.id, %err, "the paused sandbox's snapshot stays in the page cache");
+        }
         entry.event(&format!(
             "VMM ended after a snapshot to {} (pause frees its memory)",
             path.display()
@@ -118,5 +126,82 @@ impl Node {
         })
         .await;
         Ok(woken)
+    }
+}
+
+/// Drops `path`'s clean pages from the page cache (best effort: dirty pages stay until they
+/// are written back, and a RAM-backed file system keeps them, as they are its storage).
+pub(crate) fn drop_page_cache(path: &std::path::Path) -> std::io::Result<()> {
+    let file = std::fs::File::open(path)?;
+    nix::fcntl::posix_fadvise(
+        &file,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .map_err(std::io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    /// Pages of `file` (of `len` bytes) in the page cache, by mincore(2) over a mapping.
+    fn resident_pages(file: &std::fs::File, len: usize) -> usize {
+        let page = 4096;
+        // SAFETY: a fresh read-only shared mapping of our own file, unmapped below; mincore
+        // writes one byte per page into a vector of that many bytes.
+        unsafe {
+            let addr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            );
+            assert_ne!(addr, libc::MAP_FAILED, "mmap the test file");
+            let mut vec = vec![0u8; len.div_ceil(page)];
+            assert_eq!(libc::mincore(addr, len, vec.as_mut_ptr()), 0, "mincore");
+            libc::munmap(addr, len);
+            vec.iter().filter(|b| *b & 1 == 1).count()
+        }
+    }
+
+    #[test]
+    fn a_paused_sandboxs_snapshot_leaves_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memory");
+        let len = 4 << 20;
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(&vec![0x5a; len]).unwrap();
+        file.sync_all().unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let before = resident_pages(&file, len);
+        if before == 0 {
+            eprintln!("skipped: this file system keeps nothing in the page cache after a write");
+            return;
+        }
+        super::drop_page_cache(&path).unwrap();
+        let after = resident_pages(&file, len);
+        let tmpfs = nix::sys::statfs::statfs(dir.path())
+            .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+            .unwrap_or(false);
+        if tmpfs {
+            eprintln!("skipped: on tmpfs the page cache is the file's storage");
+            return;
+        }
+        assert!(
+            after < before / 8,
+            "{after} of {} pages still cached after the drop ({before} before)",
+            len / 4096
+        );
+    }
+
+    #[test]
+    fn dropping_a_missing_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(super::drop_page_cache(&dir.path().join("missing")).is_err());
     }
 }

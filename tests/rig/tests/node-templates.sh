@@ -239,6 +239,16 @@ for i in 1 2 3; do
     # What the paused sandbox holds instead: its snapshot on disk.
     snapdir=$(sed -n 's/.*"suspended": "\(.*\)".*/\1/p' /tmp/node/sandboxes/$a/meta.json)
     echo "METRIC paused_snapshot_disk_kib $(du -sk "$snapdir" | cut -f1)"
+    # Host memory the paused sandbox holds: the RSS of whatever is left in its cgroup, and the
+    # cgroup's own charge where L1 has the memory controller (the snapshot's page cache is
+    # dropped after the pause; in L1 its directory is on tmpfs, so there it is RAM anyway).
+    cg=$(find /sys/fs/cgroup -path "*/dsec-rig/$a" -maxdepth 3 -type d 2>/dev/null | head -1)
+    rss=0
+    for p in $(cat $cg/cgroup.procs 2>/dev/null); do
+        r=$(awk '/^VmRSS/{print $2}' /proc/$p/status 2>/dev/null); rss=$((rss + ${r:-0}))
+    done
+    echo "METRIC paused_sandbox_rss_kib $rss"
+    [ -r "$cg/memory.current" ] && echo "METRIC paused_cgroup_memory_kib $(( $(cat $cg/memory.current) / 1024 ))"
     t0=$(now_ms)
     timeout $T dsec resume $a >/dev/null || { bad "resume-$i" "refused"; break; }
     timeout $T dsec exec $a -- true

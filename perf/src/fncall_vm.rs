@@ -151,16 +151,7 @@ pub fn bench(o: &FnVmOpts) -> Result<Scenario, String> {
     let mut samples = Vec::new();
     let mut record =
         |contender: &str, index: usize, value: Result<BTreeMap<&'static str, f64>, String>| {
-            let (values, error) = match value {
-                Ok(values) => (values, None),
-                Err(e) => (BTreeMap::new(), Some(e)),
-            };
-            samples.push(Sample {
-                contender: contender.into(),
-                index,
-                values,
-                error,
-            });
+            samples.push(Sample::of(contender, index, value))
         };
     for i in 0..o.samples.max(o.cold_samples) {
         if i < o.samples {

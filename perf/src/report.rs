@@ -54,6 +54,26 @@ pub struct Sample {
     pub error: Option<String>,
 }
 
+impl Sample {
+    /// One run of `contender`: its values, or why it failed.
+    pub fn of(
+        contender: &str,
+        index: usize,
+        outcome: Result<BTreeMap<&'static str, f64>, String>,
+    ) -> Sample {
+        let (values, error) = match outcome {
+            Ok(values) => (values, None),
+            Err(e) => (BTreeMap::new(), Some(e)),
+        };
+        Sample {
+            contender: contender.into(),
+            index,
+            values,
+            error,
+        }
+    }
+}
+
 /// A whole scenario: contenders, metrics, samples in the order they ran.
 #[derive(Debug, Clone)]
 pub struct Scenario {

@@ -107,16 +107,7 @@ pub fn bench(o: &TemplateOpts) -> Result<Scenario, String> {
         .map_err(|e| format!("create the sandbox to pause: {e}"))?;
     let mut samples = Vec::new();
     let mut record = |contender: &str, index: usize, value: Result<Values, String>| {
-        let (values, error) = match value {
-            Ok(values) => (values, None),
-            Err(e) => (BTreeMap::new(), Some(e)),
-        };
-        samples.push(Sample {
-            contender: contender.into(),
-            index,
-            values,
-            error,
-        });
+        samples.push(Sample::of(contender, index, value))
     };
     for i in 0..o.samples {
         record("cold", i, runtime.block_on(create_exec(&client, o, true)));

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use dsec_sdk::{Backend, Client, CreateSandboxRequest};
 
+use crate::direct::ms;
 use crate::report::{detail, goal, metric, Bound, Contender, Sample, Scenario};
+use crate::stats::ratio;
 
 /// Issue goals: a template create at most 0.2x a cold one, a resume at most 0.3x.
 pub const GOAL_TEMPLATE_OVER_COLD: f64 = 0.2;
@@ -22,10 +24,6 @@ pub struct TemplateOpts {
 }
 
 type Values = BTreeMap<&'static str, f64>;
-
-fn ms_since(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e3
-}
 
 fn request(o: &TemplateOpts, cold: bool) -> CreateSandboxRequest {
     CreateSandboxRequest {
@@ -58,9 +56,9 @@ async fn create_exec(client: &Client, o: &TemplateOpts, cold: bool) -> Result<Va
         .create(request(o, cold))
         .await
         .map_err(|e| format!("create (cold {cold}): {e}"))?;
-    let created = ms_since(t0);
+    let created = ms(t0.elapsed());
     let ran = exec_true(client, &sandbox.id).await;
-    let total = ms_since(t0);
+    let total = ms(t0.elapsed());
     let deleted = client.delete(&sandbox.id).await;
     ran?;
     deleted.map_err(|e| format!("delete {}: {e}", sandbox.id))?;
@@ -82,9 +80,9 @@ async fn pause_resume_exec(client: &Client, id: &str) -> Result<Values, String> 
         .resume(id)
         .await
         .map_err(|e| format!("resume {id}: {e}"))?;
-    let resumed = ms_since(t0);
+    let resumed = ms(t0.elapsed());
     exec_true(client, id).await?;
-    let total = ms_since(t0);
+    let total = ms(t0.elapsed());
     Ok(Values::from([
         ("to_first_exec_ms", total),
         ("start_ms", resumed),
@@ -171,7 +169,6 @@ pub fn bench(o: &TemplateOpts) -> Result<Scenario, String> {
         notes: vec![],
     };
     let p50 = |name: &str| scenario.summary(name, "to_first_exec_ms").map(|s| s.p50);
-    let ratio = |ours: Option<f64>, cold: Option<f64>| Some(ours? / cold?);
     let notes = vec![
         goal(
             "template / cold, create -> first exec p50",

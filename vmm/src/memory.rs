@@ -203,8 +203,7 @@ pub fn populate_data_in_background(
     regions: &[RegionLayout],
     vcpus: u8,
 ) {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if !populate_has_a_spare_cpu(cpus, vcpus) {
+    if !populate_has_a_spare_cpu(usable_cpus(), vcpus) {
         return;
     }
     let hosts: Vec<(RegionLayout, usize)> = mem
@@ -221,6 +220,20 @@ pub fn populate_data_in_background(
             crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
             populate_data(&file, &hosts);
         });
+}
+
+/// CPUs this process may run on (one syscall: this is on the restore path, where
+/// `available_parallelism` would also read cgroup files); 1 if it cannot tell.
+fn usable_cpus() -> usize {
+    // SAFETY: cpu_set_t is plain data; sched_getaffinity fills at most its size for the
+    // calling thread and CPU_COUNT only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return 1;
+        }
+        (libc::CPU_COUNT(&set) as usize).max(1)
+    }
 }
 
 /// Whether `cpus` usable CPUs leave one for the populate thread beside `vcpus` vCPUs.
@@ -623,6 +636,32 @@ pub fn file_offset_to_guest(regions: &[RegionLayout], offset: u64) -> Option<u64
 mod tests {
     use super::*;
     use vm_memory::Bytes;
+
+    #[test]
+    fn usable_cpus_follows_the_affinity_mask() {
+        // A thread pinned to one CPU (as a VMM in a one-CPU machine) has no CPU to spare.
+        let usable = std::thread::spawn(|| {
+            // SAFETY: plain data, and the mask only changes this short-lived thread.
+            unsafe {
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut one);
+                let first = (0..libc::CPU_SETSIZE as usize)
+                    .find(|&cpu| libc::CPU_ISSET(cpu, &one))
+                    .unwrap_or(0);
+                libc::CPU_ZERO(&mut one);
+                libc::CPU_SET(first, &mut one);
+                assert_eq!(
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one),
+                    0
+                );
+            }
+            usable_cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(usable, 1);
+        assert!(!populate_has_a_spare_cpu(usable, 1));
+    }
 
     #[test]
     fn populate_runs_only_with_a_cpu_beside_the_vcpus() {

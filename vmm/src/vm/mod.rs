@@ -482,6 +482,11 @@ impl Prewarmed {
     }
 }
 
+/// Milliseconds since `t` (the steps of a snapshot's pause and of a restore).
+fn ms_since(t: std::time::Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
 fn kernel_cmdline(config: &VmConfig) -> String {
     let mut cmdline = config.cmdline.clone();
     cmdline.push_str(&slots::cmdline(config));

@@ -7,11 +7,13 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{build_devices, create_vm_fd, kvm_err, open_kvm, serial_sink, Prewarmed, Vm, VmError};
+use super::{
+    build_devices, create_vm_fd, kvm_err, ms_since, open_kvm, serial_sink, Prewarmed, Vm, VmError,
+};
 use crate::config::{DriveConfig, NetConfig, SerialOutput};
 use crate::devices::access_mode;
 use crate::memory::{self, GuestMemory, PAGE_SIZE};
@@ -145,10 +147,11 @@ impl Vm {
         dir: &Path,
         overrides: &RestoreOverrides,
     ) -> Result<Vm, VmError> {
-        let mut clock_in = StepClock::start();
         let mut steps = dsec_vmm_api::control::RestoreSteps::default();
+        let mut t = Instant::now();
         let state = snapshot::read_state(dir)?;
-        steps.state_ms = clock_in.lap();
+        steps.state_ms = ms_since(t);
+        t = Instant::now();
         let mut config = state.config.clone();
         if let Some(vsock) = config.vsock.as_mut() {
             if let Some(uds) = &overrides.vsock_uds {
@@ -203,7 +206,8 @@ impl Vm {
         if !prewarmed {
             memory::register(&fd, &mem, false)?;
         }
-        steps.memory_ms = clock_in.lap();
+        steps.memory_ms = ms_since(t);
+        t = Instant::now();
         let (exit_tx, exit_rx) = channel();
         let times = Arc::new(BootTimes::default());
         let sink = serial_sink(&config.serial, &times)?;
@@ -218,9 +222,11 @@ impl Vm {
         clock.flags = 0;
         fd.set_clock(&clock)
             .map_err(kvm_err("restore the guest clock"))?;
-        steps.irqchip_clock_ms = clock_in.lap();
+        steps.irqchip_clock_ms = ms_since(t);
+        t = Instant::now();
         let devices = build_devices(&config, &fd, &mem, &exit_tx, sink, Some(&state.devices))?;
-        steps.devices_ms = clock_in.lap();
+        steps.devices_ms = ms_since(t);
+        t = Instant::now();
         let regions = state.memory.regions.clone();
         let mut vm = Vm::assemble(
             config, kvm, fd, mem, regions, devices, exit_tx, exit_rx, times,
@@ -241,7 +247,8 @@ impl Vm {
             vcpu::restore_state(&vcpu, saved)?;
             vm.spawn_vcpu(saved.id, vcpu, true)?;
         }
-        steps.vcpus_ms = clock_in.lap();
+        steps.vcpus_ms = ms_since(t);
+        t = Instant::now();
         // Devices came back (and may have signalled, e.g. the vsock transport reset) before
         // the LAPICs were loaded, which dropped those interrupts: raise them again.
         for slot in &vm.virtio {
@@ -256,7 +263,7 @@ impl Vm {
             .map_err(kvm_err("restore the PIT"))?;
         // The restored memory is the baseline for the next diff snapshot.
         *lock(&vm.last_snapshot) = Some(dir.to_owned());
-        steps.finish_ms = clock_in.lap();
+        steps.finish_ms = ms_since(t);
         vm.restore_steps = steps;
         Ok(vm)
     }
@@ -264,22 +271,6 @@ impl Vm {
     /// Where this VM's restore spent its time (all zero for a booted VM).
     pub fn restore_steps(&self) -> &dsec_vmm_api::control::RestoreSteps {
         &self.restore_steps
-    }
-}
-
-/// Milliseconds between successive laps.
-struct StepClock(std::time::Instant);
-
-impl StepClock {
-    fn start() -> Self {
-        StepClock(std::time::Instant::now())
-    }
-
-    fn lap(&mut self) -> f64 {
-        let now = std::time::Instant::now();
-        let ms = (now - self.0).as_secs_f64() * 1e3;
-        self.0 = now;
-        ms
     }
 }
 

@@ -13,7 +13,7 @@ use kvm_bindings::{
     KVM_IRQCHIP_PIC_SLAVE,
 };
 
-use super::{kvm_err, Vm, VmError};
+use super::{kvm_err, ms_since, Vm, VmError};
 use crate::cow_writer;
 use crate::devices::virtio::slots;
 use crate::memory::{self, DumpPages, MemoryWriter};
@@ -57,10 +57,6 @@ pub struct LiveSnapshot {
     pub precopy_rounds: Vec<u64>,
     /// Pages written for the pause instant.
     pub final_pages: u64,
-}
-
-fn ms_since(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e3
 }
 
 fn errno_err(errno: i32) -> VmError {

@@ -98,13 +98,7 @@ impl Daemon {
         let tag = format!("dsec-edge-test-{}-{name}", std::process::id());
         let state = std::env::temp_dir().join(&tag);
         std::fs::create_dir_all(&state).unwrap();
-        // A free port: bound and released; nothing else on this host races for it in practice.
-        let free = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-        };
+        let free = || SocketAddr::from(([127, 0, 0, 1], free_port()));
         let (http, metrics) = (free(), free());
         let socket = format!("unix:{}", state.join("edge.sock").display());
         let child = Self::spawn(&state, &tag, http, metrics, extra, &env);
@@ -336,13 +330,23 @@ pub fn remove_cgroup_named(dir: &Path, name: &str, depth: u32) -> std::io::Resul
     Ok(())
 }
 
-/// A free TCP port on loopback.
+/// A free TCP port on loopback: bound and released, and never handed out twice in this
+/// process (the kernel may give a just-released port again, and the tests of one binary
+/// start their daemons at once: two of them would race for it).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
 
 /// A network policy allowing `allow` (rules or named policies).

@@ -399,6 +399,49 @@ fn bad_http_flags_are_named() {
     }
 }
 
+/// An address the operator gave that another process holds stops the start with an error
+/// naming the flag (before, the daemon ran without it and requests reached the other one).
+#[test]
+fn an_http_address_in_use_stops_the_start() {
+    let holder = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = holder.local_addr().unwrap().to_string();
+    let state = std::env::temp_dir().join(format!("dsec-edge-busy-{}", std::process::id()));
+    for (flag, other) in [("--http", "--metrics"), ("--metrics", "--http")] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dsec-edge"))
+            .arg("--state-dir")
+            .arg(&state)
+            .args([flag, &busy, other, "off"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{flag} {busy} (in use): the daemon kept running");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut stderr = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert!(!status.success(), "{flag} {busy}: {stderr}");
+        assert!(
+            stderr.contains(&format!("bind {flag} {busy}")) && stderr.contains("in use"),
+            "{flag} {busy}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&state);
+}
+
 /// Sends a request for an unknown sandbox on a fresh connection; returns the status line.
 fn status_line(http: SocketAddr) -> String {
     let mut socket = std::net::TcpStream::connect(http).unwrap();

@@ -165,6 +165,8 @@ pub fn group_name(worker: u64) -> String {
 }
 
 /// Removes the groups engines that are gone left behind (they crashed or were killed).
+/// Processes still in such a group (a dead engine's workers on their way out) are killed;
+/// a group they have not left yet is removed by a background thread once they have.
 pub fn sweep_stale() {
     let parents = if is_v2() {
         vec![Path::new(ROOT).join(PARENT)]
@@ -174,16 +176,102 @@ pub fn sweep_stale() {
             Path::new(ROOT).join("pids").join(PARENT),
         ]
     };
+    let mut busy = Vec::new();
     for parent in parents {
-        if let Ok(entries) = std::fs::read_dir(&parent) {
-            for entry in entries.flatten() {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let owner = name.split('-').next().unwrap_or("");
-                let owner_alive = !owner.is_empty() && Path::new("/proc").join(owner).exists();
-                if entry.path().is_dir() && !owner_alive {
-                    let _ = std::fs::remove_dir(entry.path());
-                }
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let owner = name.split('-').next().unwrap_or("");
+            let owner_alive = !owner.is_empty() && Path::new("/proc").join(owner).exists();
+            let group = entry.path();
+            if group.is_dir() && !owner_alive && std::fs::remove_dir(&group).is_err() {
+                kill_members(&group);
+                busy.push(group);
             }
+        }
+    }
+    if !busy.is_empty() {
+        std::thread::spawn(move || remove_when_empty(busy, STALE_GROUP_PATIENCE));
+    }
+}
+
+/// How long a dead engine's group may take to empty after its members were killed.
+const STALE_GROUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// SIGKILLs every process in `group` (none of them belongs to a live engine).
+fn kill_members(group: &Path) {
+    let Ok(procs) = std::fs::read_to_string(group.join("cgroup.procs")) else {
+        return;
+    };
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// Retries `rmdir` of each group until it succeeds, the group is gone, or `patience` ends.
+fn remove_when_empty(mut groups: Vec<PathBuf>, patience: std::time::Duration) {
+    let deadline = std::time::Instant::now() + patience;
+    while !groups.is_empty() {
+        groups.retain(|g| g.exists() && std::fs::remove_dir(g).is_err());
+        if std::time::Instant::now() >= deadline {
+            for group in &groups {
+                tracing::warn!(group = %group.display(), "a dead engine's cgroup did not empty");
+            }
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// A dead engine's group that still holds a process (a worker on its way out when the
+    /// engine was killed) is emptied and removed by the next engine's sweep.
+    #[test]
+    fn a_dead_engines_busy_group_is_emptied_and_removed() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root for cgroups");
+            return;
+        }
+        // pid 0 is never a live process: this group's engine is dead.
+        let name = format!("0-w{}", std::process::id());
+        let group = CallCgroup::create(&name, 16).expect("create a worker cgroup");
+        let procs = group.pids.join("cgroup.procs");
+        let memory_procs = group.memory.join("cgroup.procs");
+        // "0" moves the writing process itself.
+        let join = move || {
+            std::fs::write(&procs, b"0")?;
+            if memory_procs != procs {
+                std::fs::write(&memory_procs, b"0")?;
+            }
+            Ok(())
+        };
+        // SAFETY: between fork and exec the closure only writes to files whose paths were
+        // built before the fork.
+        let mut member = unsafe {
+            std::process::Command::new("sleep")
+                .arg("60")
+                .pre_exec(join)
+                .spawn()
+                .expect("spawn a member")
+        };
+        sweep_stale();
+
+        let status = member.wait().expect("wait for the member");
+        assert!(!status.success(), "the sweep did not kill the member");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while group.pids.exists() || group.memory.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the dead engine's group was not removed"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
 }

@@ -74,6 +74,10 @@ pub struct DaemonConfig {
     pub metrics: Option<SocketAddr>,
     /// HTTP entry point to servers in sandboxes (Host `PORT-ID.<anything>`); None disables it.
     pub http: Option<SocketAddr>,
+    /// The operator asked for these addresses (not the defaults): the start fails when one
+    /// cannot be bound, rather than running without it.
+    pub metrics_required: bool,
+    pub http_required: bool,
     /// Open connections the HTTP entry point serves at once; more get 503 at once.
     pub http_max_connections: usize,
     pub artifacts: Artifacts,
@@ -126,6 +130,8 @@ impl Default for DaemonConfig {
             tls: None,
             metrics: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             http: Some(SocketAddr::from(([127, 0, 0, 1], DEFAULT_HTTP_PORT))),
+            metrics_required: false,
+            http_required: false,
             http_max_connections: 4096,
             artifacts: Artifacts::from_env(),
             agent_bin: None,
@@ -185,10 +191,44 @@ fn lock_state_dir(config: &DaemonConfig) -> Result<std::fs::File, EdgeError> {
     Ok(file)
 }
 
+/// The listener of `flag`'s address: a failure is an error when the operator gave the
+/// address, else a warning (the default address may be taken by another daemon).
+async fn bind_listener(
+    flag: &str,
+    addr: Option<SocketAddr>,
+    required: bool,
+) -> Result<Option<tokio::net::TcpListener>, EdgeError> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(listener) => Ok(Some(listener)),
+        Err(err) if required => Err(EdgeError::io(
+            format!("bind {flag} {addr} (in use? pick another address or pass {flag} off)"),
+            err,
+        )),
+        Err(err) => {
+            tracing::warn!(%addr, %err, "{flag}: cannot serve the default address (in use?): running without it");
+            Ok(None)
+        }
+    }
+}
+
 /// Runs the daemon until SIGINT/SIGTERM. Sandboxes keep running when it stops.
 pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     let _lock = lock_state_dir(&config)?;
     let socket = config.socket_path();
+    // Bound before the node starts: an address the operator asked for that is in use stops
+    // the start before anything was made.
+    let metrics_listener =
+        bind_listener("--metrics", config.metrics, config.metrics_required).await?;
+    let http_listener = bind_listener("--http", config.http, config.http_required).await?;
+    if let Some(addr) = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+        tracing::info!(%addr, "metrics on http://{addr}/metrics");
+    }
+    if let Some(bound) = http_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+        tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID-TOKEN.localhost:{}/", bound.port());
+    }
     let node = Node::start(config.clone()).await?;
     tokio::spawn(node.clone().reaper());
     tokio::spawn(network::report_denied(node.clone()));
@@ -200,33 +240,21 @@ pub async fn run(config: DaemonConfig) -> Result<(), EdgeError> {
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600));
 
-    if let Some(addr) = config.metrics {
-        match tokio::net::TcpListener::bind(addr).await {
-            Ok(listener) => {
-                tracing::info!(%addr, "metrics on http://{addr}/metrics");
-                tokio::spawn(metrics::serve(node.clone(), listener));
-            }
-            Err(err) => tracing::warn!(%addr, %err, "cannot serve metrics (address in use?)"),
-        }
+    if let Some(listener) = metrics_listener {
+        tokio::spawn(metrics::serve(node.clone(), listener));
     }
-    let mut http = None;
-    if let Some(addr) = config.http {
-        match tokio::net::TcpListener::bind(addr).await {
-            Ok(listener) => {
-                let bound = listener.local_addr().unwrap_or(addr);
-                tracing::info!(%bound, "HTTP entry point: http://PORT-SANDBOXID-TOKEN.localhost:{}/", bound.port());
-                http = Some(bound);
-                tokio::spawn(ports::serve_http(
-                    node.clone(),
-                    listener,
-                    config.http_max_connections,
-                ));
-            }
-            Err(err) => {
-                tracing::warn!(%addr, %err, "cannot serve the HTTP entry point (address in use?)")
-            }
+    let http = match http_listener {
+        Some(listener) => {
+            let bound = listener.local_addr().ok();
+            tokio::spawn(ports::serve_http(
+                node.clone(),
+                listener,
+                config.http_max_connections,
+            ));
+            bound
         }
-    }
+        None => None,
+    };
     let fn_engine = fncall::start(&node, config.fncall_vm_pool);
     let router = |mut builder: tonic::transport::Server, require_token: bool| {
         builder
@@ -363,15 +391,18 @@ pub struct DaemonArgs {
     /// Also serve the API on TCP (e.g. 127.0.0.1:7070).
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
-    /// Prometheus metrics address; "off" disables.
-    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:9464")]
-    pub metrics: String,
+    /// Prometheus metrics address; "off" disables [default: 127.0.0.1:9464, served only
+    /// while free; an address given here must be free or the start fails].
+    #[arg(long, value_name = "ADDR|off")]
+    pub metrics: Option<String>,
     /// HTTP entry point to servers in sandboxes: a request with Host `PORT-SANDBOXID-TOKEN.<any
     /// domain>` (e.g. http://8080-sb-0123456789ab-TOKEN.localhost:7080/, see `dsec url`), or
     /// Host `PORT-SANDBOXID.<domain>` and header `X-Dsec-Access-Token: TOKEN`, is piped to
-    /// 127.0.0.1:PORT inside the sandbox (public ports need no token); "off" disables.
-    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:7080")]
-    pub http: String,
+    /// 127.0.0.1:PORT inside the sandbox (public ports need no token); "off" disables
+    /// [default: 127.0.0.1:7080, served only while free; an address given here must be free
+    /// or the start fails].
+    #[arg(long, value_name = "ADDR|off")]
+    pub http: Option<String>,
     /// Connections the HTTP entry point serves at once (each is a stream to a sandbox); more
     /// are answered 503 at once.
     #[arg(long, value_name = "N", default_value_t = 4096)]
@@ -472,6 +503,16 @@ pub struct DaemonArgs {
     pub invocation: Vec<OsString>,
 }
 
+/// `flag`'s value: HOST:PORT, or "off" (or empty) for none.
+fn listener_address(flag: &str, value: &str) -> Result<Option<SocketAddr>, EdgeError> {
+    match value {
+        "off" | "" => Ok(None),
+        addr => addr.parse().map(Some).map_err(|_| {
+            EdgeError::InvalidSpec(format!("{flag} {addr:?}: expected HOST:PORT or off"))
+        }),
+    }
+}
+
 impl DaemonArgs {
     pub fn into_config(self) -> Result<DaemonConfig, EdgeError> {
         let mut config = DaemonConfig::default();
@@ -502,18 +543,14 @@ impl DaemonArgs {
             ));
         }
         config.ready_timeout = Duration::from_secs(self.ready_timeout);
-        config.metrics = match self.metrics.as_str() {
-            "off" | "" => None,
-            addr => Some(addr.parse().map_err(|_| {
-                EdgeError::InvalidSpec(format!("--metrics {addr:?}: expected HOST:PORT or off"))
-            })?),
-        };
-        config.http = match self.http.as_str() {
-            "off" | "" => None,
-            addr => Some(addr.parse().map_err(|_| {
-                EdgeError::InvalidSpec(format!("--http {addr:?}: expected HOST:PORT or off"))
-            })?),
-        };
+        if let Some(metrics) = self.metrics.as_deref() {
+            config.metrics = listener_address("--metrics", metrics)?;
+            config.metrics_required = true;
+        }
+        if let Some(http) = self.http.as_deref() {
+            config.http = listener_address("--http", http)?;
+            config.http_required = true;
+        }
         if self.http_max_connections == 0 {
             return Err(EdgeError::InvalidSpec(
                 "--http-max-connections must be at least 1 (use --http off to disable)".into(),

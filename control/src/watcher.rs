@@ -15,7 +15,7 @@
 //!   between reserving and answering leaves a reservation the node may not back).
 //! - The [`Placer`] (if given) follows every change.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,13 +68,28 @@ pub struct Watcher {
     quotas: Quotas,
     inventory: Arc<dyn NodeInventory>,
     placer: Option<Arc<Placer>>,
-    /// Nodes registered as of the last event.
+    /// Nodes registered as of the last event whose inventory was reconciled.
     live: BTreeSet<String>,
+    /// How long one inventory call may take ([`INVENTORY_TIMEOUT`]).
+    inventory_timeout: Duration,
+    /// Registered nodes that did not answer what they run yet (in the placer already): asked
+    /// again every [`RETRY_UNRECONCILED`].
+    unreconciled: BTreeMap<String, NodeRecord>,
 }
+
+/// How often a registered node that did not answer its inventory is asked again.
+pub const RETRY_UNRECONCILED: Duration = Duration::from_secs(2);
+
+/// How long the watcher waits for a node to say what it runs: one node that holds the call
+/// (its link is down and no reset comes) must not stop the watcher.
+pub const INVENTORY_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for Watcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watcher").field("live", &self.live).finish()
+        f.debug_struct("Watcher")
+            .field("live", &self.live)
+            .field("unreconciled", &self.unreconciled.keys())
+            .finish()
     }
 }
 
@@ -90,7 +105,27 @@ impl Watcher {
             inventory,
             placer,
             live: BTreeSet::new(),
+            unreconciled: BTreeMap::new(),
+            inventory_timeout: INVENTORY_TIMEOUT,
         }
+    }
+
+    /// Gives up on an inventory call after `timeout` instead of [`INVENTORY_TIMEOUT`].
+    pub fn with_inventory_timeout(mut self, timeout: Duration) -> Self {
+        self.inventory_timeout = timeout;
+        self
+    }
+
+    /// What `node` runs, or why it did not say within the inventory timeout.
+    async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        tokio::time::timeout(self.inventory_timeout, self.inventory.running(node))
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!(
+                    "no answer in {} ms (is its link up?)",
+                    self.inventory_timeout.as_millis()
+                ))
+            })
     }
 
     /// Runs until the store fails for good; re-lists after every watch failure.
@@ -110,11 +145,18 @@ impl Watcher {
         let mut admin = self.store.watch(keys::NODE_ADMIN, Some(revision)).await?;
         let mut resync =
             tokio::time::interval_at(tokio::time::Instant::now() + RESYNC_EVERY, RESYNC_EVERY);
+        let mut retry = tokio::time::interval(RETRY_UNRECONCILED);
         loop {
             tokio::select! {
                 _ = resync.tick() => {
                     self.resync().await?;
                     self.reconcile_live().await?;
+                }
+                _ = retry.tick(), if !self.unreconciled.is_empty() => {
+                    let waiting: Vec<NodeRecord> = self.unreconciled.values().cloned().collect();
+                    for record in waiting {
+                        self.node_up(record).await?;
+                    }
                 }
                 event = nodes.next() => {
                     let Some(event) = event else { break };
@@ -127,7 +169,15 @@ impl Watcher {
                                     path: event.key.clone(),
                                     what: format!("unreadable node record: {e}"),
                                 })?;
-                            self.node_up(record).await?;
+                            if self.unreconciled.contains_key(&record.name) {
+                                // The retry tick asks it; a heartbeat must not.
+                                if let Some(placer) = &self.placer {
+                                    placer.update_node(record.clone());
+                                }
+                                self.unreconciled.insert(record.name.clone(), record);
+                            } else {
+                                self.node_up(record).await?;
+                            }
                         }
                         EventKind::Delete => self.node_gone(&name).await?,
                     }
@@ -152,13 +202,20 @@ impl Watcher {
         let admin = self.store.range(keys::NODE_ADMIN).await?;
         let reservations = self.store.range(keys::RESERVATIONS).await?;
         let mut registered = BTreeSet::new();
+        let mut records = Vec::with_capacity(nodes.kvs.len());
         for kv in &nodes.kvs {
             let record: NodeRecord = from_json(kv)?;
             registered.insert(record.name.clone());
+            // Every registered node is placeable at once; the inventories (one call to each
+            // new node) follow.
+            if let Some(placer) = &self.placer {
+                placer.update_node(record.clone());
+            }
+            records.push(record);
+        }
+        for record in records {
             if !self.live.contains(&record.name) {
                 self.node_up(record).await?;
-            } else if let Some(placer) = &self.placer {
-                placer.update_node(record);
             }
         }
         if let Some(placer) = &self.placer {
@@ -175,6 +232,7 @@ impl Watcher {
             .map(str::to_string)
             .collect();
         holders.extend(self.live.iter().cloned());
+        holders.extend(self.unreconciled.keys().cloned());
         for node in holders.difference(&registered) {
             self.node_gone(node).await?;
         }
@@ -192,7 +250,7 @@ impl Watcher {
         let nodes = self.store.range(keys::NODES).await?;
         for kv in &nodes.kvs {
             let record: NodeRecord = from_json(kv)?;
-            match self.inventory.running(&record).await {
+            match self.running(&record).await {
                 Ok(running) => {
                     let reconciled = self
                         .quotas
@@ -208,22 +266,31 @@ impl Watcher {
         Ok(())
     }
 
+    /// A registered node: placeable at once; reconciled with what it runs when it answers
+    /// (a node that does not is asked again, and the other nodes do not wait for it).
     async fn node_up(&mut self, record: NodeRecord) -> Result<(), WatcherError> {
         let name = record.name.clone();
         if let Some(placer) = &self.placer {
             placer.update_node(record.clone());
         }
-        if !self.live.insert(name.clone()) {
+        if self.live.contains(&name) {
             return Ok(());
         }
-        let running =
-            self.inventory
-                .running(&record)
-                .await
-                .map_err(|why| WatcherError::Inventory {
+        let running = match self.running(&record).await {
+            Ok(running) => running,
+            Err(why) => {
+                let error = WatcherError::Inventory {
                     node: name.clone(),
                     why,
-                })?;
+                };
+                tracing::warn!(
+                    "{error}; asking again in {} s",
+                    RETRY_UNRECONCILED.as_secs()
+                );
+                self.unreconciled.insert(name, record);
+                return Ok(());
+            }
+        };
         let reconciled = self
             .quotas
             .reconcile_node(&name, &running, RECONCILE_GRACE)
@@ -232,6 +299,9 @@ impl Watcher {
         for sandbox in &running {
             self.store.delete(&keys::lost(&sandbox.sandbox)).await?;
         }
+        // Live only once reconciled: a store failure above leaves it for the next listing.
+        self.unreconciled.remove(&name);
+        self.live.insert(name.clone());
         tracing::info!(
             node = %name,
             running = running.len(),
@@ -253,7 +323,7 @@ impl Watcher {
         if charged.is_empty() {
             return Ok(());
         }
-        let Ok(running) = self.inventory.running(record).await else {
+        let Ok(running) = self.running(record).await else {
             return Ok(()); // the next reconcile looks again
         };
         for sandbox in charged {
@@ -267,6 +337,7 @@ impl Watcher {
     /// Marks every sandbox reserved on a vanished node lost and returns its quota.
     async fn node_gone(&mut self, name: &str) -> Result<(), WatcherError> {
         self.live.remove(name);
+        self.unreconciled.remove(name);
         if let Some(placer) = &self.placer {
             placer.remove_node(name);
         }

@@ -25,6 +25,11 @@ use crate::watcher::NodeInventory;
 /// How long the apiserver waits for a node to accept a connection.
 const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// HTTP/2 pings on every node connection, idle or not: a node whose link went down (no RST
+/// ever comes) fails its calls within interval + timeout instead of holding them forever.
+const NODE_PING_INTERVAL: Duration = Duration::from_secs(2);
+const NODE_PING_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Channels to nodes, by name and address (lazily connected, shared by every call to the
 /// node); with the cluster's TLS directory every channel is mTLS: the node must prove it is
 /// `<name>.node.dsec` under the cluster CA, and the apiserver shows its own certificate.
@@ -58,6 +63,9 @@ impl NodeChannels {
         let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
             .map_err(|e| Status::internal(format!("node address {address:?} is invalid: {e}")))?
             .connect_timeout(NODE_CONNECT_TIMEOUT)
+            .http2_keep_alive_interval(NODE_PING_INTERVAL)
+            .keep_alive_timeout(NODE_PING_TIMEOUT)
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true);
         if let Some(tls) = &self.tls {
             let config = tls

@@ -11,6 +11,7 @@ use crate::testing::on_both_stores;
 on_both_stores!(
     a_vanished_node_loses_its_sandboxes_and_a_returning_one_gets_back_what_it_runs,
     a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge,
+    a_node_that_never_answers_holds_up_neither_the_placer_nor_the_other_nodes,
 );
 
 /// What each node says it runs.
@@ -285,5 +286,91 @@ async fn a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge(store: A
             && quotas.reservations_on("n1").await.unwrap().is_empty()
     })
     .await;
+    task.abort();
+}
+
+/// Answers for the nodes in `answering`; holds every other node's call forever (a node whose
+/// link went down: no reset ever comes).
+#[derive(Default)]
+struct Silent {
+    answering: Mutex<HashMap<String, Vec<RunningSandbox>>>,
+}
+
+#[async_trait::async_trait]
+impl NodeInventory for Silent {
+    async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        let answer = self.answering.lock().unwrap().get(&node.name).cloned();
+        match answer {
+            Some(running) => Ok(running),
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// A registered node whose inventory call never returns: every node is placeable at once,
+/// the answering node is reconciled (its lost mark cleared), and the silent one is once it
+/// answers.
+async fn a_node_that_never_answers_holds_up_neither_the_placer_nor_the_other_nodes(
+    store: Arc<dyn Store>,
+) {
+    let (rl, quotas) = project_rl(&store).await;
+    let registry = NodeRegistry::new(store.clone());
+    let mut on = HashMap::new();
+    for node in ["n1", "n2"] {
+        registry
+            .register(&record(node), Duration::from_secs(30))
+            .await
+            .unwrap();
+        let id = SandboxId::new(node).unwrap().to_string();
+        quotas.reserve(&rl, node, &id, ONE).await.unwrap();
+        // Both sandboxes were marked lost while their nodes were away.
+        store
+            .put(&keys::lost(&id), to_json(&id), None)
+            .await
+            .unwrap();
+        on.insert(node, id);
+    }
+    let running = |node: &str| {
+        vec![RunningSandbox {
+            sandbox: on[node].clone(),
+            project: rl.clone(),
+            resources: ONE,
+        }]
+    };
+    let inventory = Arc::new(Silent::default());
+    inventory
+        .answering
+        .lock()
+        .unwrap()
+        .insert("n2".into(), running("n2"));
+    let placer = Arc::new(Placer::with_seed(2, 5));
+    let watcher = Watcher::new(store.clone(), inventory.clone(), Some(placer.clone()))
+        .with_inventory_timeout(Duration::from_millis(300));
+    let task = tokio::spawn(watcher.run());
+
+    eventually("both nodes placeable", || async {
+        placer.address("n1").is_ok() && placer.address("n2").is_ok()
+    })
+    .await;
+    let lost = |node: &'static str| {
+        let (store, id) = (store.clone(), on[node].clone());
+        async move { store.get(&keys::lost(&id)).await.unwrap().is_some() }
+    };
+    eventually("n2 reconciled past silent n1", || async {
+        !lost("n2").await
+    })
+    .await;
+    assert!(lost("n1").await, "n1 never answered, yet was reconciled");
+
+    inventory
+        .answering
+        .lock()
+        .unwrap()
+        .insert("n1".into(), running("n1"));
+    eventually("n1 reconciled once it answers", || async {
+        !lost("n1").await
+    })
+    .await;
+    assert_eq!(quotas.reservations_on("n1").await.unwrap().len(), 1);
     task.abort();
 }

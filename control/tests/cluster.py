@@ -772,7 +772,8 @@ def main():
         cluster.start_node("n2")
         wait_for("n2 back", lambda: "n2" in cluster.node_names(), 30)
         wait_for("n2's sandboxes back", lambda: a.get(mine_a[0].id).info.state == "running", 30)
-        assert mine_a[-1].exec("echo back").stdout == b"back\n"
+        wait_for("exec on n2 after its restart",
+                 lambda: mine_a[-1].exec("echo back").stdout == b"back\n", 15)
         live = usage.check("node n2 back", live + len(listed) - kept)
         print(f"  SIGKILL node n2: {len(mine_a)} sandboxes LOST then back, 10 creates elsewhere")
 
@@ -790,7 +791,10 @@ def main():
         finally:
             ip("link", "set", "dsecct-n3", "up")
         wait_for("n3 back", lambda: "n3" in cluster.node_names(), 30)
-        assert cut[0].exec("echo reconnected").stdout == b"reconnected\n"
+        # The apiserver's connection to n3 died with the link (its pings went unanswered):
+        # the first call on the new one may be UNAVAILABLE, which callers retry.
+        wait_for("exec on n3 after its link is back",
+                 lambda: cut[0].exec("echo reconnected").stdout == b"reconnected\n", 15)
         live = usage.check("n3 reconnected", live + len(cut))
         print(f"  n3's link down past its lease and up: {len(cut)} sandboxes back")
 

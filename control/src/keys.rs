@@ -71,6 +71,14 @@ pub fn reservations_on(node: &str) -> String {
 
 pub const RESERVATIONS: &str = "/dsec/reservations/";
 
+/// A sandbox deleted through the API (value: when, ms): a node listing taken before the
+/// delete must not charge it again. Removed after [`crate::quota::DELETED_KEPT`].
+pub fn deleted(node: &str, sandbox: &str) -> String {
+    format!("/dsec/deleted/{node}/{sandbox}")
+}
+
+pub const DELETED: &str = "/dsec/deleted/";
+
 /// A node's registration, attached to its lease.
 pub fn node(name: &str) -> String {
     format!("/dsec/nodes/{name}")

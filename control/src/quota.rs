@@ -28,6 +28,10 @@ pub use batch::{Reserver, BATCH_MAX};
 /// A read-check-write is retried this often under contention before `Contended`.
 const CAS_ATTEMPTS: usize = 10_000;
 
+/// How long the mark of a sandbox deleted through the API is kept: longer than any node
+/// listing (inventory, heartbeat) taken before the delete can take to be acted on.
+pub const DELETED_KEPT: Duration = Duration::from_secs(300);
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuotaRecord {
     pub limit: Resources,
@@ -289,6 +293,54 @@ impl Quotas {
         self.release_with(node, sandbox, |_| Vec::new()).await
     }
 
+    /// Returns the reservation of a sandbox deleted through the API and marks it deleted in
+    /// the same transaction, so that a node listing taken before the delete (a watcher's
+    /// reconcile, a heartbeat's check) cannot charge it again. Marked even if nothing was
+    /// reserved any more.
+    pub async fn release_deleted(
+        &self,
+        node: &str,
+        sandbox: &str,
+    ) -> QuotaResult<Option<Reservation>> {
+        let mark = keys::deleted(node, sandbox);
+        let at = to_json(&now_ms());
+        let reservation = keys::reservation(node, sandbox);
+        for attempt in 0..CAS_ATTEMPTS {
+            let released = self
+                .release_with(node, sandbox, |_| vec![Op::put(&mark, at.clone())])
+                .await?;
+            if released.is_some() {
+                return Ok(released);
+            }
+            let txn = Txn::default()
+                .when(Compare::absent(&reservation))
+                .then(Op::put(&mark, at.clone()));
+            if self.store.txn(txn).await?.succeeded {
+                return Ok(None);
+            }
+            // Charged between the two: release that one.
+            back_off(attempt).await;
+        }
+        Err(QuotaError::Contended(format!(
+            "the reservation of {sandbox}"
+        )))
+    }
+
+    /// Drops the marks of sandboxes deleted longer than `kept` ago; how many.
+    pub async fn forget_deleted(&self, kept: Duration) -> QuotaResult<usize> {
+        let cutoff = now_ms().saturating_sub(kept.as_millis() as u64);
+        let marks = self.store.range(keys::DELETED).await?;
+        let mut forgotten = 0;
+        for kv in &marks.kvs {
+            // An unreadable mark is dropped too: it only ever blocks a charge.
+            let at: u64 = from_json(kv).unwrap_or(0);
+            if at <= cutoff {
+                forgotten += self.store.delete(&kv.key).await? as usize;
+            }
+        }
+        Ok(forgotten)
+    }
+
     /// [`Quotas::release`], writing `also(reservation)` in the same transaction.
     pub(crate) async fn release_with(
         &self,
@@ -336,6 +388,7 @@ impl Quotas {
         };
         let txn = Txn::default()
             .when(Compare::absent(&key))
+            .when(Compare::absent(keys::deleted(node, &running.sandbox)))
             .when(quota.unchanged())
             .then(Op::put(&key, to_json(&reservation)))
             .then(quota.put(&record));
@@ -392,12 +445,16 @@ impl Quotas {
         sandbox: &RunningSandbox,
     ) -> QuotaResult<bool> {
         let key = keys::reservation(node, &sandbox.sandbox);
+        let deleted = keys::deleted(node, &sandbox.sandbox);
         for attempt in 0..CAS_ATTEMPTS {
             if self.store.get(&key).await?.is_some() {
                 return Ok(false);
             }
             if self.charge_existing(node, sandbox).await? {
                 return Ok(true);
+            }
+            if self.store.get(&deleted).await?.is_some() {
+                return Ok(false);
             }
             back_off(attempt).await;
         }

@@ -246,6 +246,7 @@ impl Watcher {
     /// Reconciles every registered node with what it runs: creates whose apiserver died
     /// after reserving (the node dropped the sandbox, or never made it) give their quota
     /// back once older than the grace. A node that cannot answer is left for next time.
+    /// Then drops the marks of sandboxes deleted long ago.
     async fn reconcile_live(&mut self) -> Result<(), WatcherError> {
         let nodes = self.store.range(keys::NODES).await?;
         for kv in &nodes.kvs {
@@ -263,6 +264,11 @@ impl Watcher {
                 }
             }
         }
+        let forgotten = self
+            .quotas
+            .forget_deleted(crate::quota::DELETED_KEPT)
+            .await?;
+        tracing::debug!(forgotten, "marks of deleted sandboxes dropped");
         Ok(())
     }
 

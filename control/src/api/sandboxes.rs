@@ -485,7 +485,7 @@ impl Sandboxes for SandboxesApi {
             Err(status) => status.code() == tonic::Code::NotFound,
         };
         if gone {
-            self.0.quotas.release(&route.node, &id).await?;
+            self.0.quotas.release_deleted(&route.node, &id).await?;
             self.0.forget_sandbox(&id);
         }
         self.0

@@ -13,6 +13,7 @@ on_both_stores!(
     concurrent_delegations_never_overrun_the_parent,
     reconciling_a_node_makes_usage_exact,
     a_burst_of_batches_reads_the_quota_record_once,
+    a_listing_from_before_a_delete_never_charges_it_again,
 );
 
 fn path(text: &str) -> ProjectPath {
@@ -464,4 +465,47 @@ async fn a_burst_of_batches_reads_the_quota_record_once(store: Arc<dyn Store>) {
         .unwrap();
     assert!(reserver.likely_fits(&rl, sandboxes(8)));
     assert!(!reserver.likely_fits(&rl, sandboxes(9)));
+}
+
+/// A node listing taken before a delete (a watcher's reconcile, a heartbeat's check) that is
+/// acted on after the delete returned the quota must not charge the deleted sandbox again;
+/// the marks go after `DELETED_KEPT`.
+async fn a_listing_from_before_a_delete_never_charges_it_again(store: Arc<dyn Store>) {
+    let (quotas, rl) = rl_limited_to(&store, 10).await;
+    quotas.reserve(&rl, "n1", "a", ONE).await.unwrap();
+    quotas.reserve(&rl, "n1", "b", ONE).await.unwrap();
+    let stale = [
+        RunningSandbox {
+            sandbox: "a".to_string(),
+            project: rl.clone(),
+            resources: ONE,
+        },
+        RunningSandbox {
+            sandbox: "b".to_string(),
+            project: rl.clone(),
+            resources: ONE,
+        },
+    ];
+    let released = quotas.release_deleted("n1", "a").await.unwrap();
+    assert_eq!(released.map(|r| r.sandbox), Some("a".to_string()));
+    assert_eq!(quotas.get(&rl).await.unwrap().used, ONE);
+    let report = quotas
+        .reconcile_node("n1", &stale, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(
+        report,
+        Reconciled::default(),
+        "a was deleted, b is reserved"
+    );
+    assert!(!quotas.charge_if_unreserved("n1", &stale[0]).await.unwrap());
+    assert_eq!(quotas.get(&rl).await.unwrap().used, ONE);
+    // A second delete of it (a retried call) marks again and returns nothing.
+    assert_eq!(quotas.release_deleted("n1", "a").await.unwrap(), None);
+
+    // Kept marks stay; old ones go, and then a sandbox of that name can be charged.
+    assert_eq!(quotas.forget_deleted(DELETED_KEPT).await.unwrap(), 0);
+    assert_eq!(quotas.forget_deleted(Duration::ZERO).await.unwrap(), 1);
+    assert!(quotas.charge_if_unreserved("n1", &stale[0]).await.unwrap());
+    assert_eq!(quotas.get(&rl).await.unwrap().used, ONE.plus(ONE));
 }

@@ -489,6 +489,26 @@ async fn policies_are_enforced_against_a_test_internet() {
     assert!(!reaches(&client, &open, net.mirror, 8081).await);
     assert!(!reaches(&client, &open, net.forbidden, 8080).await);
     assert!(!reaches(&client, &open, net.forbidden, 22).await);
+    // The gateway's MAC is fixed (06:00 and its address) and stays while sandboxes come and
+    // go: a bridge left to itself takes the lowest MAC of its ports, and a sandbox that had
+    // cached the old one lost the gateway until its ARP entry expired.
+    let bridge_mac = || {
+        std::fs::read_to_string(format!("/sys/class/net/{}/address", net.bridge))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let [a, b, c, d] = net.gateway().octets();
+    let fixed = format!("06:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}");
+    assert_eq!(bridge_mac(), fixed);
+    for _ in 0..6 {
+        let id = create(&client, NetworkPolicy::default()).await;
+        client.delete(&id).await.unwrap();
+    }
+    assert_eq!(bridge_mac(), fixed, "the bridge's MAC moved");
+    let (_, arp) = run(&client, &open, "cat /proc/net/arp").await;
+    assert!(arp.contains(&fixed), "{arp}");
+    assert!(reaches(&client, &open, net.mirror, 8080).await);
     // Those refused attempts are counted per sandbox.
     let metrics = sh(&format!("curl -sf http://{}/metrics", daemon.metrics));
     let denied = |id: &str| -> u64 {

@@ -178,10 +178,15 @@ impl Network {
         // No IPv6 on the bridge: a sandbox must not reach the node over link-local
         // addresses (the table drops IPv6 from the bridge as well).
         write_sysctl(&format!("net/ipv6/conf/{bridge}/disable_ipv6"), "1")?;
+        // A fixed MAC (06:00 and the gateway's address): a bridge left to itself takes the
+        // lowest MAC of its ports, so it would change as sandboxes come and go, and every
+        // sandbox that cached the gateway's old MAC would be cut off until its ARP entry
+        // expired (a fork's new tap did this to its parent). A set address stays.
         ip_batch(
             &format!(
-                "addr replace {gateway}/{} dev {bridge}\nlink set {bridge} up\n",
-                pool.1
+                "link set {bridge} address {mac}\naddr replace {gateway}/{} dev {bridge}\nlink set {bridge} up\n",
+                pool.1,
+                mac = tap::mac_of(gateway),
             ),
             None,
         )?;

@@ -53,6 +53,10 @@ i=0
 until dsec ls >/dev/null 2>&1 || [ $i -ge 100 ]; do sleep 0.2; i=$((i + 1)); done
 dsec ls >/dev/null 2>&1 && ok daemon-up || { bad daemon-up "$(tail -5 /tmp/node.log)"; echo "$pass passed, $fail failed"; exit 1; }
 gw=10.77.0.1
+# The gateway's MAC is fixed: a bridge that takes its lowest port's MAC changes it as taps
+# come and go, and cuts off every sandbox that cached the old one (a fork's parent did).
+gwmac=06:00:0a:4d:00:01
+[ "$(cat /sys/class/net/dsec0/address)" = $gwmac ] && ok bridge-mac-fixed || bad bridge-mac-fixed "dsec0 has $(cat /sys/class/net/dsec0/address)"
 
 a=$(timeout $T dsec create --backend microvm --mem 128 --cold 2>/tmp/create.err)
 [ -n "$a" ] && ok create || { bad create "$(cat /tmp/create.err; tail -5 /tmp/node.log)"; }
@@ -132,7 +136,7 @@ ae=$(addr_of $e)
 case $ae in 10.77.0.*) [ "$ae" != "$ac" ] && [ "$(mac_of $e)" = "$(mac_for $ae)" ] \
     && [ "$(reach $e '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $e '192.168.77.2 9090')" ] \
     && [ "$(reach $c '192.168.77.2 8080')" = web-ok ] && ok fork-own-network \
-    || bad fork-own-network "$e: $ae $(mac_of $e), 8080 '$(reach $e '192.168.77.2 8080')', 9090 '$(reach $e '192.168.77.2 9090')'";;
+    || bad fork-own-network "$e: $ae $(mac_of $e), 8080 '$(reach $e '192.168.77.2 8080')', 9090 '$(reach $e '192.168.77.2 9090')'; parent 8080 '$(reach $c '192.168.77.2 8080')', its ARP: $(timeout 60 dsec exec $c -- cat /proc/net/arp | tail -n +2)";;
     *) bad fork-own-network "child '$e' has '$ae': $(cat /tmp/fork.err; tail -5 /tmp/node.log)";; esac
 timeout $T dsec net set $e tcp:192.168.77.2:9090 >/dev/null
 [ "$(reach $e '192.168.77.2 9090')" = web-ok ] && [ -z "$(reach $e '192.168.77.2 8080')" ] \
@@ -152,6 +156,7 @@ timeout $T dsec resume $d >/dev/null || bad resume "refused: $(tail -5 /tmp/node
     && [ "$(reach $d '192.168.77.2 8080')" = web-ok ] && [ -z "$(reach $d '192.168.77.2 9090')" ] \
     && ok resume-keeps-network || bad resume-keeps-network "$d: '$(addr_of $d)' (was $ad), taps $(ls /sys/class/net | grep dst), 8080 '$(reach $d '192.168.77.2 8080')'"
 
+[ "$(cat /sys/class/net/dsec0/address)" = $gwmac ] && ok bridge-mac-kept || bad bridge-mac-kept "dsec0 has $(cat /sys/class/net/dsec0/address) after taps came and went"
 for s in $a $b $c $d $e $f; do timeout $T dsec rm $s >/dev/null 2>&1; done
 i=0
 while [ "$(ls /sys/class/net | grep -c '^dst')" != 0 ] && [ $i -lt 50 ]; do sleep 0.2; i=$((i + 1)); done

@@ -294,9 +294,18 @@ fn restore_prewarmed(
     prewarm: &PrewarmLaunch,
     sock: &Path,
 ) -> Result<(Vm, std::os::unix::net::UnixListener), MainError> {
+    // Building the shell is background work: it must not take the CPU from running
+    // sandboxes (a pool refill starts just as the VMM it replaces runs its first exec).
+    let priority = dsec_vmm::sched::Background::enter();
     let shell = dsec_vmm::vm::Prewarmed::new(prewarm.mem_mib, prewarm.vcpus)?;
+    match shell.rehearse_state_decoding() {
+        Ok(took) => tracing::debug!(ms = took.as_secs_f64() * 1e3, "state decoding rehearsed"),
+        Err(e) => tracing::debug!("state decoding not rehearsed: {e}"),
+    }
     let (request, answer, listener) =
         dsec_vmm::control::accept_restore(sock).map_err(MainError::Control)?;
+    // The restore and the threads it starts (vCPUs, devices) run at the VMM's own priority.
+    drop(priority);
     let started = std::time::Instant::now();
     let mut overrides = restore_overrides(&prewarm.overrides, None);
     overrides.vsock_uds = request.vsock_uds.or(overrides.vsock_uds);

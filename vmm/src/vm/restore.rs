@@ -400,6 +400,16 @@ fn restore_memory(
 mod tests {
     use super::*;
 
+    /// The rehearsal reads a real shell's state and runs it through the state file's encoder
+    /// and decoder (a decoding error would fail here); the restore after it is covered by
+    /// `prewarmed_vmm_restores_on_request_and_refuses_a_mismatched_snapshot`.
+    #[test]
+    fn a_prewarmed_shell_rehearses_the_state_decoding() {
+        let shell = Prewarmed::new(32, 2).unwrap();
+        let took = shell.rehearse_state_decoding().unwrap();
+        assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+    }
+
     #[test]
     fn drive_replacements_must_match_the_snapshot() {
         let dir = std::env::temp_dir().join(format!("dsec-drives-{}", std::process::id()));

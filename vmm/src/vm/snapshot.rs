@@ -307,21 +307,7 @@ impl Vm {
             let fd = lock(&handle.fd);
             vcpus.push(vcpu::save_state(&self.kvm, handle.id, &fd)?);
         }
-        let mut irqchips = Vec::new();
-        for chip_id in [
-            KVM_IRQCHIP_PIC_MASTER,
-            KVM_IRQCHIP_PIC_SLAVE,
-            KVM_IRQCHIP_IOAPIC,
-        ] {
-            let mut chip = kvm_irqchip {
-                chip_id,
-                ..Default::default()
-            };
-            self.fd
-                .get_irqchip(&mut chip)
-                .map_err(kvm_err("read the interrupt controller"))?;
-            irqchips.push(chip);
-        }
+        let irqchips = read_irqchips(&self.fd)?;
         let pit = self.fd.get_pit2().map_err(kvm_err("read the PIT"))?;
         let clock = self
             .fd
@@ -447,4 +433,23 @@ impl Vm {
             }
         }
     }
+}
+
+/// The three in-kernel interrupt controllers' state (PIC master, PIC slave, IOAPIC).
+pub(super) fn read_irqchips(fd: &kvm_ioctls::VmFd) -> Result<Vec<kvm_irqchip>, VmError> {
+    let mut irqchips = Vec::new();
+    for chip_id in [
+        KVM_IRQCHIP_PIC_MASTER,
+        KVM_IRQCHIP_PIC_SLAVE,
+        KVM_IRQCHIP_IOAPIC,
+    ] {
+        let mut chip = kvm_irqchip {
+            chip_id,
+            ..Default::default()
+        };
+        fd.get_irqchip(&mut chip)
+            .map_err(kvm_err("read the interrupt controller"))?;
+        irqchips.push(chip);
+    }
+    Ok(irqchips)
 }

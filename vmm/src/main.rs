@@ -302,6 +302,8 @@ fn restore_prewarmed(
         Ok(took) => tracing::debug!(ms = took.as_secs_f64() * 1e3, "state decoding rehearsed"),
         Err(e) => tracing::debug!("state decoding not rehearsed: {e}"),
     }
+    // The jail's ids are set by now (enter_jail runs first), which the filters need.
+    dsec_vmm::seccomp::precompile()?;
     let (request, answer, listener) =
         dsec_vmm::control::accept_restore(sock).map_err(MainError::Control)?;
     // The restore and the threads it starts (vCPUs, devices) run at the VMM's own priority.

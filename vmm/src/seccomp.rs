@@ -242,22 +242,39 @@ pub fn is_enabled() -> bool {
 }
 
 /// Installs the filter of `kind` on the calling thread (a no-op unless [`enable`]d).
+/// Compiled once per kind and process: vCPU and device threads start on the restore path,
+/// before the first KVM_RUN. (The jail's uid/gid are fixed before any thread starts.)
+static PROGRAMS: [OnceLock<BpfProgram>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+
+fn compiled(kind: ThreadKind) -> Result<&'static BpfProgram, SeccompError> {
+    let slot = &PROGRAMS[kind as usize];
+    match slot.get() {
+        Some(p) => Ok(p),
+        None => {
+            let compiled = program(kind)?;
+            Ok(slot.get_or_init(|| compiled))
+        }
+    }
+}
+
+/// Compiles every kind's filter now (a prewarmed VMM, before its restore starts the vCPU and
+/// device threads that install them). Only once the jail's ids are known: the filters allow
+/// exactly that privilege drop.
+pub fn precompile() -> Result<(), SeccompError> {
+    if !is_enabled() {
+        return Ok(());
+    }
+    for kind in [ThreadKind::Vmm, ThreadKind::Vcpu, ThreadKind::Device] {
+        compiled(kind)?;
+    }
+    Ok(())
+}
+
 pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     if !is_enabled() {
         return Ok(());
     }
-    // Compiled once per kind and process: vCPU and device threads start on the restore path,
-    // before the first KVM_RUN. (The jail's uid/gid are fixed before any thread starts.)
-    static PROGRAMS: [OnceLock<BpfProgram>; 3] =
-        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    let slot = &PROGRAMS[kind as usize];
-    let program = match slot.get() {
-        Some(p) => p,
-        None => {
-            let compiled = program(kind)?;
-            slot.get_or_init(|| compiled)
-        }
-    };
+    let program = compiled(kind)?;
     seccompiler::apply_filter(program).map_err(|e| SeccompError::Install {
         kind,
         message: e.to_string(),

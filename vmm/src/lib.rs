@@ -14,7 +14,6 @@ pub mod jail;
 pub mod kvm_stats;
 pub mod memory;
 pub mod persist;
-pub mod sched;
 pub mod seccomp;
 pub mod snapshot;
 pub mod sync;

@@ -294,9 +294,7 @@ fn restore_prewarmed(
     prewarm: &PrewarmLaunch,
     sock: &Path,
 ) -> Result<(Vm, std::os::unix::net::UnixListener), MainError> {
-    // Building the shell is background work: it must not take the CPU from running
-    // sandboxes (a pool refill starts just as the VMM it replaces runs its first exec).
-    let priority = dsec_vmm::sched::Background::enter();
+    // (The daemon starts its pool's VMMs at nice 19 and renices a taken one's threads.)
     let shell = dsec_vmm::vm::Prewarmed::new(prewarm.mem_mib, prewarm.vcpus)?;
     match shell.rehearse_state_decoding() {
         Ok(took) => tracing::debug!(ms = took.as_secs_f64() * 1e3, "state decoding rehearsed"),
@@ -306,8 +304,6 @@ fn restore_prewarmed(
     dsec_vmm::seccomp::precompile()?;
     let (request, answer, listener) =
         dsec_vmm::control::accept_restore(sock).map_err(MainError::Control)?;
-    // The restore and the threads it starts (vCPUs, devices) run at the VMM's own priority.
-    drop(priority);
     let started = std::time::Instant::now();
     let mut overrides = restore_overrides(&prewarm.overrides, None);
     overrides.vsock_uds = request.vsock_uds.or(overrides.vsock_uds);

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use tokio::task::JoinSet;
 
 use crate::iam::ProjectPath;
 use crate::keys;
@@ -118,14 +119,7 @@ impl Watcher {
 
     /// What `node` runs, or why it did not say within the inventory timeout.
     async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
-        tokio::time::timeout(self.inventory_timeout, self.inventory.running(node))
-            .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "no answer in {} ms (is its link up?)",
-                    self.inventory_timeout.as_millis()
-                ))
-            })
+        ask_inventory(&*self.inventory, self.inventory_timeout, node).await
     }
 
     /// Runs until the store fails for good; re-lists after every watch failure.
@@ -146,6 +140,11 @@ impl Watcher {
         let mut resync =
             tokio::time::interval_at(tokio::time::Instant::now() + RESYNC_EVERY, RESYNC_EVERY);
         let mut retry = tokio::time::interval(RETRY_UNRECONCILED);
+        retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Nodes asked again run in tasks: a silent node holds its call for the whole
+        // inventory timeout, and the watch must go on meanwhile.
+        let mut asking: JoinSet<(String, Result<Vec<RunningSandbox>, String>)> = JoinSet::new();
+        let mut asked = BTreeSet::new();
         loop {
             tokio::select! {
                 _ = resync.tick() => {
@@ -153,9 +152,31 @@ impl Watcher {
                     self.reconcile_live().await?;
                 }
                 _ = retry.tick(), if !self.unreconciled.is_empty() => {
-                    let waiting: Vec<NodeRecord> = self.unreconciled.values().cloned().collect();
-                    for record in waiting {
-                        self.node_up(record).await?;
+                    for record in self.unreconciled.values() {
+                        if asked.insert(record.name.clone()) {
+                            let (inventory, timeout) = (self.inventory.clone(), self.inventory_timeout);
+                            let record = record.clone();
+                            asking.spawn(async move {
+                                let answer = ask_inventory(&*inventory, timeout, &record).await;
+                                (record.name, answer)
+                            });
+                        }
+                    }
+                }
+                Some(done) = asking.join_next(), if !asking.is_empty() => {
+                    let (name, answer) = done.map_err(|e| {
+                        StoreError::Unavailable(format!("an inventory task failed: {e}"))
+                    })?;
+                    asked.remove(&name);
+                    // Gone meanwhile, or reconciled by a listing: nothing to do.
+                    let Some(record) = self.unreconciled.get(&name).cloned() else { continue };
+                    match answer {
+                        Ok(running) => self.reconcile_up(record, running).await?,
+                        Err(why) => tracing::warn!(
+                            "{}; asking again in {} s",
+                            WatcherError::Inventory { node: name, why },
+                            RETRY_UNRECONCILED.as_secs()
+                        ),
                     }
                 }
                 event = nodes.next() => {
@@ -214,7 +235,10 @@ impl Watcher {
             records.push(record);
         }
         for record in records {
-            if !self.live.contains(&record.name) {
+            if let Some(waiting) = self.unreconciled.get_mut(&record.name) {
+                // Asked again by the retry tick, off the watch loop.
+                *waiting = record;
+            } else if !self.live.contains(&record.name) {
                 self.node_up(record).await?;
             }
         }
@@ -297,6 +321,17 @@ impl Watcher {
                 return Ok(());
             }
         };
+        self.reconcile_up(record, running).await
+    }
+
+    /// Reconciles a registered node with what it said it runs, clears the lost marks of
+    /// those sandboxes and counts it live.
+    async fn reconcile_up(
+        &mut self,
+        record: NodeRecord,
+        running: Vec<RunningSandbox>,
+    ) -> Result<(), WatcherError> {
+        let name = record.name.clone();
         let reconciled = self
             .quotas
             .reconcile_node(&name, &running, RECONCILE_GRACE)
@@ -371,6 +406,22 @@ impl Watcher {
         }
         Ok(())
     }
+}
+
+/// What `node` runs, or why it did not say within `timeout`.
+async fn ask_inventory(
+    inventory: &dyn NodeInventory,
+    timeout: Duration,
+    node: &NodeRecord,
+) -> Result<Vec<RunningSandbox>, String> {
+    tokio::time::timeout(timeout, inventory.running(node))
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "no answer in {} ms (is its link up?)",
+                timeout.as_millis()
+            ))
+        })
 }
 
 /// The lost mark of a sandbox, if its node vanished.

@@ -294,11 +294,19 @@ async fn a_sandbox_deleted_while_its_node_is_reconciled_keeps_no_charge(store: A
 #[derive(Default)]
 struct Silent {
     answering: Mutex<HashMap<String, Vec<RunningSandbox>>>,
+    /// Calls made, per node.
+    asked: Mutex<HashMap<String, usize>>,
 }
 
 #[async_trait::async_trait]
 impl NodeInventory for Silent {
     async fn running(&self, node: &NodeRecord) -> Result<Vec<RunningSandbox>, String> {
+        *self
+            .asked
+            .lock()
+            .unwrap()
+            .entry(node.name.clone())
+            .or_default() += 1;
         let answer = self.answering.lock().unwrap().get(&node.name).cloned();
         match answer {
             Some(running) => Ok(running),
@@ -308,8 +316,9 @@ impl NodeInventory for Silent {
 }
 
 /// A registered node whose inventory call never returns: every node is placeable at once,
-/// the answering node is reconciled (its lost mark cleared), and the silent one is once it
-/// answers.
+/// the answering node is reconciled (its lost mark cleared), a node that registers while the
+/// silent one is being asked again is reconciled without waiting for that call, and the
+/// silent one is once it answers.
 async fn a_node_that_never_answers_holds_up_neither_the_placer_nor_the_other_nodes(
     store: Arc<dyn Store>,
 ) {
@@ -344,8 +353,9 @@ async fn a_node_that_never_answers_holds_up_neither_the_placer_nor_the_other_nod
         .unwrap()
         .insert("n2".into(), running("n2"));
     let placer = Arc::new(Placer::with_seed(2, 5));
+    let timeout = Duration::from_secs(4);
     let watcher = Watcher::new(store.clone(), inventory.clone(), Some(placer.clone()))
-        .with_inventory_timeout(Duration::from_millis(300));
+        .with_inventory_timeout(timeout);
     let task = tokio::spawn(watcher.run());
 
     eventually("both nodes placeable", || async {
@@ -361,6 +371,44 @@ async fn a_node_that_never_answers_holds_up_neither_the_placer_nor_the_other_nod
     })
     .await;
     assert!(lost("n1").await, "n1 never answered, yet was reconciled");
+
+    // n1 is being asked again (its call held for the whole timeout); n3 registers now.
+    eventually("n1 asked again", || async {
+        inventory
+            .asked
+            .lock()
+            .unwrap()
+            .get("n1")
+            .copied()
+            .unwrap_or(0)
+            >= 2
+    })
+    .await;
+    let n3 = SandboxId::new("n3").unwrap().to_string();
+    store
+        .put(&keys::lost(&n3), to_json(&n3), None)
+        .await
+        .unwrap();
+    inventory.answering.lock().unwrap().insert(
+        "n3".into(),
+        vec![RunningSandbox {
+            sandbox: n3.clone(),
+            project: rl.clone(),
+            resources: ONE,
+        }],
+    );
+    let registered = Instant::now();
+    registry
+        .register(&record("n3"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    while store.get(&keys::lost(&n3)).await.unwrap().is_some() {
+        assert!(
+            registered.elapsed() < timeout / 2,
+            "n3 waited for n1's inventory call"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     inventory
         .answering

@@ -499,7 +499,7 @@ impl Prewarmed {
             state.cpuid = cpuid.as_slice().to_vec();
             vcpus.push(state);
         }
-        let irqchips = snapshot::read_irqchips(&self.fd)?;
+        let (irqchips, pit, clock) = snapshot::read_vm_chips(&self.fd)?;
         let mut config = VmConfig::new("/rehearsal/vmlinux");
         config.mem_mib = self.mem_mib;
         config.vcpus = self.vcpus.len() as u8;
@@ -517,11 +517,8 @@ impl Prewarmed {
             },
             vcpus,
             irqchips,
-            pit: self.fd.get_pit2().map_err(kvm_err("read the PIT"))?,
-            clock: self
-                .fd
-                .get_clock()
-                .map_err(kvm_err("read the guest clock"))?,
+            pit,
+            clock,
             devices: DevicesState {
                 serial: Default::default(),
                 virtio: Vec::new(),

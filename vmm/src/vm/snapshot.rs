@@ -307,12 +307,7 @@ impl Vm {
             let fd = lock(&handle.fd);
             vcpus.push(vcpu::save_state(&self.kvm, handle.id, &fd)?);
         }
-        let irqchips = read_irqchips(&self.fd)?;
-        let pit = self.fd.get_pit2().map_err(kvm_err("read the PIT"))?;
-        let clock = self
-            .fd
-            .get_clock()
-            .map_err(kvm_err("read the guest clock"))?;
+        let (irqchips, pit, clock) = read_vm_chips(&self.fd)?;
         let devices = DevicesState {
             serial: lock(&self.serial).save(),
             virtio: slots::save(&self.virtio),
@@ -435,8 +430,11 @@ impl Vm {
     }
 }
 
-/// The three in-kernel interrupt controllers' state (PIC master, PIC slave, IOAPIC).
-pub(super) fn read_irqchips(fd: &kvm_ioctls::VmFd) -> Result<Vec<kvm_irqchip>, VmError> {
+/// The VM-wide in-kernel state: the three interrupt controllers (PIC master, PIC slave,
+/// IOAPIC), the PIT and the clock.
+pub(super) fn read_vm_chips(
+    fd: &kvm_ioctls::VmFd,
+) -> Result<(Vec<kvm_irqchip>, kvm_pit_state2, kvm_clock_data), VmError> {
     let mut irqchips = Vec::new();
     for chip_id in [
         KVM_IRQCHIP_PIC_MASTER,
@@ -451,5 +449,7 @@ pub(super) fn read_irqchips(fd: &kvm_ioctls::VmFd) -> Result<Vec<kvm_irqchip>, V
             .map_err(kvm_err("read the interrupt controller"))?;
         irqchips.push(chip);
     }
-    Ok(irqchips)
+    let pit = fd.get_pit2().map_err(kvm_err("read the PIT"))?;
+    let clock = fd.get_clock().map_err(kvm_err("read the guest clock"))?;
+    Ok((irqchips, pit, clock))
 }

@@ -236,6 +236,9 @@ pub struct StartingMicroVm {
     /// The agent took `env` (agents from before that refresh field ignore it).
     env_set: bool,
     started: Instant,
+    /// Connections tried before the agent answered, and when the first was (for the log).
+    connect_attempts: u32,
+    first_attempt_after: Option<Duration>,
 }
 
 impl std::fmt::Debug for StartingMicroVm {
@@ -328,6 +331,8 @@ impl MicroVm {
             env: None,
             env_set: false,
             started: Instant::now(),
+            connect_attempts: 0,
+            first_attempt_after: None,
         })
     }
 
@@ -533,6 +538,9 @@ impl StartingMicroVm {
                 // A restored guest's agent was serving when it was snapshotted: once the vsock
                 // connection is accepted, its refresh is the first call (one round trip less).
                 let probe = !self.restored;
+                self.connect_attempts += 1;
+                self.first_attempt_after
+                    .get_or_insert_with(|| self.started.elapsed());
                 let attempt =
                     tokio::time::timeout(remaining.clamp(ATTEMPT_MIN, ATTEMPT_MAX), async {
                         let client = AgentClient::connect(self.dir.agent_addr()).await?;
@@ -617,6 +625,10 @@ impl StartingMicroVm {
                     clock_skew_ms = skew.as_millis() as u64,
                     hostname = self.hostname.as_deref().unwrap_or(""),
                     agent_ms = answered_after.as_millis() as u64,
+                    connect_attempts = self.connect_attempts,
+                    first_attempt_ms = self
+                        .first_attempt_after
+                        .map_or(0, |after| after.as_millis() as u64),
                     refresh_ms = started.elapsed().as_millis() as u64,
                     "restored guest refreshed (fresh entropy, host clock, identity)"
                 );

@@ -7,7 +7,8 @@
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 #   the same and pause -> resume -> first exec through one SDK client (`dsec-perf templates`);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
-#   background process; three pause/resume cycles with writes between them;
+#   background process; three pause/resume cycles with writes between them (the agent's
+#   connections from before each pause closed, the daemon's first connection accepted);
 #   pause -> resume -> first exec (METRIC); later resumes take a prewarmed VMM of the pool;
 # - a paused sandbox survives kill -9 of the daemon and a restart, then resumes;
 # - a corrupted template falls back to a cold boot with a warning, and is built again.
@@ -231,6 +232,10 @@ sess_wait() { i=0; until grep -qx "$1" /tmp/sess.out || [ $i -ge 150 ]; do sleep
 sess_wait cwd-set || bad session-open "$(cat /tmp/sess.out)"
 sessions=0
 cycles=0
+# Sockets the agent holds: a resume resets the guest's connections from before the pause,
+# and each must close (they once stayed open forever, one more per cycle).
+agent_sockets() { timeout $T dsec exec $a -- sh -c 'ls -l /proc/1/fd | grep -c socket:'; }
+sockets_before=$(agent_sockets)
 for i in 1 2 3; do
     timeout $T dsec exec $a -- sh -c "echo cycle-$i >/root/f$i"
     timeout $T dsec pause $a >/dev/null || { bad "pause-$i" "refused"; break; }
@@ -263,6 +268,15 @@ for i in 1 2 3; do
 done
 grep -o 'resumed from its snapshot on disk.*' /tmp/node.log | tail -3
 [ $cycles = 3 ] && ok pause-resume-three-cycles || bad pause-resume-three-cycles "$cycles of 3 cycles kept everything"
+sockets_after=$(agent_sockets)
+[ -n "$sockets_before" ] && [ "$sockets_after" -le "$sockets_before" ] && ok resume-closes-old-connections \
+    || bad resume-closes-old-connections "the agent held $sockets_before sockets before the cycles, $sockets_after after"
+# The daemon's first connection to each resumed guest is accepted: the restored VMM's host
+# ports go on after the snapshot's, which the guest may still hold.
+attempts=$(grep 'restored guest refreshed' /tmp/node.log | tail -3 | tr -d '\033' | sed 's/\[[0-9;]*m//g' \
+    | grep -o 'connect_attempts=[0-9]*' | tr '\n' ' ')
+[ "$attempts" = "connect_attempts=1 connect_attempts=1 connect_attempts=1 " ] && ok resume-first-connection-accepted \
+    || bad resume-first-connection-accepted "the last three resumes needed: $attempts"
 # The first resume starts the shape's pool (the daemon was restarted), later ones take from it.
 pooled=$(grep -c 'resumed into a prewarmed VMM' /tmp/node.log)
 [ "$pooled" -ge 1 ] && [ "$(vmms_of $a)" -ge 1 ] && ok resume-through-vmm-pool \

@@ -107,7 +107,10 @@ mod tests {
     #[test]
     fn every_device_state_round_trips_through_the_snapshot_encoding() {
         let devices = [
-            DeviceState::Vsock(VsockState { guest_cid: 42 }),
+            DeviceState::Vsock(VsockState {
+                guest_cid: 42,
+                next_host_port: (1 << 30) + 7,
+            }),
             DeviceState::Rng(RngState {}),
             DeviceState::Block(BlockState {
                 size: 1 << 30,

@@ -10,6 +10,7 @@ pub mod packet;
 mod persist;
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -37,6 +38,10 @@ pub struct Vsock {
     /// The muxer thread's pause handshake, while it runs.
     pause: Option<Arc<PauseHandshake>>,
     reset_on_activate: bool,
+    /// The next host connection's port, carried across snapshots: a restored guest can still
+    /// hold the snapshot's connections (reset, but not yet closed by their owner), and a new
+    /// connection from one of their ports would be refused.
+    next_host_port: Arc<AtomicU32>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -65,6 +70,7 @@ impl Vsock {
             stop: None,
             pause: None,
             reset_on_activate: false,
+            next_host_port: Arc::new(AtomicU32::new(muxer::FIRST_HOST_PORT)),
             worker: None,
         })
     }
@@ -142,7 +148,8 @@ impl VirtioDevice for Vsock {
             pause.clone(),
             interrupt,
             MuxerLimits::default(),
-        )?;
+        )?
+        .with_host_ports(self.next_host_port.clone());
         if std::mem::take(&mut self.reset_on_activate) {
             muxer.announce_transport_reset();
         }

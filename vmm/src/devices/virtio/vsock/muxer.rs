@@ -6,6 +6,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use crate::memory::GuestMemory;
@@ -53,7 +54,7 @@ const TOKEN_FD_BASE: u64 = 16;
 const EVENT_TRANSPORT_RESET: u32 = 0;
 
 const HANDSHAKE_MAX: usize = 64;
-const FIRST_HOST_PORT: u32 = 1 << 30;
+pub(super) const FIRST_HOST_PORT: u32 = 1 << 30;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct Key {
@@ -147,7 +148,9 @@ pub struct Muxer {
     fds: HashMap<RawFd, Entry>,
     /// RSTs for packets that match no connection.
     orphan_rsts: VecDeque<Header>,
-    next_host_port: u32,
+    /// The host port the next host connection gets; shared with the device, whose snapshot
+    /// keeps it (see `VsockState::next_host_port`).
+    next_host_port: Arc<AtomicU32>,
     rx_starved: bool,
     /// Set when a transport reset was announced and the guest has not yet handed back its
     /// event buffer: until then a connection request could reach the guest ahead of the
@@ -206,10 +209,16 @@ impl Muxer {
             conns: HashMap::new(),
             fds: HashMap::new(),
             orphan_rsts: VecDeque::new(),
-            next_host_port: FIRST_HOST_PORT,
+            next_host_port: Arc::new(AtomicU32::new(FIRST_HOST_PORT)),
             rx_starved: false,
             reset_unacked_since: None,
         })
+    }
+
+    /// Allocates host ports from `next` (the device's counter, carried across snapshots).
+    pub fn with_host_ports(mut self, next: Arc<AtomicU32>) -> Self {
+        self.next_host_port = next;
+        self
     }
 
     pub fn run(&mut self) {
@@ -372,8 +381,13 @@ impl Muxer {
 
     fn allocate_host_port(&mut self, guest_port: u32) -> u32 {
         loop {
-            let port = self.next_host_port;
-            self.next_host_port = self.next_host_port.wrapping_add(1).max(FIRST_HOST_PORT);
+            // Only this thread allocates; the device reads the counter while the muxer is paused.
+            let port = self
+                .next_host_port
+                .load(Ordering::Relaxed)
+                .max(FIRST_HOST_PORT);
+            self.next_host_port
+                .store(port.wrapping_add(1).max(FIRST_HOST_PORT), Ordering::Relaxed);
             let key = Key {
                 host_port: port,
                 guest_port,

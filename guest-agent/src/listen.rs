@@ -7,7 +7,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use nix::sys::socket::{
@@ -214,7 +213,7 @@ fn watch_reset(fd: &OwnedFd) -> io::Result<ResetWatch> {
     let dup = fd.try_clone()?;
     // SAFETY: the duplicate OwnedFd moves into the AsyncFd, so the descriptor stays open and
     // unchanged for the AsyncFd's whole lifetime.
-    let watched = Arc::new(unsafe { AsyncFd::register_with_interest(dup, Interest::ERROR) }?);
+    let watched = unsafe { AsyncFd::register_with_interest(dup, Interest::ERROR) }?;
     Ok(Box::pin(async move {
         loop {
             let mut guard = match watched.ready(Interest::ERROR).await {

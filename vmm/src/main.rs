@@ -294,7 +294,8 @@ fn restore_prewarmed(
     prewarm: &PrewarmLaunch,
     sock: &Path,
 ) -> Result<(Vm, std::os::unix::net::UnixListener), MainError> {
-    // (The daemon starts its pool's VMMs at nice 19 and renices a taken one's threads.)
+    // No priority of its own while it waits: the daemon starts pool VMMs at nice 19 and
+    // renices a taken one's threads.
     let shell = dsec_vmm::vm::Prewarmed::new(prewarm.mem_mib, prewarm.vcpus)?;
     match shell.rehearse_state_decoding() {
         Ok(took) => tracing::debug!(ms = took.as_secs_f64() * 1e3, "state decoding rehearsed"),

@@ -382,10 +382,9 @@ impl Muxer {
     fn allocate_host_port(&mut self, guest_port: u32) -> u32 {
         loop {
             // Only this thread allocates; the device reads the counter while the muxer is paused.
-            let port = self
-                .next_host_port
-                .load(Ordering::Relaxed)
-                .max(FIRST_HOST_PORT);
+            // The counter never holds a port below the first (new, restore and wrap-around
+            // all start it there).
+            let port = self.next_host_port.load(Ordering::Relaxed);
             self.next_host_port
                 .store(port.wrapping_add(1).max(FIRST_HOST_PORT), Ordering::Relaxed);
             let key = Key {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use dsec_edge::microvm::{control_call, random_mac, MicroVmDir, SpawnOptions, StartingMicroVm};
 use dsec_edge::{AgentClient, Artifacts, ExecSpec, MicroVm};
-use dsec_vmm_api::control::{BalloonReply, Done, Request, SnapshotReply};
+use dsec_vmm_api::control::{BalloonReply, Done, Request, SnapshotReply, StatusReply};
 use dsec_vmm_api::{LazyLaunch, NetConfig, RestoreLaunch, VmConfig, VmmLaunch, VsockConfig};
 
 /// Guest command line for the default image: quiet console (every byte is a VM exit).
@@ -60,6 +60,9 @@ pub enum VmCommand {
     },
     /// Pause the VM's vCPUs and devices.
     Pause { dir: PathBuf },
+    /// Print the VMM's status as JSON: run state, shape, lazy-restore counters and KVM's own
+    /// vCPU counters (exits, nested page faults as `pf_taken`, halts, ...).
+    Status { dir: PathBuf },
     /// Resume a paused VM.
     Resume { dir: PathBuf },
     /// Snapshot the VM into SNAPSHOT (a new directory); a running VM is paused meanwhile.
@@ -281,16 +284,13 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             println!("paused {}", dir.display());
             Ok(0)
         }
+        VmCommand::Status { dir } => {
+            let reply: StatusReply = control(&dir, Request::Status).await?;
+            print_json(&reply, "the status reply")
+        }
         VmCommand::Balloon { dir, target_mib } => {
             let reply: BalloonReply = control(&dir, Request::Balloon { target_mib }).await?;
-            println!(
-                "{}",
-                serde_json::to_string(&reply).map_err(|e| VmError::Io {
-                    what: "print the balloon reply".into(),
-                    source: e.into()
-                })?
-            );
-            Ok(0)
+            print_json(&reply, "the balloon reply")
         }
         VmCommand::Resume { dir } => {
             control::<Done>(&dir, Request::Resume).await?;
@@ -440,4 +440,14 @@ fn launch_mac(launch: &VmmLaunch) -> Option<String> {
         dsec_vmm_api::LaunchMode::Restore(r) => r.overrides.net.as_ref()?.mac.clone(),
         _ => None,
     }
+}
+
+/// Prints a control reply as one JSON line.
+fn print_json(reply: &impl serde::Serialize, what: &str) -> Result<i32, VmError> {
+    let line = serde_json::to_string(reply).map_err(|e| VmError::Io {
+        what: format!("print {what}"),
+        source: e.into(),
+    })?;
+    println!("{line}");
+    Ok(0)
 }

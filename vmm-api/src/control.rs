@@ -102,6 +102,11 @@ pub struct StatusReply {
     pub lazy_faults: Option<u64>,
     /// Pages of the working set loaded in the background.
     pub lazy_prefetched: Option<u64>,
+    /// KVM's own counters summed over the vCPUs (`exits`, `pf_taken`, `halt_exits`, ...):
+    /// the exits KVM handles itself never reach the VMM. Empty on hosts without
+    /// `KVM_GET_STATS_FD` (before Linux 5.14).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub kvm_vcpu_stats: std::collections::BTreeMap<String, u64>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -345,6 +350,7 @@ mod tests {
             mem_mib: 256,
             lazy_faults: Some(10),
             lazy_prefetched: None,
+            kvm_vcpu_stats: [("pf_taken".to_string(), 1900)].into(),
         };
         let line = encode_reply(Ok(&status));
         let text = std::str::from_utf8(&line).unwrap();

@@ -128,6 +128,7 @@ fn execute(vm: &Vm, request: Request) -> Vec<u8> {
                 mem_mib: vm.config().mem_mib,
                 lazy_faults: lazy.map(|s| s.0),
                 lazy_prefetched: lazy.map(|s| s.1),
+                kvm_vcpu_stats: vm.kvm_vcpu_stats(),
             }))
         }
         Request::Pause => reply(vm.pause().map(|_| Done {})),

@@ -18,17 +18,29 @@ fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
 }
 
-/// Every non-zero single-value statistic of the vCPU behind `vcpu_fd`, by KVM's name
-/// (`exits`, `halt_exits`, `halt_wait_ns`, `pf_taken`, ...). Histograms are left out.
-pub fn vcpu_stats(vcpu_fd: RawFd) -> BTreeMap<String, u64> {
-    // SAFETY: KVM_GET_STATS_FD takes no argument and returns a new fd or -1.
-    let fd = unsafe { libc::ioctl(vcpu_fd, KVM_GET_STATS_FD as _) };
-    if fd < 0 {
-        return BTreeMap::new();
+/// The statistics file of one vCPU. Open it before the vCPU first runs: the ioctl takes the
+/// vCPU's lock, which KVM_RUN holds for as long as the guest runs (or halts), whereas reading
+/// the file later needs no lock.
+#[derive(Debug)]
+pub struct VcpuStatsFile(File);
+
+impl VcpuStatsFile {
+    /// None on hosts without the ioctl.
+    pub fn open(vcpu_fd: RawFd) -> Option<Self> {
+        // SAFETY: KVM_GET_STATS_FD takes no argument and returns a new fd or -1.
+        let fd = unsafe { libc::ioctl(vcpu_fd, KVM_GET_STATS_FD as _) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        Some(Self(unsafe { File::from_raw_fd(fd) }))
     }
-    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
-    let file = unsafe { File::from_raw_fd(fd) };
-    parse(|offset, buf| file.read_exact_at(buf, offset).is_ok()).unwrap_or_default()
+
+    /// Every non-zero single-value statistic, by KVM's name (`exits`, `halt_exits`,
+    /// `halt_wait_ns`, `pf_taken`, ...). Histograms are left out.
+    pub fn read(&self) -> BTreeMap<String, u64> {
+        parse(|offset, buf| self.0.read_exact_at(buf, offset).is_ok()).unwrap_or_default()
+    }
 }
 
 /// Parses the stats file through `read(offset, buf) -> ok`.

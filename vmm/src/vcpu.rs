@@ -154,6 +154,8 @@ pub struct VcpuHandle {
     pub fd: Arc<Mutex<VcpuFd>>,
     /// The vCPU fd's number, readable while the thread holds `fd` inside KVM_RUN.
     pub raw_fd: std::os::fd::RawFd,
+    /// KVM's counters of this vCPU, readable while it runs.
+    pub kvm_stats: Option<crate::kvm_stats::VcpuStatsFile>,
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
 }
@@ -191,6 +193,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
         .pause_requested
         .store(ctx.start_paused, Ordering::SeqCst);
     let raw_fd = std::os::fd::AsRawFd::as_raw_fd(&ctx.fd);
+    let kvm_stats = crate::kvm_stats::VcpuStatsFile::open(raw_fd);
     let fd = Arc::new(Mutex::new(ctx.fd));
     let id = ctx.id;
     let thread = {
@@ -216,6 +219,7 @@ pub fn spawn(ctx: VcpuContext) -> std::io::Result<VcpuHandle> {
         id,
         fd,
         raw_fd,
+        kvm_stats,
         control,
         thread: Some(thread),
     })

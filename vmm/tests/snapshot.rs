@@ -587,3 +587,32 @@ fn a_paused_vm_whose_guest_never_exits_stops_promptly() {
         );
     }
 }
+
+#[test]
+fn status_reports_kvm_counters_while_the_guest_never_leaves_kvm_run() {
+    // The sweeper only writes memory: its vCPU stays inside KVM_RUN, holding the vCPU's
+    // lock, so a status that asked KVM for the stats file now would wait forever.
+    let s = Scratch::new("kvm-stats");
+    let vm = boot_sweeper(&s, 1024);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut socket = std::os::unix::net::UnixStream::connect(&vm.api).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    use std::io::{BufRead, Write};
+    socket.write_all(b"{\"op\":\"status\"}\n").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(&socket)
+        .read_line(&mut line)
+        .expect("status must answer while the vCPU runs");
+    // The control thread serves one connection at a time: close this one before the stop.
+    drop(socket);
+    let status: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(status["state"], "running", "{status}");
+    let exits = status["kvm_vcpu_stats"]["exits"].as_u64();
+    assert!(
+        exits.is_some_and(|n| n > 0),
+        "no KVM exit counter: {status}"
+    );
+    vm.stop();
+}

@@ -4,6 +4,7 @@
 # - the first create builds the image's template; creates restore it and run commands; two
 #   sandboxes from one template differ in /dev/urandom, have the host's clock and are named
 #   after their ids (`hostname`; a fork child too); the create's env is seen by the first exec;
+#   `dsec vm status` on a sandbox directory reports KVM's counters (nested page faults);
 # - create -> first exec, template vs --cold, and a burst of 4 concurrent creates (METRIC lines);
 #   the same and pause -> resume -> first exec through one SDK client (`dsec-perf templates`);
 # - pause ends the sandbox's VMM (no dsec-vmm left for it); resume brings back files and a
@@ -72,6 +73,13 @@ b=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
     || bad template-restored "$(grep -i template /tmp/node.log | tail -3)"
 [ "$(grep -c 'template snapshot built' /tmp/node.log)" = 1 ] && ok template-reused || bad template-reused "built again"
 ls -d /tmp/node/templates/*/snapshot >/dev/null 2>&1 && ok template-on-disk || bad template-on-disk "$(ls -R /tmp/node/templates | head)"
+# KVM's own counters of a sandbox's (jailed) VMM through its control socket: the restored
+# guest took nested page faults for what the create and first exec touched.
+vs=$(timeout $T dsec vm status /tmp/node/sandboxes/$a 2>&1)
+pf=$(echo "$vs" | grep -o '"pf_taken":[0-9]*' | cut -d: -f2)
+echo "METRIC template_sandbox_pf_taken ${pf:-none}"
+[ "${pf:-0}" -gt 0 ] && echo "$vs" | grep -q '"state":"running"' && ok vm-status-kvm-counters \
+    || bad vm-status-kvm-counters "$vs"
 
 # Two sandboxes of one template: their own entropy, the host's clock, private writes.
 ra=$(timeout $T dsec exec $a -- sh -c 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \n"')

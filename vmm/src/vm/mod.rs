@@ -403,18 +403,19 @@ impl Vm {
             steps: self.times.steps(),
             exits_by_address: self.stats.by_address(),
             exits_by_time: self.stats.by_time(),
-            kvm_vcpu_stats: self
-                .vcpus
-                .iter()
-                .zip(&stopped)
-                .filter(|(_, done)| **done)
-                .fold(Default::default(), |mut sum, (v, _)| {
-                    for (name, value) in crate::kvm_stats::vcpu_stats(v.raw_fd) {
-                        *sum.entry(name).or_insert(0) += value;
-                    }
-                    sum
-                }),
+            kvm_vcpu_stats: sum_vcpu_stats(
+                self.vcpus
+                    .iter()
+                    .zip(&stopped)
+                    .filter(|(_, done)| **done)
+                    .map(|(v, _)| v),
+            ),
         }
+    }
+
+    /// KVM's counters of every vCPU, summed (read while they run: each is a snapshot).
+    pub fn kvm_vcpu_stats(&self) -> std::collections::BTreeMap<String, u64> {
+        sum_vcpu_stats(self.vcpus.iter())
     }
 
     /// Hands the destruction of the KVM VM and of guest memory to a helper process (see
@@ -579,4 +580,18 @@ pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
     let vm = Vm::new(config.clone())?;
     vm.start();
     Ok(vm.wait())
+}
+
+/// KVM's statistics of `vcpus`, summed by name.
+fn sum_vcpu_stats<'a>(
+    vcpus: impl Iterator<Item = &'a crate::vcpu::VcpuHandle>,
+) -> std::collections::BTreeMap<String, u64> {
+    vcpus
+        .filter_map(|v| v.kvm_stats.as_ref())
+        .fold(Default::default(), |mut sum, stats| {
+            for (name, value) in stats.read() {
+                *sum.entry(name).or_insert(0) += value;
+            }
+            sum
+        })
 }

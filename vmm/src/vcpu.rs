@@ -272,19 +272,18 @@ impl VcpuHandle {
 
     /// [`VcpuHandle::stop`], then waits up to `timeout` for the thread to leave its run loop,
     /// kicking it again meanwhile (a kick that lands just before KVM_RUN starts is lost, and a
-    /// guest that makes no exits would keep the vCPU, and its fd's KVM lock, forever).
-    /// Returns whether the thread is done.
-    pub fn stop_and_wait(&self, timeout: Duration) -> bool {
+    /// guest that makes no exits would keep the vCPU forever).
+    pub fn stop_and_wait(&self, timeout: Duration) {
         self.stop();
         let deadline = std::time::Instant::now() + timeout;
         loop {
             match &self.thread {
-                None => return true,
-                Some(thread) if thread.is_finished() => return true,
+                None => return,
+                Some(thread) if thread.is_finished() => return,
                 Some(_) => {}
             }
             if std::time::Instant::now() > deadline {
-                return false;
+                return;
             }
             self.kick();
             std::thread::sleep(Duration::from_millis(1));

@@ -594,7 +594,6 @@ fn status_reports_kvm_counters_while_the_guest_never_leaves_kvm_run() {
     // lock, so a status that asked KVM for the stats file now would wait forever.
     let s = Scratch::new("kvm-stats");
     let vm = boot_sweeper(&s, 1024);
-    std::thread::sleep(Duration::from_millis(200));
     let mut socket = std::os::unix::net::UnixStream::connect(&vm.api).unwrap();
     socket
         .set_read_timeout(Some(Duration::from_secs(10)))

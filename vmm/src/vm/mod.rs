@@ -388,13 +388,10 @@ impl Vm {
                 vcpu: 0,
                 message: "all vCPUs stopped without a reason".into(),
             });
-        // Each vCPU must be out of KVM_RUN before its statistics are read: that ioctl waits
-        // for the vCPU's KVM lock, which a guest running without exits never gives up.
-        let stopped: Vec<bool> = self
-            .vcpus
-            .iter()
-            .map(|vcpu| vcpu.stop_and_wait(Duration::from_secs(2)))
-            .collect();
+        // Out of KVM_RUN first, so that the counters below are final.
+        for vcpu in &self.vcpus {
+            vcpu.stop_and_wait(Duration::from_secs(2));
+        }
         RunReport {
             reason,
             exits: self.stats.exits.load(Ordering::Relaxed),
@@ -403,19 +400,21 @@ impl Vm {
             steps: self.times.steps(),
             exits_by_address: self.stats.by_address(),
             exits_by_time: self.stats.by_time(),
-            kvm_vcpu_stats: sum_vcpu_stats(
-                self.vcpus
-                    .iter()
-                    .zip(&stopped)
-                    .filter(|(_, done)| **done)
-                    .map(|(v, _)| v),
-            ),
+            kvm_vcpu_stats: self.kvm_vcpu_stats(),
         }
     }
 
-    /// KVM's counters of every vCPU, summed (read while they run: each is a snapshot).
+    /// KVM's counters of every vCPU, summed by name (readable while the vCPUs run).
     pub fn kvm_vcpu_stats(&self) -> std::collections::BTreeMap<String, u64> {
-        sum_vcpu_stats(self.vcpus.iter())
+        self.vcpus.iter().filter_map(|v| v.kvm_stats.as_ref()).fold(
+            Default::default(),
+            |mut sum, stats| {
+                for (name, value) in stats.read() {
+                    *sum.entry(name).or_insert(0) += value;
+                }
+                sum
+            },
+        )
     }
 
     /// Hands the destruction of the KVM VM and of guest memory to a helper process (see
@@ -580,18 +579,4 @@ pub fn run(config: &VmConfig) -> Result<RunReport, VmError> {
     let vm = Vm::new(config.clone())?;
     vm.start();
     Ok(vm.wait())
-}
-
-/// KVM's statistics of `vcpus`, summed by name.
-fn sum_vcpu_stats<'a>(
-    vcpus: impl Iterator<Item = &'a crate::vcpu::VcpuHandle>,
-) -> std::collections::BTreeMap<String, u64> {
-    vcpus
-        .filter_map(|v| v.kvm_stats.as_ref())
-        .fold(Default::default(), |mut sum, stats| {
-            for (name, value) in stats.read() {
-                *sum.entry(name).or_insert(0) += value;
-            }
-            sum
-        })
 }

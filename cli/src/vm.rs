@@ -70,8 +70,13 @@ pub enum VmCommand {
         dir: PathBuf,
         snapshot: PathBuf,
         /// Only pages written since the previous snapshot of this VM.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "base")]
         diff: bool,
+        /// Only pages that differ from the full snapshot this restored VM maps; BASE is
+        /// recorded as the parent (relative to SNAPSHOT when relative) and must hold a copy
+        /// of that snapshot when this one is restored.
+        #[arg(long)]
+        base: Option<PathBuf>,
     },
     /// Restore a snapshot into a new VM directory and wait until its agent answers.
     Restore {
@@ -301,6 +306,7 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
             dir,
             snapshot,
             diff,
+            base,
         } => {
             let snapshot = std::path::absolute(&snapshot).map_err(io("resolve snapshot path"))?;
             let r: SnapshotReply = control(
@@ -308,13 +314,14 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                 Request::Snapshot {
                     path: snapshot.clone(),
                     diff,
+                    base,
                 },
             )
             .await?;
             println!(
                 "snapshot {} ({}): {} pages written, VM paused {:.1} ms, complete after {:.1} ms, memory {:?} ({} pages for the pause instant)",
                 snapshot.display(),
-                if diff { "diff" } else { "full" },
+                if r.diff { "diff" } else { "full" },
                 r.pages_written,
                 r.paused_ms,
                 r.complete_ms,
@@ -375,6 +382,7 @@ pub async fn run(command: VmCommand) -> Result<i32, VmError> {
                     Request::Snapshot {
                         path: snapshot.clone(),
                         diff: false,
+                        base: None,
                     },
                 )
                 .await?;

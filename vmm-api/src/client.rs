@@ -178,6 +178,21 @@ impl ControlClient {
         self.call(&Request::Snapshot {
             path: path.to_owned(),
             diff,
+            base: None,
+        })
+    }
+
+    /// Snapshots only the pages that differ from the full snapshot this restored VM maps,
+    /// recording `base` as the parent (see [`Request::Snapshot`]).
+    pub fn snapshot_over_base(
+        &self,
+        path: &Path,
+        base: &Path,
+    ) -> Result<SnapshotReply, ControlError> {
+        self.call(&Request::Snapshot {
+            path: path.to_owned(),
+            diff: false,
+            base: Some(base.to_owned()),
         })
     }
 

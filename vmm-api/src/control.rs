@@ -35,6 +35,12 @@ pub enum Request {
         /// Only the pages written since this VM's previous snapshot.
         #[serde(default)]
         diff: bool,
+        /// Only the pages that differ from the full snapshot this VM's memory maps (a VM
+        /// restored MAP_PRIVATE, from that snapshot or a diff chain on it): `base` is recorded
+        /// as the new snapshot's parent, relative to its directory when relative, and must
+        /// name a copy of that full snapshot when it is restored. Excludes `diff`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base: Option<PathBuf>,
     },
     /// Ends the VM (answered with [`Done`] first).
     Stop,
@@ -293,8 +299,17 @@ mod tests {
                 Request::Snapshot {
                     path: "/s".into(),
                     diff: true,
+                    base: None,
                 },
                 r#"{"op":"snapshot","path":"/s","diff":true}"#,
+            ),
+            (
+                Request::Snapshot {
+                    path: "/s".into(),
+                    diff: false,
+                    base: Some("base".into()),
+                },
+                r#"{"op":"snapshot","path":"/s","diff":false,"base":"base"}"#,
             ),
             (Request::Balloon { target_mib: None }, r#"{"op":"balloon"}"#),
             (
@@ -322,7 +337,8 @@ mod tests {
             serde_json::from_str::<Request>(r#"{"op":"snapshot","path":"/s"}"#).unwrap(),
             Request::Snapshot {
                 path: "/s".into(),
-                diff: false
+                diff: false,
+                base: None,
             }
         );
         let net: Request =

@@ -12,7 +12,7 @@ use dsec_vmm_api::control::{
     SnapshotReply, StatusReply, MAX_REQUEST,
 };
 
-use crate::vm::{Vm, VmExitReason};
+use crate::vm::{SnapshotPages, Vm, VmExitReason};
 
 /// Binds and listens on the control socket; [`serve_on`] starts answering it. Bound before a
 /// jailed VMM drops its privileges: the socket's directory need not be writable by the
@@ -136,11 +136,20 @@ fn execute(vm: &Vm, request: Request) -> Vec<u8> {
             vm.resume();
             encode_reply(Ok(&Done {}))
         }
-        Request::Snapshot { path, diff } => {
+        Request::Snapshot { path, diff, base } => {
+            let pages =
+                match (diff, base) {
+                    (true, Some(_)) => return refusal(
+                        "a snapshot is either a diff (`diff`) or over the base (`base`), not both",
+                    ),
+                    (true, None) => SnapshotPages::Diff,
+                    (false, Some(base)) => SnapshotPages::OverBase(base),
+                    (false, None) => SnapshotPages::Full,
+                };
             if vm.is_paused() {
                 // The guest stands still throughout anyway: write everything in place.
                 let started = std::time::Instant::now();
-                reply(vm.snapshot(&path, diff).map(|s| {
+                reply(vm.snapshot(&path, &pages).map(|s| {
                     let ms = started.elapsed().as_secs_f64() * 1e3;
                     SnapshotReply {
                         pages_written: s.pages_written,
@@ -152,7 +161,7 @@ fn execute(vm: &Vm, request: Request) -> Vec<u8> {
                     }
                 }))
             } else {
-                reply(vm.snapshot_live(&path, diff).map(|s| SnapshotReply {
+                reply(vm.snapshot_live(&path, &pages).map(|s| SnapshotReply {
                     pages_written: s.summary.pages_written,
                     diff: s.summary.diff,
                     paused_ms: s.paused.as_secs_f64() * 1e3,

@@ -197,6 +197,10 @@ fn build(spec: &JailSpec) -> Result<(), JailError> {
     for e in devices.iter().chain(&spec.expose) {
         expose(root, e)?;
     }
+    // The last chance to open /proc: a restored VM's snapshot over its base reads it.
+    if let Err(e) = crate::pagemap::open() {
+        eprintln!("dsec-vmm: {e}");
+    }
     pivot_into(root)?;
     for (resource, limit) in [
         (libc::RLIMIT_NOFILE, spec.max_open_files),

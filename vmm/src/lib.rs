@@ -13,6 +13,7 @@ pub mod exit;
 pub mod jail;
 pub mod kvm_stats;
 pub mod memory;
+pub mod pagemap;
 pub mod persist;
 pub mod seccomp;
 pub mod snapshot;

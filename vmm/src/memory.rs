@@ -328,6 +328,8 @@ pub enum DumpPages<'a> {
     All,
     /// Pages written since the last snapshot: KVM's dirty log plus the VMM's own bitmap.
     Dirty(&'a VmFd),
+    /// Exactly these file page numbers (sorted), zero or not.
+    These(Vec<u64>),
 }
 
 /// One region of guest memory as raw host addresses: what a memory writer reads.
@@ -368,6 +370,7 @@ impl MemoryWriter {
                 let pages = take_dirty_pages(mem, regions, vm)?;
                 MemoryWriter::these_pages(mem, regions, file, pages)
             }
+            DumpPages::These(pages) => MemoryWriter::these_pages(mem, regions, file, pages),
             DumpPages::All => {
                 // The next diff starts from here (KVM's log is the caller's to reset).
                 for region in mem.iter() {

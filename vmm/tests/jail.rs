@@ -150,7 +150,24 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
         restored.ok(serde_json::json!({"op": "snapshot", "path": again}));
         counter(&again) > at_snapshot
     });
+    // Jailed, the VMM has no /proc: the pagemap it opened before entering serves a
+    // snapshot over its restore base.
+    let over = vm_dir.join("over-base");
+    let r = restored.ok(serde_json::json!({"op": "snapshot", "path": over, "base": "../snap"}));
+    let written = r["pages_written"].as_u64().unwrap();
+    assert!(r["diff"] == true && written > 0 && written < 64, "{r}");
     restored.stop();
+    let mut from_diff = Vmm::spawn(
+        &["--restore", over.to_str().unwrap(), "--paused"],
+        &vm_dir.join("api3.sock"),
+    );
+    let full = vm_dir.join("from-diff");
+    from_diff.ok(serde_json::json!({"op": "snapshot", "path": full}));
+    from_diff.stop();
+    assert!(
+        counter(&full) > at_snapshot,
+        "base + diff lost the guest's count"
+    );
     assert!(!Path::new(&s.path("root1")).exists() && !s.path("root2").exists());
 }
 

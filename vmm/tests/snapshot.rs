@@ -225,6 +225,103 @@ fn diff_snapshot_chain_restores_identical_memory() {
     );
 }
 
+/// A snapshot over the restore base holds only the pages the restored guest wrote (found in
+/// the VMM's pagemap), and base + that diff is exactly the memory of its instant: also for
+/// a VM itself restored from such a diff, whose applied pages count as written.
+#[test]
+fn snapshot_over_the_restore_base_holds_what_the_guest_wrote() {
+    const PAGES: u32 = 64;
+    let s = Scratch::new("over-base");
+    let mut vm = boot_sweeper(&s, PAGES);
+    let base = s.path("base");
+    vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
+    // A booted VM maps no snapshot: refused by name.
+    let r =
+        vm.request(serde_json::json!({"op": "snapshot", "path": s.path("no"), "base": "../base"}));
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(
+        r["error"].as_str().unwrap().contains("restored by mapping"),
+        "{r}"
+    );
+    let r = vm.request(serde_json::json!({"op": "snapshot", "path": s.path("no"), "diff": true, "base": "../base"}));
+    assert!(r["error"].as_str().unwrap().contains("not both"), "{r}");
+    vm.stop();
+    let base_pages = std::fs::read(base.join("memory"))
+        .unwrap()
+        .chunks(4096)
+        .filter(|p| p.iter().any(|b| *b != 0))
+        .count() as u64;
+
+    // Restored, the guest sweeps on; paused, its diff over the base and a full reference.
+    let mut restored = Vmm::spawn(&["--restore", base.to_str().unwrap()], &s.path("api1.sock"));
+    // Live (the guest runs on while a forked child writes): until it has rewritten its pages.
+    let probe = s.path("probe");
+    wait_until("the restored guest to sweep on", || {
+        let _ = std::fs::remove_dir_all(&probe);
+        let r =
+            restored.ok(serde_json::json!({"op": "snapshot", "path": probe, "base": "../base"}));
+        r["pages_written"].as_u64().unwrap() >= u64::from(PAGES)
+    });
+    restored.ok(serde_json::json!({"op": "pause"}));
+    let d1 = s.path("d1");
+    let r = restored.ok(serde_json::json!({"op": "snapshot", "path": d1, "base": "../base"}));
+    assert_eq!(r["diff"], true, "{r}");
+    let written = r["pages_written"].as_u64().unwrap();
+    assert!(
+        written >= u64::from(PAGES) && written < base_pages + 64,
+        "{written} pages over a base of {base_pages} non-zero pages: {r}"
+    );
+    let reference = s.path("ref1");
+    restored.ok(serde_json::json!({"op": "snapshot", "path": reference}));
+    restored.stop();
+    let d1_state = std::fs::read(d1.join("state")).unwrap();
+    assert!(
+        String::from_utf8_lossy(&d1_state).contains("\"parent\":\"../base\""),
+        "the diff names its base as given"
+    );
+    let memory = |d: &Path| std::fs::read(d.join("memory")).unwrap();
+    let out1 = restore_and_dump(&s, &d1, "out1");
+    assert!(
+        memory(&reference) == memory(&out1),
+        "base + the diff over it is not the memory of its instant"
+    );
+
+    // A VM restored from that diff writes nothing more, yet its own snapshot over the base
+    // must still hold every page the first diff brought.
+    let mut again = Vmm::spawn(
+        &["--restore", d1.to_str().unwrap(), "--paused"],
+        &s.path("api2.sock"),
+    );
+    let d2 = s.path("d2");
+    let r = again.ok(serde_json::json!({"op": "snapshot", "path": d2, "base": "../base"}));
+    assert!(r["pages_written"].as_u64().unwrap() >= written, "{r}");
+    again.stop();
+    let out2 = restore_and_dump(&s, &d2, "out2");
+    assert!(
+        memory(&reference) == memory(&out2),
+        "the second diff lost pages the first one had brought"
+    );
+    // Its base gone, the diff is refused with the path it looked for.
+    std::fs::rename(&base, s.path("moved")).unwrap();
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_dsec-vmm"))
+        .args(["--restore", d2.to_str().unwrap(), "--paused", "--api-sock"])
+        .arg(s.path("api-missing.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success() && err.contains("base"), "{err}");
+}
+
+/// Restores `snap` paused and writes a full snapshot of it into `name`.
+fn restore_and_dump(s: &Scratch, snap: &Path, name: &str) -> PathBuf {
+    let out = s.path(name);
+    let api = s.path(&format!("{name}.sock"));
+    let mut vm = Vmm::spawn(&["--restore", snap.to_str().unwrap(), "--paused"], &api);
+    vm.ok(serde_json::json!({"op": "snapshot", "path": out}));
+    vm.stop();
+    out
+}
+
 #[test]
 fn forks_get_their_own_identity_and_private_memory() {
     const CHILDREN: u64 = 20;

@@ -233,6 +233,7 @@ pub async fn build_template(
         dsec_vmm_api::Request::Snapshot {
             path: snapshot.clone(),
             diff: false,
+            base: None,
         },
     )
     .await?;

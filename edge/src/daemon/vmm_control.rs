@@ -49,5 +49,31 @@ pub async fn snapshot(
     path: std::path::PathBuf,
     diff: bool,
 ) -> Result<SnapshotReply, NodeError> {
-    call(record, Request::Snapshot { path, diff }).await
+    call(
+        record,
+        Request::Snapshot {
+            path,
+            diff,
+            base: None,
+        },
+    )
+    .await
+}
+
+/// Writes only the pages that differ from the full snapshot the VM was restored from into
+/// the new directory `path`, naming `base` (relative to `path`) as where that snapshot is.
+pub async fn snapshot_over_base(
+    record: &Record,
+    path: std::path::PathBuf,
+    base: std::path::PathBuf,
+) -> Result<SnapshotReply, NodeError> {
+    call(
+        record,
+        Request::Snapshot {
+            path,
+            diff: false,
+            base: Some(base),
+        },
+    )
+    .await
 }

@@ -37,7 +37,7 @@ use crate::vcpu::{self, VcpuError, VcpuHandle, VcpuStats};
 pub use crate::exit::VmExitReason;
 pub use crate::timing::{now_ns, BootTimes};
 pub use restore::{LazyRestore, RestoreError, RestoreOverrides, WORKING_SET_FILE};
-pub use snapshot::{LiveSnapshot, SnapshotSummary};
+pub use snapshot::{LiveSnapshot, SnapshotPages, SnapshotSummary};
 
 /// Why a VM could not be built, run, paused or snapshotted.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,10 @@ pub enum VmError {
         "a diff snapshot needs an earlier full snapshot of this running VM; take a full one first"
     )]
     NoBaseSnapshot,
+    #[error("a snapshot over the base needs a VM restored by mapping its snapshot's memory (this one was booted or restored lazily); take a full snapshot")]
+    NoRestoreBase,
+    #[error(transparent)]
+    Pagemap(#[from] crate::pagemap::PagemapError),
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -176,6 +180,9 @@ pub struct Vm {
     /// Set once a full snapshot exists: later snapshots may be diffs against it.
     dirty_logging: AtomicBool,
     last_snapshot: Mutex<Option<PathBuf>>,
+    /// Memory is a MAP_PRIVATE mapping of its restore chain's full snapshot: a page still
+    /// backed by that file is unchanged since the restore (see `crate::pagemap`).
+    private_base: bool,
     /// Serves page faults of a lazily restored VM; stops when the VM is dropped.
     uffd: Option<UffdHandler>,
     /// The balloon's control handle (target, statistics), when configured.
@@ -313,6 +320,7 @@ impl Vm {
             times,
             dirty_logging: AtomicBool::new(false),
             last_snapshot: Mutex::new(None),
+            private_base: false,
             uffd: None,
             balloon: devices.balloon,
             restore_steps: Default::default(),

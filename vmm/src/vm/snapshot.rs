@@ -17,6 +17,7 @@ use super::{kvm_err, ms_since, Vm, VmError};
 use crate::cow_writer;
 use crate::devices::virtio::slots;
 use crate::memory::{self, DumpPages, MemoryWriter};
+use crate::pagemap;
 use crate::persist::Persist;
 use crate::snapshot::{DevicesState, MemoryState, PendingSnapshot, VmState};
 use crate::sync::lock;
@@ -34,6 +35,18 @@ const PAUSED_WRITE_MAX_PAGES: usize = 2048;
 enum Mode {
     Paused,
     Forked,
+}
+
+/// Which pages a snapshot's memory file holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SnapshotPages {
+    /// Every non-zero page.
+    Full,
+    /// The pages written since this VM's previous snapshot (KVM's dirty log).
+    Diff,
+    /// The pages that differ from the full snapshot this VM's memory maps (a VM restored
+    /// MAP_PRIVATE), found in the VMM's pagemap; the path is recorded as the parent.
+    OverBase(PathBuf),
 }
 
 /// What a snapshot wrote.
@@ -86,6 +99,8 @@ struct Captured {
     // Holds the descriptor the writer writes to.
     _memory_file: File,
     diff: bool,
+    /// Over the restore base: the dirty log and the last snapshot are left as they were.
+    over_base: bool,
 }
 
 /// How the memory of a live snapshot gets written once the state is read.
@@ -95,10 +110,10 @@ enum Writing {
 }
 
 impl Vm {
-    /// Writes a snapshot of a paused VM into `dest` (which must not exist). With `diff`, only
-    /// pages written since the previous snapshot of this VM go into the memory file.
-    pub fn snapshot(&self, dest: &Path, diff: bool) -> Result<SnapshotSummary, VmError> {
-        let captured = self.capture(dest, diff, &mut PauseSteps::default())?;
+    /// Writes a snapshot of a paused VM into `dest` (which must not exist), of the `pages`
+    /// asked for.
+    pub fn snapshot(&self, dest: &Path, pages: &SnapshotPages) -> Result<SnapshotSummary, VmError> {
+        let captured = self.capture(dest, pages, &mut PauseSteps::default())?;
         let written = write_in_place(&captured.writer);
         self.finish(captured, written)
     }
@@ -110,15 +125,20 @@ impl Vm {
     /// memory, and this returns once it has. A lazily restored VM (pages still to come
     /// through userfaultfd, which a forked child would read as zeroes) or a failed fork
     /// keeps the guest paused for the whole write instead.
-    pub fn snapshot_live(&self, dest: &Path, diff: bool) -> Result<LiveSnapshot, VmError> {
+    pub fn snapshot_live(
+        &self,
+        dest: &Path,
+        pages: &SnapshotPages,
+    ) -> Result<LiveSnapshot, VmError> {
         let requested = Instant::now();
-        if !diff && !self.dirty_logging.load(Ordering::SeqCst) {
+        let full = *pages == SnapshotPages::Full;
+        if full && !self.dirty_logging.load(Ordering::SeqCst) {
             // Turning KVM's dirty log on changes the memory slots (an SRCU grace period,
             // milliseconds): do it before the pause, which then only clears the log.
             memory::register(&self.fd, &self.mem, true)?;
             self.dirty_logging.store(true, Ordering::SeqCst);
         }
-        if !diff && self.uffd.is_none() {
+        if full && self.uffd.is_none() {
             return self.snapshot_precopy(dest, requested).inspect_err(|_| {
                 // The dirty log was reset for a snapshot that does not exist.
                 *lock(&self.last_snapshot) = None;
@@ -128,7 +148,7 @@ impl Vm {
         let started = Instant::now();
         let captured = self
             .pause_timed(&mut steps)
-            .and_then(|()| self.capture(dest, diff, &mut steps));
+            .and_then(|()| self.capture(dest, pages, &mut steps));
         let captured = match captured {
             Ok(c) => c,
             Err(e) => {
@@ -142,6 +162,7 @@ impl Vm {
             writer,
             _memory_file,
             diff,
+            over_base,
         } = captured;
         let final_pages = writer.page_count();
         let writing = if self.uffd.is_some() {
@@ -150,7 +171,7 @@ impl Vm {
             self.fork_writer(writer, &mut steps)
         };
         let (written, paused, mode) = self.finish_writing(writing, started, &mut steps);
-        let summary = self.finish_parts(pending, state, diff, written)?;
+        let summary = self.finish_parts(pending, state, diff, over_base, written)?;
         Ok(LiveSnapshot {
             summary,
             paused,
@@ -223,7 +244,7 @@ impl Vm {
         let (written, paused, mode) = self.finish_writing(writing, started, &mut steps);
         let state = self.vm_state(machine, None, Vec::new());
         let written = written.map(|last| rounds.iter().sum::<u64>() + last);
-        let summary = self.finish_parts(pending, state, false, written)?;
+        let summary = self.finish_parts(pending, state, false, false, written)?;
         Ok(LiveSnapshot {
             summary,
             paused,
@@ -341,34 +362,49 @@ impl Vm {
     /// Reads the paused VM's state and prepares its memory write. KVM's dirty log and the
     /// VMM's own bitmap are reset here, while the guest is paused, so the next diff holds
     /// exactly the pages written after this instant.
+    /// A snapshot over the restore base reads which pages the guest wrote from the pagemap
+    /// instead, and leaves both alone.
     fn capture(
         &self,
         dest: &Path,
-        diff: bool,
+        pages: &SnapshotPages,
         steps: &mut PauseSteps,
     ) -> Result<Captured, VmError> {
         let t = Instant::now();
         let machine = self.read_machine()?;
         steps.state_ms = ms_since(t);
-        let parent = lock(&self.last_snapshot).clone();
-        let diff_parent = match (diff, &parent) {
-            (true, Some(p)) if self.dirty_logging.load(Ordering::SeqCst) => Some(p.clone()),
-            (true, _) => return Err(VmError::NoBaseSnapshot),
-            (false, _) => None,
+        let last = lock(&self.last_snapshot).clone();
+        // The parent as recorded: a dirty-log diff's absolute, an over-base one's as given.
+        let parent = match (pages, &last) {
+            (SnapshotPages::Full, _) => None,
+            (SnapshotPages::Diff, Some(p)) if self.dirty_logging.load(Ordering::SeqCst) => {
+                Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()))
+            }
+            (SnapshotPages::Diff, _) => return Err(VmError::NoBaseSnapshot),
+            (SnapshotPages::OverBase(base), _) if self.private_base => Some(base.clone()),
+            (SnapshotPages::OverBase(_), _) => return Err(VmError::NoRestoreBase),
         };
+        // Read while paused: a page the guest writes after this is not in the set.
+        let t = Instant::now();
+        let written = match pages {
+            SnapshotPages::OverBase(_) => Some(pagemap::written_pages(&self.mem, &self.regions)?),
+            _ => None,
+        };
+        let pagemap_ms = ms_since(t);
         let t = Instant::now();
         let pending = PendingSnapshot::create(dest)?;
         let memory_file = pending.memory_file()?;
         steps.create_ms = ms_since(t);
 
         let t = Instant::now();
-        let which = match diff_parent {
-            None => DumpPages::All,
-            Some(_) => DumpPages::Dirty(&self.fd),
+        let which = match (pages, written) {
+            (SnapshotPages::Full, _) => DumpPages::All,
+            (_, Some(written)) => DumpPages::These(written),
+            (_, None) => DumpPages::Dirty(&self.fd),
         };
         let writer = MemoryWriter::prepare(&self.mem, &self.regions, &memory_file, which)?;
-        steps.prepare_ms = ms_since(t);
-        if !diff {
+        steps.prepare_ms = ms_since(t) + pagemap_ms;
+        if *pages == SnapshotPages::Full {
             let t = Instant::now();
             // From now on KVM tracks the guest's writes so the next snapshot can be a diff.
             memory::register(&self.fd, &self.mem, true)?;
@@ -378,16 +414,14 @@ impl Vm {
             }
             steps.dirty_log_ms = ms_since(t);
         }
-        let parent = diff_parent
-            .as_ref()
-            .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
         let state = self.vm_state(machine, parent, writer.diff_pages().to_vec());
         Ok(Captured {
             pending,
             state,
             writer,
             _memory_file: memory_file,
-            diff: diff_parent.is_some(),
+            diff: *pages != SnapshotPages::Full,
+            over_base: matches!(pages, SnapshotPages::OverBase(_)),
         })
     }
 
@@ -396,16 +430,24 @@ impl Vm {
         captured: Captured,
         written: Result<u64, VmError>,
     ) -> Result<SnapshotSummary, VmError> {
-        self.finish_parts(captured.pending, captured.state, captured.diff, written)
+        self.finish_parts(
+            captured.pending,
+            captured.state,
+            captured.diff,
+            captured.over_base,
+            written,
+        )
     }
 
     /// Commits the snapshot once its memory is written. On any failure the next diff has no
-    /// base: the dirty log was already reset for a snapshot that does not exist.
+    /// base: the dirty log was already reset for a snapshot that does not exist. A snapshot
+    /// over the restore base reset nothing, so the next diff's base stays what it was.
     fn finish_parts(
         &self,
         pending: PendingSnapshot,
         state: VmState,
         diff: bool,
+        over_base: bool,
         written: Result<u64, VmError>,
     ) -> Result<SnapshotSummary, VmError> {
         let dest = pending.dest.clone();
@@ -413,6 +455,12 @@ impl Vm {
             pending.commit(&state)?;
             Ok(pages)
         });
+        if over_base {
+            return committed.map(|pages_written| SnapshotSummary {
+                pages_written,
+                diff,
+            });
+        }
         let mut last = lock(&self.last_snapshot);
         match committed {
             Ok(pages_written) => {

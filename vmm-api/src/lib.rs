@@ -23,6 +23,8 @@ pub use control::{Request, RestoreRequest};
 
 /// A snapshot directory's guest memory file (beside its `state`).
 pub const SNAPSHOT_MEMORY_FILE: &str = "memory";
+/// A snapshot directory's state file (vCPUs, devices, memory layout, parent).
+pub const SNAPSHOT_STATE_FILE: &str = "state";
 pub use launch::{
     BootOverrides, Exposure, JailLaunch, LaunchError, LaunchMode, LazyLaunch, PrewarmLaunch,
     RestoreLaunch, SnapshotOverrides, VmmLaunch,

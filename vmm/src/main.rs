@@ -180,10 +180,14 @@ fn jail_exposures(launch: &VmmLaunch, jail: &JailLaunch) -> Result<Vec<Exposure>
                 Exposure::read_only(dir)
             });
             // A diff snapshot reads its parents too.
-            let mut parent = state.memory.parent.clone();
-            while let Some(p) = parent {
+            let (mut child, mut parent) = (dir.clone(), state.memory.parent.clone());
+            // Bounded like the restore's own chain walk, which refuses a longer one.
+            for _ in 0..dsec_vmm::snapshot::MAX_CHAIN {
+                let Some(p) = parent else { break };
+                let p = dsec_vmm::snapshot::parent_dir(&child, &p);
                 parent = dsec_vmm::snapshot::read_state(&p)?.memory.parent;
-                expose.push(Exposure::read_only(p));
+                expose.push(Exposure::read_only(&p));
+                child = p;
             }
             drives = state.config.drives.clone();
             pmem = state.config.pmem.clone();

@@ -157,8 +157,17 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
     let written = r["pages_written"].as_u64().unwrap();
     assert!(r["diff"] == true && written > 0 && written < 64, "{r}");
     restored.stop();
+    // Jailed too: the relative parent is exposed in the jail as the restore resolves it.
     let mut from_diff = Vmm::spawn(
-        &["--restore", over.to_str().unwrap(), "--paused"],
+        &[
+            "--restore",
+            over.to_str().unwrap(),
+            "--paused",
+            "--vsock-uds",
+            vm_dir.join("vsock3.sock").to_str().unwrap(),
+            "--jail",
+            s.path("root3").to_str().unwrap(),
+        ],
         &vm_dir.join("api3.sock"),
     );
     let full = vm_dir.join("from-diff");
@@ -169,6 +178,7 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
         "base + diff lost the guest's count"
     );
     assert!(!Path::new(&s.path("root1")).exists() && !s.path("root2").exists());
+    assert!(!s.path("root3").exists());
 }
 
 /// Killing the supervisor (what the edge does to a sandbox it deletes) takes the jailed VMM

@@ -35,6 +35,9 @@ pub struct VmmJail {
 /// The unprivileged uid/gid jailed VMMs run as (`nobody`).
 pub const JAIL_UID: u32 = 65534;
 pub const JAIL_GID: u32 = 65534;
+/// In a snapshot over a memory base: the directory holding that base (the snapshot's
+/// recorded parent, relative to it).
+pub const SNAPSHOT_BASE_DIR: &str = "base";
 
 impl VmmJail {
     /// The snapshot directory of sandbox `id`: made, owned by the jail's uid, private.

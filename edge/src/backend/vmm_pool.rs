@@ -78,23 +78,14 @@ impl Drop for Refill {
 }
 
 impl PooledVmm {
-    /// Hard-links the snapshot's files into the inbox; returns the path the VMM reads.
+    /// Hard-links the snapshot's files (and those of its `base`, the parent of a snapshot
+    /// over a memory base) into the inbox; returns the path the VMM reads.
     pub(super) fn link_snapshot(&self, snapshot: &Path) -> Result<PathBuf> {
         let into = self.inbox.join("snapshot");
-        std::fs::create_dir(&into)
-            .map_err(|e| EdgeError::io(format!("create {}", into.display()), e))?;
-        let entries = std::fs::read_dir(snapshot)
-            .map_err(|e| EdgeError::io(format!("read {}", snapshot.display()), e))?;
-        for entry in entries.flatten() {
-            if entry.file_type().is_ok_and(|t| t.is_file()) {
-                let to = into.join(entry.file_name());
-                std::fs::hard_link(entry.path(), &to).map_err(|e| {
-                    EdgeError::io(
-                        format!("link {} to {}", entry.path().display(), to.display()),
-                        e,
-                    )
-                })?;
-            }
+        link_files(snapshot, &into)?;
+        let base = snapshot.join(super::microvm::SNAPSHOT_BASE_DIR);
+        if base.is_dir() {
+            link_files(&base, &into.join(super::microvm::SNAPSHOT_BASE_DIR))?;
         }
         Ok(into)
     }
@@ -109,6 +100,27 @@ impl PooledVmm {
         let _ = std::fs::remove_dir(&self.snapshot_dir);
         let _ = std::fs::remove_dir_all(&self.jail_root);
     }
+}
+
+/// Hard-links the regular files of `from` into the new directory `into` (same inodes: a
+/// mapping of them shares the page cache of every other).
+fn link_files(from: &Path, into: &Path) -> Result<()> {
+    std::fs::create_dir(into)
+        .map_err(|e| EdgeError::io(format!("create {}", into.display()), e))?;
+    let entries = std::fs::read_dir(from)
+        .map_err(|e| EdgeError::io(format!("read {}", from.display()), e))?;
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_file()) {
+            let to = into.join(entry.file_name());
+            std::fs::hard_link(entry.path(), &to).map_err(|e| {
+                EdgeError::io(
+                    format!("link {} to {}", entry.path().display(), to.display()),
+                    e,
+                )
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// The node's prewarmed VMMs.

@@ -15,6 +15,7 @@ pub mod fncall;
 mod fork;
 pub mod grpc;
 pub mod limits;
+mod memory_base;
 pub mod metrics;
 pub mod network;
 pub mod node;

@@ -1,13 +1,16 @@
 //! Pause that frees memory: a microVM sandbox's pause writes a snapshot to local disk and
 //! ends its VMM (the record keeps the snapshot's path, so it survives a daemon restart);
 //! resume restores it (MAP_PRIVATE over the snapshot's memory) in the same directory, so it keeps its id, vsock socket,
-//! context id and disks, and everything in the guest (files, processes, sessions).
+//! context id and disks, and everything in the guest (files, processes, sessions). A
+//! template-created sandbox's pause writes only the pages that differ from its template
+//! (`memory_base`), and its resume maps the template's memory again.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::cgroup;
 use super::error::NodeError;
+use super::memory_base;
 use super::node::Node;
 use super::record::{now_ms, Entry};
 use super::vmm_control;
@@ -28,7 +31,7 @@ impl Node {
             .clone()
             .unwrap_or_else(|| record.handle.dir.clone())
             .join(format!("paused-{}", now_ms()));
-        let written = vmm_control::snapshot(&record, path.clone(), false).await;
+        let written = write_pause_snapshot(&record, &path).await;
         let persisted = written.and_then(|_| {
             let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
             r.paused = true;
@@ -127,6 +130,53 @@ impl Node {
         .await;
         Ok(woken)
     }
+}
+
+/// The paused VM's snapshot in the new directory `path`: over the sandbox's memory base when
+/// it has one (the base linked in as the snapshot's parent), else, or if that fails, full.
+async fn write_pause_snapshot(
+    record: &super::record::Record,
+    path: &std::path::Path,
+) -> Result<(), NodeError> {
+    let dir = record.handle.dir.clone();
+    let base = tokio::task::spawn_blocking(move || memory_base::of(&dir))
+        .await
+        .unwrap_or(None);
+    if let Some(base) = base {
+        let over = vmm_control::snapshot_over_base(
+            record,
+            path.to_owned(),
+            memory_base::PAUSED_BASE_DIR.into(),
+        )
+        .await;
+        let linked = match over {
+            Ok(_) => {
+                let snapshot = path.to_owned();
+                tokio::task::spawn_blocking(move || memory_base::link_into(&base, &snapshot))
+                    .await
+                    .map_err(|e| NodeError::Internal(format!("link task failed: {e}")))
+                    .and_then(|r| {
+                        r.map_err(|e| {
+                            NodeError::Internal(format!(
+                                "cannot link the memory base into {}: {e}",
+                                path.display()
+                            ))
+                        })
+                    })
+            }
+            Err(e) => Err(e),
+        };
+        match linked {
+            Ok(()) => return Ok(()),
+            Err(err) => {
+                tracing::warn!(sandbox = %record.handle.id, %err, "a pause over the memory base failed; writing a full snapshot");
+                let _ = std::fs::remove_dir_all(path);
+            }
+        }
+    }
+    vmm_control::snapshot(record, path.to_owned(), false)
+        .await
+        .map(drop)
 }
 
 /// Drops `path`'s clean pages from the page cache (best effort: dirty pages stay until they

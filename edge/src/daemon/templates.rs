@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::error::NodeError;
+use super::memory_base;
 use super::node::Node;
 use super::record::random_hex;
 use crate::backend::microvm::{build_template, MemoryRestore, MicroVmImage, UpperDisk};
@@ -203,6 +204,9 @@ impl Node {
         match restored {
             Ok(sandbox) => {
                 templates.proven().insert(key.clone());
+                if let Err(e) = memory_base::keep(&dir.join("snapshot"), sandbox.dir()) {
+                    tracing::warn!(sandbox = %id, template = %key, "no memory base, so its pauses write full snapshots: {e}");
+                }
                 tracing::info!(
                     sandbox = %id,
                     template = %key,
@@ -276,6 +280,9 @@ impl Node {
         if let Err(err) = built {
             let _ = std::fs::remove_dir_all(dir);
             return Err(err.into());
+        }
+        if let Err(e) = memory_base::seal(&dir.join("snapshot")) {
+            tracing::warn!(template = %dir.display(), "cannot seal the template's files, so its sandboxes' pauses write full snapshots: {e}");
         }
         std::fs::write(dir.join("ready"), b"")
             .map_err(|e| NodeError::Internal(format!("mark {} ready: {e}", dir.display())))?;

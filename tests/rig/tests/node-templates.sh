@@ -11,6 +11,9 @@
 #   background process; three pause/resume cycles with writes between them (the agent's
 #   connections from before each pause closed, the daemon's first connection accepted);
 #   pause -> resume -> first exec (METRIC); later resumes take a prewarmed VMM of the pool;
+#   each pause writes only what differs from the template (a diff under 16 MiB, the
+#   template's files linked in as its base); a sandbox paused over a template resumes after
+#   that template was rebuilt and removed;
 # - a paused sandbox survives kill -9 of the daemon and a restart, then resumes;
 # - a corrupted template falls back to a cold boot with a warning, and is built again.
 # - restore of a named snapshot (`dsec snapshot`, `dsec restore`): new sandboxes with the
@@ -244,6 +247,10 @@ cycles=0
 # and each must close (they once stayed open forever, one more per cycle).
 agent_sockets() { timeout $T dsec exec $a -- sh -c 'ls -l /proc/1/fd | grep -c socket:'; }
 sockets_before=$(agent_sockets)
+# A template-created sandbox's pause writes only what differs from its template: under an
+# eighth of the 128 MiB guest (a full snapshot of it was ~34 MB), with the template's files
+# linked in as its base.
+over_base=0
 for i in 1 2 3; do
     timeout $T dsec exec $a -- sh -c "echo cycle-$i >/root/f$i"
     timeout $T dsec pause $a >/dev/null || { bad "pause-$i" "refused"; break; }
@@ -251,7 +258,10 @@ for i in 1 2 3; do
     [ "$left" = 0 ] || bad "pause-$i-ends-vmm" "$left dsec-vmm processes still name $a"
     # What the paused sandbox holds instead: its snapshot on disk.
     snapdir=$(sed -n 's/.*"suspended": "\(.*\)".*/\1/p' /tmp/node/sandboxes/$a/meta.json)
-    echo "METRIC paused_snapshot_disk_kib $(du -sk "$snapdir" | cut -f1)"
+    # Its own memory file (base/ holds links to the template's: no extra disk).
+    own_kib=$(du -sk "$snapdir/memory" | cut -f1)
+    echo "METRIC paused_snapshot_disk_kib $own_kib"
+    [ -e "$snapdir/base/memory" ] && [ "$own_kib" -lt 16384 ] && over_base=$((over_base + 1))
     # Host memory the paused sandbox holds: the RSS of whatever is left in its cgroup, and the
     # cgroup's own charge where L1 has the memory controller (the snapshot's page cache is
     # dropped after the pause; in L1 its directory is on tmpfs, so there it is RAM anyway).
@@ -276,6 +286,8 @@ for i in 1 2 3; do
 done
 grep -o 'resumed from its snapshot on disk.*' /tmp/node.log | tail -3
 [ $cycles = 3 ] && ok pause-resume-three-cycles || bad pause-resume-three-cycles "$cycles of 3 cycles kept everything"
+[ $over_base = 3 ] && ok pause-over-template-base \
+    || bad pause-over-template-base "$over_base of 3 pauses wrote a diff over the template under 16 MiB: $(grep -i 'memory base' /tmp/node.log | tail -2)"
 sockets_after=$(agent_sockets)
 [ -n "$sockets_before" ] && [ "$sockets_after" -le "$sockets_before" ] && ok resume-closes-old-connections \
     || bad resume-closes-old-connections "the agent held $sockets_before sockets before the cycles, $sockets_after after"
@@ -328,6 +340,9 @@ f=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 timeout $T dsec rm $e $f >/dev/null 2>&1
 # A changed image (the initramfs rewritten: new mtime) gets a new template; the stale one goes.
 old_tpl=$(ls /tmp/node/templates)
+# A sandbox paused over the old template: resumes after the template is gone.
+timeout $T dsec exec $a -- sh -c 'echo over-old-template >/root/t'
+timeout $T dsec pause $a >/dev/null
 touch $DSEC_HOME/images/busybox/initramfs.cpio
 g=$(timeout $T dsec create --backend microvm --mem 128 2>>/tmp/create.err)
 new_tpl=$(ls /tmp/node/templates)
@@ -335,6 +350,9 @@ new_tpl=$(ls /tmp/node/templates)
     && [ -n "$new_tpl" ] && [ "$new_tpl" != "$old_tpl" ] && [ ! -e "/tmp/node/templates/$old_tpl" ] \
     && grep -q 'stale template removed' /tmp/node.log \
     && ok image-change-rebuilds-template || bad image-change-rebuilds-template "before '$old_tpl', after '$new_tpl': $(grep -i template /tmp/node.log | tail -3)"
+timeout $T dsec resume $a >/dev/null && [ "$(timeout $T dsec exec $a -- cat /root/t /root/f1)" = "over-old-template
+cycle-1" ] && [ ! -e "/tmp/node/templates/$old_tpl" ] \
+    && ok resume-after-template-rebuilt || bad resume-after-template-rebuilt "$(tail -3 /tmp/node.log)"
 
 for s in $a $c $d $e $f $g; do timeout $T dsec rm $s >/dev/null 2>&1; done
 

@@ -19,7 +19,7 @@ use super::state::VmState;
 
 pub const MAGIC: &[u8; 8] = b"DSECSNAP";
 pub const FORMAT_VERSION: u32 = 2;
-pub const STATE_FILE: &str = "state";
+pub const STATE_FILE: &str = dsec_vmm_api::SNAPSHOT_STATE_FILE;
 pub const MEMORY_FILE: &str = dsec_vmm_api::SNAPSHOT_MEMORY_FILE;
 const HEADER_LEN: usize = 8 + 4 + 8 + 4;
 /// Far above any real state file; a corrupt length must not make us allocate gigabytes.

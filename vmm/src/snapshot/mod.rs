@@ -11,3 +11,12 @@ pub use format::{
     STATE_FILE,
 };
 pub use state::{DevicesState, MemoryState, VmState};
+
+/// Where a diff snapshot's recorded `parent` is: relative to the child's directory when
+/// relative (a snapshot over a memory base carries that base inside it), else as written.
+pub fn parent_dir(child: &std::path::Path, parent: &std::path::Path) -> std::path::PathBuf {
+    child.join(parent)
+}
+
+/// The longest diff chain a restore follows (a chain that loops is refused by this bound).
+pub const MAX_CHAIN: usize = 64;

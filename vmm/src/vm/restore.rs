@@ -283,10 +283,10 @@ fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemorySta
         .last()
         .and_then(|(d, m)| m.parent.clone().map(|p| (d.clone(), p)))
     {
-        if chain.len() > 64 {
+        if chain.len() > snapshot::MAX_CHAIN {
             return Err(RestoreError::ChainTooLong.into());
         }
-        let parent = child.join(parent);
+        let parent = snapshot::parent_dir(&child, &parent);
         let parent_state = snapshot::read_state(&parent)?;
         if parent_state.memory.regions != state.memory.regions {
             return Err(RestoreError::ParentLayout(parent).into());

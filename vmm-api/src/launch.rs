@@ -151,6 +151,10 @@ pub struct SnapshotOverrides {
     /// None keeps the snapshot's console; `Sink` cannot be asked for here (it is the same as
     /// None on the command line).
     pub serial: Option<SerialOutput>,
+    /// Refuse a diff chain whose parents are not inside the snapshot's own directory (a
+    /// relative path without `..`): a VMM wrote the snapshot, and a parent it named elsewhere
+    /// would show this VM another sandbox's memory.
+    pub contained_chain: bool,
 }
 
 /// `--prewarm`: build the VM shell ahead, restore on request.
@@ -298,6 +302,10 @@ pub struct VmmArgs {
     /// several VMs at once. Repeat for more. Replaces the config file's pmem list.
     #[arg(long = "pmem", value_name = "PATH[,ro|,shared]")]
     pmem: Vec<PmemConfig>,
+    /// With --restore or --prewarm: refuse a diff chain whose parents are not inside the
+    /// snapshot's directory (relative, no `..`).
+    #[arg(long)]
+    contained_chain: bool,
     /// Add a virtio-net device on a tap: `tap=NAME[,mac=AA:BB:CC:DD:EE:FF]`.
     #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
     net: Option<NetConfig>,
@@ -375,6 +383,7 @@ impl VmmArgs {
             net: self.net.clone(),
             drives: self.drives.clone(),
             serial: self.serial(),
+            contained_chain: self.contained_chain,
         }
     }
 }
@@ -500,6 +509,9 @@ impl Argv {
         }
         self.drives(&o.drives);
         self.serial(&o.serial);
+        if o.contained_chain {
+            self.flag("--contained-chain");
+        }
     }
 
     fn boot(&mut self, c: &VmConfig) {

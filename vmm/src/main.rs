@@ -30,6 +30,8 @@ enum MainError {
     #[error(transparent)]
     Jail(#[from] JailError),
     #[error(transparent)]
+    ParentOutside(#[from] dsec_vmm::snapshot::ParentOutside),
+    #[error(transparent)]
     Seccomp(#[from] SeccompError),
     #[error("control socket: {0}")]
     Control(std::io::Error),
@@ -129,6 +131,7 @@ fn restore_overrides(o: &SnapshotOverrides, lazy: Option<&LazyLaunch>) -> Restor
         serial: o.serial.clone(),
         net: o.net.clone(),
         drives: o.drives.clone(),
+        contained_chain: o.contained_chain,
         lazy: lazy.map(|l| dsec_vmm::LazyRestore {
             prefetch: l.prefetch,
             record: l
@@ -184,6 +187,10 @@ fn jail_exposures(launch: &VmmLaunch, jail: &JailLaunch) -> Result<Vec<Exposure>
             // Bounded like the restore's own chain walk, which refuses a longer one.
             for _ in 0..dsec_vmm::snapshot::MAX_CHAIN {
                 let Some(p) = parent else { break };
+                // Checked before anything outside the jail is read or exposed for it.
+                if restore.overrides.contained_chain {
+                    dsec_vmm::snapshot::check_contained(&p)?;
+                }
                 let p = dsec_vmm::snapshot::parent_dir(&child, &p);
                 parent = dsec_vmm::snapshot::read_state(&p)?.memory.parent;
                 expose.push(Exposure::read_only(&p));

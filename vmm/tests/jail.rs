@@ -156,6 +156,10 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
     let r = restored.ok(serde_json::json!({"op": "snapshot", "path": over, "base": "../snap"}));
     let written = r["pages_written"].as_u64().unwrap();
     assert!(r["diff"] == true && written > 0 && written < 64, "{r}");
+    // One naming a parent far outside (that does not exist: without the check, the error
+    // would be the failed read of its state).
+    let outside = vm_dir.join("outside");
+    restored.ok(serde_json::json!({"op": "snapshot", "path": outside, "base": "/no/such/base"}));
     restored.stop();
     // Jailed too: the relative parent is exposed in the jail as the restore resolves it.
     let mut from_diff = Vmm::spawn(
@@ -176,6 +180,24 @@ fn jailed_vmm_runs_snapshots_and_restores_a_guest() {
     assert!(
         counter(&full) > at_snapshot,
         "base + diff lost the guest's count"
+    );
+    // With --contained-chain a parent outside the snapshot is refused before anything of it
+    // is read or exposed in the jail.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dsec-vmm"))
+        .args([
+            "--restore",
+            outside.to_str().unwrap(),
+            "--paused",
+            "--contained-chain",
+        ])
+        .args(["--jail", s.path("root4").to_str().unwrap(), "--api-sock"])
+        .arg(vm_dir.join("api4.sock"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not inside the snapshot's directory"),
+        "{err}"
     );
     assert!(!Path::new(&s.path("root1")).exists() && !s.path("root2").exists());
     assert!(!s.path("root3").exists());

@@ -312,6 +312,72 @@ fn snapshot_over_the_restore_base_holds_what_the_guest_wrote() {
     assert!(!r.status.success() && err.contains("base"), "{err}");
 }
 
+/// With --contained-chain (every restore the node makes) a diff's parent must lie inside the
+/// snapshot's directory: a VMM wrote the state, and a parent it named elsewhere (another
+/// sandbox's snapshot) would become this guest's memory.
+#[test]
+fn contained_chain_refuses_a_parent_outside_the_snapshot() {
+    let s = Scratch::new("contained");
+    let mut vm = boot_counter(&s);
+    let base = s.path("base");
+    wait_until("the guest to start counting", || {
+        let _ = std::fs::remove_dir_all(&base);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
+        counter(&base) > 0
+    });
+    vm.stop();
+    let mut restored = Vmm::spawn(&["--restore", base.to_str().unwrap()], &s.path("api1.sock"));
+    std::thread::sleep(Duration::from_millis(50));
+    restored.ok(serde_json::json!({"op": "pause"}));
+    let over = |vm: &mut Vmm, name: &str, base: &str| {
+        let dir = s.path(name);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": dir, "base": base}));
+        dir
+    };
+    let dotdot = over(&mut restored, "dotdot", "../base");
+    let absolute = over(&mut restored, "absolute", base.to_str().unwrap());
+    let inside = over(&mut restored, "inside", "base");
+    restored.stop();
+    std::fs::create_dir(inside.join("base")).unwrap();
+    for f in ["state", "memory"] {
+        std::fs::hard_link(base.join(f), inside.join("base").join(f)).unwrap();
+    }
+    for refused in [&dotdot, &absolute] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dsec-vmm"))
+            .args([
+                "--restore",
+                refused.to_str().unwrap(),
+                "--paused",
+                "--contained-chain",
+            ])
+            .arg("--api-sock")
+            .arg(s.path("refused.sock"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("not inside the snapshot's directory"),
+            "{}: {err}",
+            refused.display()
+        );
+    }
+    // Without the flag the same chain restores (a user's own diff chains).
+    restore_and_dump(&s, &dotdot, "dotdot-out");
+    let mut contained = Vmm::spawn(
+        &[
+            "--restore",
+            inside.to_str().unwrap(),
+            "--paused",
+            "--contained-chain",
+        ],
+        &s.path("api2.sock"),
+    );
+    let out = s.path("inside-out");
+    contained.ok(serde_json::json!({"op": "snapshot", "path": out}));
+    contained.stop();
+    assert!(counter(&out) >= counter(&base));
+}
+
 /// Restores `snap` paused and writes a full snapshot of it into `name`.
 fn restore_and_dump(s: &Scratch, snap: &Path, name: &str) -> PathBuf {
     let out = s.path(name);

@@ -477,6 +477,9 @@ pub async fn restore_microvm(
     let mut restore = RestoreLaunch::new(snapshot);
     restore.lazy = memory.lazy_launch();
     restore.overrides.vsock_cid = Some(vsock_cid);
+    // A VMM (whose guest may have taken it over) wrote this snapshot and its state: a parent
+    // it named outside the snapshot would be read, and exposed in the jail, for this VM.
+    restore.overrides.contained_chain = true;
     if let (Some(root), Some(upper)) = (&spec.root_disk, upper) {
         check_drive_path(root)?;
         let own = host.dir.join("upper.ext4");
@@ -674,6 +677,8 @@ pub async fn resume_microvm(
     let tap = crate::net::prepare_resume(config, &handle.dir).await?;
     let mut restore = RestoreLaunch::new(snapshot);
     restore.overrides.net = tap.as_ref().map(crate::net::restore_override);
+    // See restore_microvm: only the snapshot's own base may be its parent.
+    restore.overrides.contained_chain = true;
     let mut launch = VmmLaunch::restore(restore);
     if let (Some(jail), Some(snapshots)) = (&config.jail, &handle.snapshot_dir) {
         let mut jailed = jail.launch(&handle.id, snapshots);

@@ -309,7 +309,11 @@ impl VmmPool {
         let mut launch = VmmLaunch::new(LaunchMode::Prewarm(PrewarmLaunch {
             mem_mib: shape.mem_mib,
             vcpus: shape.vcpus,
-            overrides: Default::default(),
+            // Every snapshot it may be handed was written by a VMM: see restore_microvm.
+            overrides: dsec_vmm_api::SnapshotOverrides {
+                contained_chain: true,
+                ..Default::default()
+            },
         }));
         launch.jail = Some(jail);
         let vm = MicroVm::spawn(&self.options, &MicroVmDir::new(&run), launch)?;

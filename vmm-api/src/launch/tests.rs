@@ -58,6 +58,7 @@ fn overrides() -> SnapshotOverrides {
             "/c/upper.ext4".parse().unwrap(),
         ],
         serial: Some(SerialOutput::File("/run/c/serial.log".into())),
+        contained_chain: true,
     }
 }
 

@@ -98,6 +98,8 @@ pub enum VmError {
     NoRestoreBase,
     #[error(transparent)]
     Pagemap(#[from] crate::pagemap::PagemapError),
+    #[error(transparent)]
+    ParentOutside(#[from] crate::snapshot::ParentOutside),
 }
 
 fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {

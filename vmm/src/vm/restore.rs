@@ -81,6 +81,8 @@ pub struct RestoreOverrides {
     /// Replacements for the snapshot's disks, one per disk in order (empty: keep them): a
     /// fork's own copy of a writable disk.
     pub drives: Vec<DriveConfig>,
+    /// Every parent of the diff chain must be inside the snapshot's directory.
+    pub contained_chain: bool,
 }
 
 /// Swaps a snapshot's disks for `new` ones the guest cannot tell apart from them: as many,
@@ -197,9 +199,10 @@ impl Vm {
         };
         let prewarmed = shell_mem.is_some();
         let (mem, uffd) = match &overrides.lazy {
-            None => (restore_memory(dir, &state, shell_mem)?, None),
+            None => (restore_memory(dir, &state, overrides, shell_mem)?, None),
             Some(lazy) => {
-                let (mem, handler) = restore_memory_lazily(dir, &state, lazy, shell_mem)?;
+                let (mem, handler) =
+                    restore_memory_lazily(dir, &state, overrides, lazy, shell_mem)?;
                 (mem, Some(handler))
             }
         };
@@ -277,7 +280,11 @@ impl Vm {
 
 /// The snapshot chain from the full snapshot up to `dir`, oldest first. A relative parent
 /// is resolved against its child's directory (a snapshot over its base carries that base).
-fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemoryState)>, VmError> {
+fn snapshot_chain(
+    dir: &Path,
+    state: &VmState,
+    contained: bool,
+) -> Result<Vec<(PathBuf, MemoryState)>, VmError> {
     let mut chain = vec![(dir.to_owned(), state.memory.clone())];
     while let Some((child, parent)) = chain
         .last()
@@ -285,6 +292,9 @@ fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemorySta
     {
         if chain.len() > snapshot::MAX_CHAIN {
             return Err(RestoreError::ChainTooLong.into());
+        }
+        if contained {
+            snapshot::check_contained(&parent)?;
         }
         let parent = snapshot::parent_dir(&child, &parent);
         let parent_state = snapshot::read_state(&parent)?;
@@ -301,10 +311,11 @@ fn snapshot_chain(dir: &Path, state: &VmState) -> Result<Vec<(PathBuf, MemorySta
 fn restore_memory_lazily(
     dir: &Path,
     state: &VmState,
+    overrides: &RestoreOverrides,
     lazy: &LazyRestore,
     into: Option<GuestMemory>,
 ) -> Result<(GuestMemory, UffdHandler), VmError> {
-    let chain = snapshot_chain(dir, state)?;
+    let chain = snapshot_chain(dir, state, overrides.contained_chain)?;
     let open = |d: &Path| {
         let path = d.join(snapshot::MEMORY_FILE);
         File::open(&path).map_err(|source| SnapshotError::Read { path, source })
@@ -349,9 +360,10 @@ fn restore_memory_lazily(
 fn restore_memory(
     dir: &Path,
     state: &VmState,
+    overrides: &RestoreOverrides,
     into: Option<GuestMemory>,
 ) -> Result<GuestMemory, VmError> {
-    let chain = snapshot_chain(dir, state)?;
+    let chain = snapshot_chain(dir, state, overrides.contained_chain)?;
     let (base_dir, _) = &chain[0];
     let base_path = base_dir.join(snapshot::MEMORY_FILE);
     let base = File::open(&base_path).map_err(|source| SnapshotError::Read {

@@ -319,12 +319,7 @@ fn snapshot_over_the_restore_base_holds_what_the_guest_wrote() {
 fn contained_chain_refuses_a_parent_outside_the_snapshot() {
     let s = Scratch::new("contained");
     let mut vm = boot_counter(&s);
-    let base = s.path("base");
-    wait_until("the guest to start counting", || {
-        let _ = std::fs::remove_dir_all(&base);
-        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
-        counter(&base) > 0
-    });
+    let base = snapshot_once_counting(&mut vm, &s, "base");
     vm.stop();
     let mut restored = Vmm::spawn(&["--restore", base.to_str().unwrap()], &s.path("api1.sock"));
     std::thread::sleep(Duration::from_millis(50));
@@ -550,12 +545,7 @@ fn damaged_snapshots_fail_cleanly() {
 fn lazy_restore_serves_faults_and_prefetches_the_recorded_working_set() {
     let s = Scratch::new("lazy");
     let mut vm = boot_counter(&s);
-    let base = s.path("base");
-    wait_until("the guest to start counting", || {
-        let _ = std::fs::remove_dir_all(&base);
-        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
-        counter(&base) > 0
-    });
+    let base = snapshot_once_counting(&mut vm, &s, "base");
     vm.stop();
     let at_snapshot = counter(&base);
 
@@ -664,12 +654,7 @@ fn full_disk_fails_the_snapshot_and_leaves_nothing() {
 fn prewarmed_vmm_restores_on_request_and_refuses_a_mismatched_snapshot() {
     let s = Scratch::new("prewarm");
     let mut vm = boot_counter(&s);
-    let base = s.path("base");
-    wait_until("the guest to start counting", || {
-        let _ = std::fs::remove_dir_all(&base);
-        vm.ok(serde_json::json!({"op": "snapshot", "path": base}));
-        counter(&base) > 0
-    });
+    let base = snapshot_once_counting(&mut vm, &s, "base");
     vm.stop();
     let at_snapshot = counter(&base);
 

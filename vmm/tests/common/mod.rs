@@ -301,6 +301,18 @@ pub fn boot_counter(s: &Scratch) -> Vmm {
     boot_guest(s, &counter_guest_code(), &[])
 }
 
+/// A full snapshot of the counter guest `vm` into `name`, taken again until the guest has
+/// started counting.
+pub fn snapshot_once_counting(vm: &mut Vmm, s: &Scratch, name: &str) -> PathBuf {
+    let snap = s.path(name);
+    wait_until("the guest to start counting", || {
+        let _ = std::fs::remove_dir_all(&snap);
+        vm.ok(serde_json::json!({"op": "snapshot", "path": snap}));
+        counter(&snap) > 0
+    });
+    snap
+}
+
 pub fn boot_guest(s: &Scratch, code: &[u8], extra: &[&str]) -> Vmm {
     boot_guest_with_memory(s, code, 32, extra)
 }

@@ -602,11 +602,8 @@ impl StartingMicroVm {
     /// give it fresh host entropy, the host's time and its own MAC. Returns the clock skew
     /// that was corrected.
     async fn refresh(&mut self, agent: &AgentClient, answered_after: Duration) -> Result<Duration> {
-        use std::io::Read;
         let started = Instant::now();
-        let mut entropy = vec![0u8; REFRESH_ENTROPY];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut entropy))
+        let entropy = host_entropy(REFRESH_ENTROPY)
             .map_err(|e| EdgeError::io("read host entropy for a restored guest", e))?;
         let identity = crate::GuestIdentity {
             mac: self.mac.clone(),
@@ -655,14 +652,18 @@ pub async fn control_call<T: DeserializeOwned + Send + 'static>(
         .map_err(EdgeError::from)
 }
 
+/// `len` bytes from the host's /dev/urandom: what a restored guest's RNG is reseeded with.
+pub(crate) fn host_entropy(len: usize) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = vec![0u8; len];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// A random locally administered unicast MAC (`06:xx:xx:xx:xx:xx`) for a restored guest's
 /// own network interface.
 pub fn random_mac() -> Result<String> {
-    use std::io::Read;
-    let mut bytes = [0u8; 5];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .map_err(|e| EdgeError::io("read host entropy for a MAC", e))?;
+    let bytes = host_entropy(5).map_err(|e| EdgeError::io("read host entropy for a MAC", e))?;
     Ok(std::iter::once(0x06)
         .chain(bytes)
         .map(|b| format!("{b:02x}"))

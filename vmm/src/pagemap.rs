@@ -45,8 +45,12 @@ static PAGEMAP: Mutex<Option<(u32, File)>> = Mutex::new(None);
 /// Opens this process's pagemap (once per process); a jailed VMM calls it before its
 /// pivot_root. Without /proc the error is kept for [`written_pages`] to report.
 pub fn open() -> Result<(), PagemapError> {
+    open_into(&mut PAGEMAP.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Fills `slot` with this process's pagemap unless this process opened it already.
+fn open_into(slot: &mut Option<(u32, File)>) -> Result<(), PagemapError> {
     let this = std::process::id();
-    let mut slot = PAGEMAP.lock().unwrap_or_else(|e| e.into_inner());
     if slot.as_ref().is_some_and(|(pid, _)| *pid == this) {
         return Ok(());
     }
@@ -62,11 +66,11 @@ pub fn written_pages(
     mem: &GuestMemory,
     regions: &[RegionLayout],
 ) -> Result<Vec<u64>, PagemapError> {
-    // Not jailed: open it now, in this process.
-    if PAGEMAP.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
-        open()?;
+    let mut slot = PAGEMAP.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.is_none() {
+        // Not jailed: open it now, in this process.
+        open_into(&mut slot)?;
     }
-    let slot = PAGEMAP.lock().unwrap_or_else(|e| e.into_inner());
     let Some((opened_by, file)) = slot.as_ref() else {
         return Err(PagemapError::Open(std::io::ErrorKind::NotFound.into()));
     };

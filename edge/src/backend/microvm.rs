@@ -277,12 +277,12 @@ const TEMPLATE_SETTLE_MS: u64 = 2000;
 /// translation: most of a template create's first exec). Best effort: an image without
 /// `true` only loses the warm start.
 async fn warm_up(agent: &crate::AgentClient, id: &str) {
-    let mut entropy = [0u8; 64];
-    if let Err(e) = getrandom_fill(&mut entropy) {
+    let entropy = crate::microvm::host_entropy(64).unwrap_or_else(|e| {
         tracing::warn!(template = %id, "no host entropy for the warm-up refresh: {e}");
-    }
+        Vec::new()
+    });
     let refreshed = agent
-        .refresh_identity(entropy.to_vec(), crate::GuestIdentity::default())
+        .refresh_identity(entropy, crate::GuestIdentity::default())
         .await;
     let spec = crate::ExecSpec {
         timeout: Some(std::time::Duration::from_secs(30)),
@@ -293,11 +293,6 @@ async fn warm_up(agent: &crate::AgentClient, id: &str) {
         tracing::warn!(template = %id, "the template's warm-up failed (its sandboxes start colder): {e}");
     }
     tokio::time::sleep(std::time::Duration::from_millis(TEMPLATE_SETTLE_MS)).await;
-}
-
-fn getrandom_fill(buf: &mut [u8]) -> std::io::Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")?.read_exact(buf)
 }
 
 /// The image's read-only root disk and the sandbox's own writable upper disk.

@@ -25,7 +25,15 @@
 #   tries a fresh L1 again when one times out or ends without RIG-EXIT; default 1),
 #   RIG_STALL (seconds, default 300: an L1 that prints nothing and uses under 3 s of CPU
 #   for this long has hung, idle with no timer waking it; it is killed like a timeout),
-#   RIG_LOG (keep the raw serial log here), DSEC_CACHE (default /var/cache/dsec).
+#   RIG_LOG (keep the raw serial log here), DSEC_CACHE (default /var/cache/dsec),
+#   RIG_TB_MIB (QEMU's translated-code cache, default 2048, the most an x86-64 host allows).
+#
+# The translated-code cache: TCG translates L1's code, and its guests', into host code
+# and keeps it until the cache is full, then flushes all of it and translates again. A
+# flush slows L1 and every guest for a while after it, so a timing taken across one is
+# not comparable with one that is not; a long node suite generates ~8 MB of code a
+# second, and QEMU's default cache (1 GiB) filled within one suite. After each L1 the rig
+# prints how many flushes it had ("translation cache: N flushes").
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,6 +42,7 @@ CACHE=${DSEC_CACHE:-/var/cache/dsec}/rig
 TIMEOUT=${RIG_TIMEOUT:-900}
 STALL=${RIG_STALL:-300}
 MEM=${RIG_MEM:-2048}
+TB_MIB=${RIG_TB_MIB:-2048}
 QEMU=${RIG_QEMU_BIN:-qemu-system-x86_64}
 
 die() { echo "rig: error: $*" >&2; exit 2; }
@@ -165,6 +174,32 @@ build_l1() {
 }
 
 # Run SCRIPT in a fresh L1; stream the serial console; exit with its status.
+# The running L1's translated-code cache from QEMU's monitor (`info jit`): flushes and
+# code generated, or why it is not known.
+translation_cache_stats() {
+    [[ -S $TMP/monitor.sock ]] || { echo "unknown (QEMU has exited)"; return; }
+    command -v python3 >/dev/null || { echo "unknown (no python3 to ask QEMU's monitor)"; return; }
+    python3 - "$TMP/monitor.sock" <<'PY' 2>/dev/null || echo "unknown (QEMU's monitor did not answer)"
+import re, socket, sys, time
+sock = socket.socket(socket.AF_UNIX)
+sock.settimeout(2)
+sock.connect(sys.argv[1])
+sock.sendall(b"info jit\n")
+out, end = b"", time.time() + 3
+while time.time() < end and not re.search(rb"TB invalidate count", out):
+    chunk = sock.recv(65536)
+    if not chunk:
+        break
+    out += chunk
+text = out.decode(errors="replace")
+flushes = re.search(r"TB flush count\s+(\d+)", text)
+code = re.search(r"gen code size\s+(\d+)/(\d+)", text)
+if not flushes or not code:
+    sys.exit(1)
+print(f"{flushes.group(1)} flushes, {int(code.group(1)) >> 20} MiB of code in it")
+PY
+}
+
 run_l1() {
     local script=$1; shift
     [[ -r $script ]] || die "test script '$script' not readable"
@@ -186,7 +221,9 @@ run_l1() {
     local t0 now
     t0=$(date +%s.%N)
     log "booting L1 ($(basename "$kernel"), ${MEM} MiB, timeout ${TIMEOUT}s) for $(basename "$script")"
-    "$QEMU" -accel tcg -cpu max -m "$MEM" -smp 1 \
+    rm -f "$TMP/monitor.sock"
+    "$QEMU" -accel "tcg,tb-size=$TB_MIB" -cpu max -m "$MEM" -smp 1 \
+        -monitor "unix:$TMP/monitor.sock,server=on,wait=off" \
         -M microvm,x-option-roms=off,isa-serial=on,rtc=off \
         -nodefaults -no-user-config -nographic -serial stdio -no-reboot \
         -kernel "$kernel" -initrd "$TMP/initramfs.cpio" \
@@ -194,7 +231,7 @@ run_l1() {
         </dev/null >"$logf" 2>&1 &
     QPID=$!
 
-    local code= line deadline progress ticks last_ticks=0
+    local code= line deadline progress ticks last_ticks=0 tcache=
     deadline=$(( $(date +%s) + TIMEOUT ))
     progress=$(date +%s)
     exec 3< <(tail -n +1 -s 0.1 -f --pid="$QPID" "$logf")
@@ -218,6 +255,8 @@ run_l1() {
                     log "L1 reached /init after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s (host wall clock)" ;;
                 RIG-EXIT\ *)
                     code=${line#RIG-EXIT }; code=${code%% *}
+                    # Asked now: QEMU exits when L1 powers off.
+                    tcache=$(translation_cache_stats)
                     # L1 should power off now; do not wait long for it.
                     deadline=$(( $(date +%s) + 10 )) ;;
             esac
@@ -238,6 +277,7 @@ run_l1() {
         fi
     done
     exec 3<&-
+    log "translation cache: ${tcache:-unknown (no RIG-EXIT)} (tb-size ${TB_MIB} MiB)"
     stop_l1
     now=$(date +%s.%N)
     log "L1 finished after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s"

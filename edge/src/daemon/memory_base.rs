@@ -148,6 +148,54 @@ mod tests {
         }
     }
 
+    /// Whether a process of the jail uid can write `path` or change its mode.
+    fn jail_uid_can_change(path: &Path) -> bool {
+        use std::os::unix::process::CommandExt;
+        let run = |script: &str| {
+            std::process::Command::new("/bin/sh")
+                .args(["-c", script, "sh"])
+                .arg(path)
+                .uid(65534)
+                .gid(65534)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .unwrap()
+                .success()
+        };
+        run(r#"printf evil 1<> "$1""#) || run(r#"chmod 666 "$1""#)
+    }
+
+    /// The attack sealing stops: a VMM taken over by its guest, in a directory it may write
+    /// (where a pause links its base), writes the template's memory that every sandbox
+    /// created from it maps.
+    #[test]
+    fn the_jail_uid_cannot_write_a_sealed_template_through_a_paused_link() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: sealing and the jail uid need root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let snapshot = template(dir.path());
+        let paused = dir.path().join("paused");
+        std::fs::create_dir(&paused).unwrap();
+        std::os::unix::fs::chown(&paused, Some(65534), Some(65534)).unwrap();
+        link_into(&snapshot, &paused).unwrap();
+        let linked = paused.join(PAUSED_BASE_DIR).join(SNAPSHOT_MEMORY_FILE);
+        // Unsealed, as the template's VMM wrote it: the attack works.
+        assert!(
+            jail_uid_can_change(&linked),
+            "the unsealed template is writable"
+        );
+        std::fs::write(snapshot.join(SNAPSHOT_MEMORY_FILE), SNAPSHOT_MEMORY_FILE).unwrap();
+        seal(&snapshot).unwrap();
+        for name in FILES {
+            let linked = paused.join(PAUSED_BASE_DIR).join(name);
+            assert!(!jail_uid_can_change(&linked), "{name} is sealed");
+            assert_eq!(std::fs::read_to_string(snapshot.join(name)).unwrap(), name);
+        }
+    }
+
     #[test]
     fn a_base_someone_else_may_write_is_not_used() {
         if !nix::unistd::geteuid().is_root() {

@@ -26,6 +26,8 @@ pub struct Metrics {
     pub admission_rejections: [AtomicU64; 4],
     /// ttl, idle, died.
     pub reaped: [AtomicU64; 3],
+    /// MicroVM pauses by the snapshot they wrote: over the template's memory base, full.
+    pub pauses: [AtomicU64; 2],
     create_buckets: [AtomicU64; BUCKETS.len()],
     create_count: AtomicU64,
     create_sum_us: AtomicU64,
@@ -143,6 +145,17 @@ pub fn render(node: &Node, denied: &[(std::net::Ipv4Addr, u64)]) -> String {
             out,
             "dsec_sandbox_reaped_total{{reason=\"{r}\"}} {}",
             get(&m.reaped[i])
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP dsec_sandbox_pauses_total MicroVM pauses by the snapshot written: over_base (only the pages that differ from the template) or full (a sandbox with no sealed memory base, or a pause over it that failed).\n# TYPE dsec_sandbox_pauses_total counter"
+    );
+    for (i, kind) in ["over_base", "full"].iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "dsec_sandbox_pauses_total{{snapshot=\"{kind}\"}} {}",
+            get(&m.pauses[i])
         );
     }
     let _ = writeln!(

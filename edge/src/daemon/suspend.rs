@@ -6,6 +6,7 @@
 //! (`memory_base`), and its resume maps the template's memory again.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::cgroup;
@@ -32,21 +33,24 @@ impl Node {
             .unwrap_or_else(|| record.handle.dir.clone())
             .join(format!("paused-{}", now_ms()));
         let written = write_pause_snapshot(&record, &path).await;
-        let persisted = written.and_then(|_| {
+        let persisted = written.and_then(|kind| {
             let mut r = entry.record.lock().unwrap_or_else(|e| e.into_inner());
             r.paused = true;
             r.suspended = Some(path.clone());
-            r.persist().map_err(|e| {
+            r.persist().map(|()| kind).map_err(|e| {
                 r.paused = false;
                 r.suspended = None;
                 NodeError::Internal(format!("cannot persist the paused sandbox's record: {e}"))
             })
         });
-        if let Err(err) = persisted {
-            let _ = std::fs::remove_dir_all(&path);
-            vmm_control::resume(&record).await?;
-            return Err(err);
-        }
+        match persisted {
+            Ok(kind) => self.metrics.pauses[kind as usize].fetch_add(1, Ordering::Relaxed),
+            Err(err) => {
+                let _ = std::fs::remove_dir_all(&path);
+                vmm_control::resume(&record).await?;
+                return Err(err);
+            }
+        };
         let handle = record.handle.clone();
         tokio::task::spawn_blocking(move || handle.kill_process())
             .await
@@ -132,12 +136,19 @@ impl Node {
     }
 }
 
+/// What a pause wrote; the index of its counter in `Metrics::pauses`.
+#[derive(Clone, Copy)]
+enum PauseSnapshot {
+    OverBase = 0,
+    Full = 1,
+}
+
 /// The paused VM's snapshot in the new directory `path`: over the sandbox's memory base when
 /// it has one (the base linked in as the snapshot's parent), else, or if that fails, full.
 async fn write_pause_snapshot(
     record: &super::record::Record,
     path: &std::path::Path,
-) -> Result<(), NodeError> {
+) -> Result<PauseSnapshot, NodeError> {
     let dir = record.handle.dir.clone();
     let base = tokio::task::spawn_blocking(move || memory_base::of(&dir))
         .await
@@ -167,7 +178,7 @@ async fn write_pause_snapshot(
             Err(e) => Err(e),
         };
         match linked {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(PauseSnapshot::OverBase),
             Err(err) => {
                 tracing::warn!(sandbox = %record.handle.id, %err, "a pause over the memory base failed; writing a full snapshot");
                 let _ = std::fs::remove_dir_all(path);
@@ -176,7 +187,7 @@ async fn write_pause_snapshot(
     }
     vmm_control::snapshot(record, path.to_owned(), false)
         .await
-        .map(drop)
+        .map(|_| PauseSnapshot::Full)
 }
 
 /// Drops `path`'s clean pages from the page cache (best effort: dirty pages stay until they

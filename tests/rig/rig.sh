@@ -33,7 +33,8 @@
 # flush slows L1 and every guest for a while after it, so a timing taken across one is
 # not comparable with one that is not; a long node suite generates ~8 MB of code a
 # second, and QEMU's default cache (1 GiB) filled within one suite. After each L1 the rig
-# prints how many flushes it had ("translation cache: N flushes").
+# prints how many flushes it had ("translation cache: N flushes"), and so does a line
+# `RIG-MARK name` that a script prints (asking stalls L1 briefly: mark outside the timings).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -182,10 +183,11 @@ translation_cache_stats() {
     python3 - "$TMP/monitor.sock" <<'PY' 2>/dev/null || echo "unknown (QEMU's monitor did not answer)"
 import re, socket, sys, time
 sock = socket.socket(socket.AF_UNIX)
-sock.settimeout(2)
+# Walking a full cache takes QEMU a while on a busy host.
+sock.settimeout(10)
 sock.connect(sys.argv[1])
 sock.sendall(b"info jit\n")
-out, end = b"", time.time() + 3
+out, end = b"", time.time() + 10
 while time.time() < end and not re.search(rb"TB invalidate count", out):
     chunk = sock.recv(65536)
     if not chunk:
@@ -253,6 +255,9 @@ run_l1() {
                 RIG-BOOTED*)
                     now=$(date +%s.%N)
                     log "L1 reached /init after $(awk -v a="$t0" -v b="$now" 'BEGIN{printf "%.2f", b-a}') s (host wall clock)" ;;
+                RIG-MARK\ *)
+                    # A script marks a measurement window; a flush inside it is seen here.
+                    log "translation cache at ${line#RIG-MARK }: $(translation_cache_stats)" ;;
                 RIG-EXIT\ *)
                     code=${line#RIG-EXIT }; code=${code%% *}
                     # Asked now: QEMU exits when L1 powers off.

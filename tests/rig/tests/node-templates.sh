@@ -89,7 +89,12 @@ echo "METRIC template_sandbox_pf_taken ${pf:-none}"
 # client and connection (no CLI process per step): `dsec-perf templates` (table, ratios,
 # goals, PERF-TEMPLATES JSON). It runs first, in a young L1: later the rig's translated-code
 # cache fills and flushes (rig.sh), and timings across a flush are not comparable.
-if timeout $T dsec-perf templates --samples 5 --json /tmp/templates.json >/tmp/perf.out 2>&1; then
+# The rig reports its translation cache at each mark, so a flush inside the window shows.
+echo "RIG-MARK perf-templates start"; sleep 2
+perf_ok=0
+timeout $T dsec-perf templates --samples 5 --json /tmp/templates.json >/tmp/perf.out 2>&1 && perf_ok=1
+echo "RIG-MARK perf-templates end"
+if [ $perf_ok = 1 ]; then
     cat /tmp/perf.out
     grep -q '"template"' /tmp/perf.out && ! grep -q '"error":"' /tmp/perf.out \
         && ok perf-templates || bad perf-templates "samples missing or failed: $(grep -o '"error":"[^"]*' /tmp/perf.out | head -3)"

@@ -90,10 +90,14 @@ echo "METRIC template_sandbox_pf_taken ${pf:-none}"
 # goals, PERF-TEMPLATES JSON). It runs first, in a young L1: later the rig's translated-code
 # cache fills and flushes (rig.sh), and timings across a flush are not comparable.
 # The rig reports its translation cache at each mark, so a flush inside the window shows.
+# Kernel messages stay off the console meanwhile (still in dmesg): one written at the same
+# time as a mark once cost the mark a byte, and each costs L1 an emulated UART's time.
+dmesg -n 1
 echo "RIG-MARK perf-templates start"; sleep 2
 perf_ok=0
 timeout $T dsec-perf templates --samples 5 --json /tmp/templates.json >/tmp/perf.out 2>&1 && perf_ok=1
 echo "RIG-MARK perf-templates end"
+dmesg -n 4  # what `quiet` set
 if [ $perf_ok = 1 ]; then
     cat /tmp/perf.out
     grep -q '"template"' /tmp/perf.out && ! grep -q '"error":"' /tmp/perf.out \

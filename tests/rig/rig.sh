@@ -31,8 +31,8 @@
 # The translated-code cache: TCG translates L1's code, and its guests', into host code
 # and keeps it until the cache is full, then flushes all of it and translates again. A
 # flush slows L1 and every guest for a while after it, so a timing taken across one is
-# not comparable with one that is not; a long node suite generates ~8 MB of code a
-# second, and QEMU's default cache (1 GiB) filled within one suite. After each L1 the rig
+# not comparable with one that is not; node-templates generates ~16 MiB of code a
+# second on average, and QEMU's default cache (1 GiB) filled within one suite. After each L1 the rig
 # prints how many flushes it had ("translation cache: N flushes"), and so does a line
 # `RIG-MARK name` that a script prints (asking stalls L1 briefly: mark outside the timings).
 set -euo pipefail
@@ -174,7 +174,6 @@ build_l1() {
     echo "$out"
 }
 
-# Run SCRIPT in a fresh L1; stream the serial console; exit with its status.
 # The running L1's translated-code cache from QEMU's monitor (`info jit`): flushes and
 # code generated, or why it is not known.
 translation_cache_stats() {
@@ -202,6 +201,7 @@ print(f"{flushes.group(1)} flushes, {int(code.group(1)) >> 20} MiB of code in it
 PY
 }
 
+# Run SCRIPT in a fresh L1; stream the serial console; exit with its status.
 run_l1() {
     local script=$1; shift
     [[ -r $script ]] || die "test script '$script' not readable"
